@@ -1,0 +1,3 @@
+from llmaccel.engine.sampling_params import SamplingParams
+
+__all__ = ["SamplingParams"]

@@ -1,0 +1,25 @@
+"""RMSNorm with an optional fused residual add (the residual stream is carried between layers)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Returns norm(x) or, with a residual, (norm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        # Normalize in fp32 and cast back before the weight, as HF does, so bf16 outputs match.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)

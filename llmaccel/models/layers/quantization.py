@@ -1,0 +1,51 @@
+"""The quantization-method interface through which every linear layer is built.
+
+A `QuantizationConfig` (RTN, GPTQ, AWQ, FP8 ... in `llmaccel.quant`) hands each linear layer a
+`LinearMethodBase`; the method creates the layer's parameters (`create_weights`) and computes
+the product (`apply`). The model definition stays the same for bf16, int8, int4 and FP8.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethodBase(ABC):
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        """Register the layer's parameters. Each parameter carries `output_dim` (the axis the
+        fused output shards are stacked on) so the loader can place q/k/v or gate/up shards."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, input_size] -> [T, sum(output_sizes)]."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack loaded weights for the kernel (no-op for plain weights)."""
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype),
+                              requires_grad=False)
+        weight.output_dim = 0
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer, x, bias=None):
+        return F.linear(x, layer.weight, bias)
+
+
+class QuantizationConfig(ABC):
+    """Names a quantization scheme and hands out a linear method per layer prefix."""
+
+    name: str = "none"
+
+    @abstractmethod
+    def get_linear_method(self, prefix: str) -> LinearMethodBase:
+        ...

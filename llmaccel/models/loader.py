@@ -1,0 +1,149 @@
+"""Build the model straight on its device in its dtype, then fill it from safetensors, GGUF
+or random (dummy) weights. No full fp32 copy of a half-precision model is ever made: tensors
+arrive one at a time and are cast as they are copied in."""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from llmaccel.errors import CorruptCheckpointError, LLMAccelError
+from llmaccel.models.config import ModelConfig
+from llmaccel.models.layers.linear import Linear
+from llmaccel.models.layers.quantization import QuantizationConfig
+from llmaccel.models.transformer import TransformerForCausalLM
+
+Weights = Iterator[tuple[str, torch.Tensor]]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
+              quant_config: QuantizationConfig | None = None,
+              attention_backend: str = "torch", seed: int = 0) -> TransformerForCausalLM:
+    device = torch.device(device)
+    with torch.device(device), _default_dtype(model_config.dtype):
+        model = TransformerForCausalLM(model_config.hf_config, model_config.max_model_len,
+                                       quant_config, attention_backend)
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        weights = (safetensors_weights(model_config.source.path, device)
+                   if model_config.load_format == "safetensors"
+                   else gguf_weights(model_config, device))
+        _load_checked(model, weights, model_config)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quant_method.process_weights_after_loading(module)
+    return model.eval()
+
+
+def _load_checked(model: TransformerForCausalLM, weights: Weights, mc: ModelConfig) -> None:
+    try:
+        loaded = model.load_weights(weights)
+    except KeyError as e:
+        raise CorruptCheckpointError(f"checkpoint tensor {e} of '{mc.name}' has no place in "
+                                     f"{mc.architecture}") from e
+    except ValueError as e:
+        raise CorruptCheckpointError(f"checkpoint '{mc.name}' does not match its config: {e}") \
+            from e
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        raise CorruptCheckpointError(f"checkpoint '{mc.name}' lacks {len(missing)} weights "
+                                     f"(first: {missing[0]})")
+
+
+def safetensors_weights(directory: Path, device: torch.device) -> Weights:
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CorruptCheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        paths = [directory / f for f in files]
+    else:
+        paths = sorted(directory.glob("*.safetensors"))
+    if not paths:
+        hint = " (only PyTorch .bin weights: convert them to safetensors)" if any(
+            directory.glob("*.bin")) else ""
+        raise CorruptCheckpointError(f"no *.safetensors weights in '{directory}'{hint}")
+    for path in paths:
+        try:
+            handle = safe_open(str(path), framework="pt", device=str(device))
+        except Exception as e:
+            raise CorruptCheckpointError(f"cannot read safetensors file '{path}' (corrupt or "
+                                         f"truncated?): {e}") from e
+        with handle:
+            for name in handle.keys():
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as e:
+                    raise CorruptCheckpointError(f"cannot read tensor '{name}' from '{path}' "
+                                                 f"(corrupt or truncated?): {e}") from e
+                yield name, tensor
+
+
+def gguf_weights(mc: ModelConfig, device: torch.device) -> Weights:
+    """Dequantized GGUF tensors with HF names, through transformers' GGUF utilities (which
+    also undo llama.cpp's q/k row permutation)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # transformers maps GGUF names to HF names by walking an HF model's state dict; a model
+    # on the meta device gives the names without allocating anything.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(mc.hf_config)
+    try:
+        parsed = load_gguf_checkpoint(str(mc.source.path), return_tensors=True,
+                                      model_to_load=skeleton, torch_dtype=mc.dtype)
+    except Exception as e:
+        raise CorruptCheckpointError(f"cannot read GGUF file '{mc.source.path}' (corrupt or "
+                                     f"truncated?): {str(e).strip().splitlines()[0]}") from e
+    tensors = parsed["tensors"]
+    for name in list(tensors):
+        yield name, tensors.pop(name).to(device)  # pop: drop each host copy once it is used
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, low: float = -1e-3,
+                       high: float = 1e-3) -> None:
+    """Random weights for speed work (vLLM's `load_format="dummy"`): small uniform values,
+    norms at 1, generated on the model's device."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if param.is_floating_point():
+            param.uniform_(low, high, generator=gen)
+        else:  # packed integer weights of quantized layers
+            param.random_(0, 256, generator=gen)
+
+
+def load_model(model: str | None, *, dtype: str | torch.dtype = "auto",
+               device: str | torch.device | None = None, load_format: str = "auto",
+               max_model_len: int | None = None, seed: int = 0):
+    """Convenience: (ModelConfig, model) for a path, hub id, GGUF file or shape name."""
+    from llmaccel.models.config import make_model_config
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LLMAccelError("device 'cuda' was asked for but no CUDA GPU is available")
+    mc = make_model_config(model, dtype=dtype, max_model_len=max_model_len,
+                           load_format=load_format, device=device)
+    return mc, get_model(mc, device, seed=seed)

@@ -1,0 +1,62 @@
+"""Tokenizers and chat templates through transformers, for HF directories and GGUF files."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from llmaccel.errors import LLMAccelError
+from llmaccel.models.config import ModelConfig
+
+
+def get_tokenizer(mc: ModelConfig, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
+    """The model's own tokenizer, or `tokenizer` (a path or hub id) when given."""
+    try:
+        if tokenizer is not None:
+            return AutoTokenizer.from_pretrained(tokenizer)
+        if mc.source.kind == "gguf":
+            directory, file = mc.source.gguf_dir_and_file
+            return AutoTokenizer.from_pretrained(directory, gguf_file=file)
+        if mc.source.kind == "hf":
+            return AutoTokenizer.from_pretrained(str(mc.source.path))
+    except Exception as e:
+        where = tokenizer or mc.name
+        raise LLMAccelError(f"cannot load the tokenizer of '{where}': "
+                            f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from e
+    raise LLMAccelError(f"'{mc.name}' is a shape with random weights and no tokenizer; "
+                        "pass one with --tokenizer PATH_OR_HUB_ID")
+
+
+def eos_token_ids(mc: ModelConfig, tok: PreTrainedTokenizerBase | None) -> set[int]:
+    """Every id that ends generation: config, generation_config.json and tokenizer eos."""
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(mc.hf_config, "eos_token_id", None))
+    if mc.source.kind == "hf" and (mc.source.path / "generation_config.json").is_file():
+        try:
+            add(json.loads((mc.source.path / "generation_config.json").read_text())
+                .get("eos_token_id"))
+        except json.JSONDecodeError:
+            pass  # a broken generation_config.json only loses extra stop ids
+    if tok is not None:
+        add(tok.eos_token_id)
+    return ids
+
+
+def format_prompt(tok: PreTrainedTokenizerBase, prompt: str, chat: bool | None) -> list[int]:
+    """Token ids of a prompt, wrapped in the chat template when asked (None: if one exists)."""
+    has_template = bool(getattr(tok, "chat_template", None))
+    if chat and not has_template:
+        raise LLMAccelError("this tokenizer has no chat template; use --raw")
+    if chat or (chat is None and has_template):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                      add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tok(prompt).input_ids

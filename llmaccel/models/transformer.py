@@ -1,0 +1,189 @@
+"""One decoder-only Transformer for the Llama family (Llama 2/3.x, Mistral, SmolLM) and Qwen2.
+
+Differences between the families are config switches: qkv bias (Qwen2, or Llama's
+`attention_bias`), tied embeddings, rope scaling, GQA. Module and parameter names follow HF so
+checkpoints map one-to-one, except that q/k/v and gate/up are fused (see `load_weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from llmaccel.models.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from llmaccel.models.layers.activation import SiluAndMul
+from llmaccel.models.layers.embedding import VocabEmbedding
+from llmaccel.models.layers.linear import Linear
+from llmaccel.models.layers.norm import RMSNorm
+from llmaccel.models.layers.quantization import QuantizationConfig
+from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
+
+# checkpoint name -> (our fused parameter, shard index)
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend,
+                 rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = config.model_type == "qwen2" or attention_bias
+        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                               qkv_bias, quant_config, f"{prefix}.qkv_proj")
+        self.o_proj = Linear(self.q_size, config.hidden_size, attention_bias, quant_config,
+                             f"{prefix}.o_proj")
+        self.rotary_emb = rotary_emb  # one cos/sin cache shared by all layers
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None  # bound by the engine (bind_kv_caches)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            from llmaccel.errors import UnsupportedModelError
+            raise UnsupportedModelError(f"hidden_act '{config.hidden_act}' is not supported")
+        inter, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, quant_config,
+                                   f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(inter, config.hidden_size, bias, quant_config,
+                                f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend,
+                 rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, backend, rotary_emb, quant_config,
+                                   f"{prefix}.self_attn")
+        self.mlp = MLP(config, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class TransformerModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
+                 quant_config: QuantizationConfig | None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        rotary_emb = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, rotary_emb, quant_config, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class TransformerForCausalLM(nn.Module):
+    """forward(flat input_ids [T], positions [T], AttentionMetadata) -> hidden states [T, h];
+    compute_logits(hidden) -> logits. The LM head stays unquantized, as in vLLM."""
+
+    def __init__(self, config: PretrainedConfig, max_positions: int,
+                 quant_config: QuantizationConfig | None = None,
+                 attention_backend: str | AttentionBackend = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.quant_config = quant_config
+        backend = (attention_backend if isinstance(attention_backend, AttentionBackend)
+                   else get_attention_backend(attention_backend))
+        self.model = TransformerModel(config, backend, max_positions, quant_config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, prefix="lm_head")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.tie_word_embeddings:
+            return torch.nn.functional.linear(hidden_states, self.model.embed_tokens.weight)
+        return self.lm_head(hidden_states)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor] | None) -> None:
+        """Give each layer its cache [2, num_blocks, block_size, kv_heads, head_dim] (or None)."""
+        for i, attn in enumerate(self.attention_layers()):
+            attn.kv_cache = None if kv_caches is None else kv_caches[i]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names of our parameters that were filled
+        completely (a fused parameter only once every shard arrived)."""
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set[int | None]] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some tied checkpoints store a copy of the embedding
+            shard = None
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in STACKED_PARAMS:
+                fused, shard = STACKED_PARAMS[parts[-2]]
+                name = ".".join([*parts[:-2], fused, parts[-1]])
+            if name not in params:
+                raise KeyError(name)
+            param = params[name]
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(owner, Linear):
+                owner.weight_loader(param, tensor, shard)
+            elif tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
+            else:
+                param.data.copy_(tensor)
+            shards_seen.setdefault(name, set()).add(shard)
+        loaded = set()
+        for name, seen in shards_seen.items():
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            needed = {None} if None in seen else set(range(len(getattr(owner, "output_sizes", []))))
+            if seen >= needed:
+                loaded.add(name)
+        return loaded
