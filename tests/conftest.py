@@ -1,0 +1,32 @@
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FETCH = REPO.parent / "shared" / "models" / "fetch"
+
+
+def fetch_model(name: str) -> Path:
+    """A real GGUF model through ../shared/models/fetch. Missing ../shared skips the test on a
+    developer machine but fails in CI, where it must be present."""
+    if not FETCH.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{FETCH} is missing in CI")
+        pytest.skip("../shared/models/fetch not available")
+    out = subprocess.run(["bash", str(FETCH), name], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.fail(f"fetch {name} failed: {out.stderr.strip()}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return fetch_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
