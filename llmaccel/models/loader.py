@@ -125,6 +125,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, low: float = -1e-3
     """Random weights for speed work (vLLM's `load_format="dummy"`): small uniform values,
     norms at 1, generated on the model's device."""
     for name, param in model.named_parameters():
+        if param.is_meta:  # shape-only models (counting, planning) hold no values
+            continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
