@@ -90,12 +90,11 @@ def generate(
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                             max_tokens=max_tokens, seed=seed)
-    with console.status("loading model…"):
-        start = time.perf_counter()
-        mc, llm = load_model(model, dtype=dtype, device=device, load_format=load_format,
-                             max_model_len=max_model_len)
-        tok = get_tokenizer(mc, tokenizer)
-        load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    mc, llm = load_model(model, dtype=dtype, device=device, load_format=load_format,
+                         max_model_len=max_model_len, progress=True)
+    tok = get_tokenizer(mc, tokenizer)
+    load_s = time.perf_counter() - start
     ids = [format_prompt(tok, p, chat) for p in prompt]
     device_name = str(next(llm.parameters()).device)
     with console.status(f"generating on {device_name}…"):

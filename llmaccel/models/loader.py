@@ -33,7 +33,8 @@ def _default_dtype(dtype: torch.dtype):
 
 def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
               quant_config: QuantizationConfig | None = None,
-              attention_backend: str = "torch", seed: int = 0) -> TransformerForCausalLM:
+              attention_backend: str = "torch", seed: int = 0,
+              progress: bool = False) -> TransformerForCausalLM:
     device = torch.device(device)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = TransformerForCausalLM(model_config.hf_config, model_config.max_model_len,
@@ -44,6 +45,9 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
         weights = (safetensors_weights(model_config.source.path, device)
                    if model_config.load_format == "safetensors"
                    else gguf_weights(model_config, device))
+        if progress:
+            weights = _with_progress(weights, _checkpoint_tensor_count(model),
+                                     f"loading {model_config.name}")
         _load_checked(model, weights, model_config)
     for module in model.modules():
         if isinstance(module, Linear):
@@ -64,6 +68,24 @@ def _load_checked(model: TransformerForCausalLM, weights: Weights, mc: ModelConf
     if missing:
         raise CorruptCheckpointError(f"checkpoint '{mc.name}' lacks {len(missing)} weights "
                                      f"(first: {missing[0]})")
+
+
+def _checkpoint_tensor_count(model: torch.nn.Module) -> int:
+    """How many HF tensors fill the model: a fused q/k/v parameter takes three."""
+    return sum(len(m.output_sizes) if isinstance(m, Linear) else 1
+               for name, _ in model.named_parameters()
+               for m in [model.get_submodule(name.rsplit(".", 1)[0])])
+
+
+def _with_progress(weights: Weights, total: int, description: str) -> Weights:
+    """A rich progress bar over the checkpoint's tensors as they are copied in."""
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        for item in weights:
+            yield item
+            bar.advance(task)
 
 
 def safetensors_weights(directory: Path, device: torch.device) -> Weights:
@@ -139,7 +161,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, low: float = -1e-3
 
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None, load_format: str = "auto",
-               max_model_len: int | None = None, seed: int = 0):
+               max_model_len: int | None = None, seed: int = 0, progress: bool = False):
     """Convenience: (ModelConfig, model) for a path, hub id, GGUF file or shape name."""
     from llmaccel.models.config import make_model_config
 
@@ -148,4 +170,4 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto",
         raise LLMAccelError("device 'cuda' was asked for but no CUDA GPU is available")
     mc = make_model_config(model, dtype=dtype, max_model_len=max_model_len,
                            load_format=load_format, device=device)
-    return mc, get_model(mc, device, seed=seed)
+    return mc, get_model(mc, device, seed=seed, progress=progress)
