@@ -114,3 +114,12 @@ def test_unsupported_rope_type(tmp_path):
                 ).save_pretrained(tmp_path)
     with pytest.raises(LLMAccelError, match="rope_type 'yarn'"):
         make_model_config(str(tmp_path))
+
+
+def test_missing_tokenizer_is_named(tmp_path):
+    from llmaccel.models.tokenizer import get_tokenizer
+    tiny_configs()["llama"].save_pretrained(tmp_path)
+    with pytest.raises(LLMAccelError, match="has no tokenizer files"):
+        get_tokenizer(make_model_config(str(tmp_path), load_format="dummy"))
+    with pytest.raises(LLMAccelError, match="no tokenizer; pass one with --tokenizer"):
+        get_tokenizer(make_model_config("llama-3.2-1b"))

@@ -9,23 +9,30 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from llmaccel.errors import LLMAccelError
 from llmaccel.models.config import ModelConfig
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
 
 def get_tokenizer(mc: ModelConfig, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
     """The model's own tokenizer, or `tokenizer` (a path or hub id) when given."""
+    if tokenizer is not None:
+        args, kwargs = (tokenizer,), {}
+    elif mc.source.kind == "gguf":
+        directory, file = mc.source.gguf_dir_and_file
+        args, kwargs = (directory,), {"gguf_file": file}
+    elif mc.source.kind == "hf":
+        if not any((mc.source.path / f).is_file() for f in _TOKENIZER_FILES):
+            raise LLMAccelError(f"'{mc.name}' has no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
+                                "; pass one with --tokenizer PATH_OR_HUB_ID")
+        args, kwargs = (str(mc.source.path),), {}
+    else:
+        raise LLMAccelError(f"'{mc.name}' is a shape with random weights and no tokenizer; "
+                            "pass one with --tokenizer PATH_OR_HUB_ID")
     try:
-        if tokenizer is not None:
-            return AutoTokenizer.from_pretrained(tokenizer)
-        if mc.source.kind == "gguf":
-            directory, file = mc.source.gguf_dir_and_file
-            return AutoTokenizer.from_pretrained(directory, gguf_file=file)
-        if mc.source.kind == "hf":
-            return AutoTokenizer.from_pretrained(str(mc.source.path))
+        return AutoTokenizer.from_pretrained(*args, **kwargs)
     except Exception as e:
-        where = tokenizer or mc.name
-        raise LLMAccelError(f"cannot load the tokenizer of '{where}': "
-                            f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from e
-    raise LLMAccelError(f"'{mc.name}' is a shape with random weights and no tokenizer; "
-                        "pass one with --tokenizer PATH_OR_HUB_ID")
+        detail = " ".join(str(e).split()) or repr(e)
+        raise LLMAccelError(f"cannot load the tokenizer of '{tokenizer or mc.name}': {detail}") \
+            from e
 
 
 def eos_token_ids(mc: ModelConfig, tok: PreTrainedTokenizerBase | None) -> set[int]:
