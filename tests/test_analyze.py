@@ -10,47 +10,18 @@ few at a time) and each test waits for the result it needs.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
+
+from cli_helpers import WORKERS, one_line_error, run_llmaccel
 import transformers
 
 from llmaccel.analyze import parameter_counts
 
-# ---------------------------------------------------------------------------------------------
-# Running the console command
-# ---------------------------------------------------------------------------------------------
-
-
-def _llmaccel_exe() -> str:
-    exe = Path(sys.executable).with_name("llmaccel")  # the venv running pytest
-    if exe.exists():
-        return str(exe)
-    found = shutil.which("llmaccel")
-    if found is None:
-        pytest.fail("the `llmaccel` console command is not installed")
-    return found
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="400")
-    for key in ("LLMACCEL_DEBUG", "FORCE_COLOR"):
-        env.pop(key, None)
-    return env
-
-
-def run_llmaccel(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([_llmaccel_exe(), *args], capture_output=True, text=True, env=_env(),
-                          timeout=180)
-
-
-_WORKERS = max(2, min(4, os.cpu_count() or 2))
+_WORKERS = WORKERS
 
 RUNS: dict[str, tuple[str, ...]] = {
     "3b_json_bw1000": ("analyze", "llama-3.2-3b", "--json", "--bandwidth", "1000"),
@@ -75,15 +46,6 @@ def _ok_json(r: subprocess.CompletedProcess) -> dict:
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     return json.loads(r.stdout)
-
-
-def _one_line_error(r: subprocess.CompletedProcess) -> str:
-    assert r.returncode != 0
-    assert "Traceback" not in r.stdout and "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("error:"), lines[0]
-    return lines[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,14 +184,14 @@ def test_cli_gpu_names_resolve(runs, key, name, gbps):
     assert roof["tok_s"][name]["bf16"] == pytest.approx(gbps * 1e9 / bf16, rel=1e-9)
 
 
-def test_cli_unknown_gpu_is_one_line_error(runs):
-    line = _one_line_error(runs["bad_gpu"].result())
+def test_cli_unknown_gpu_isone_line_error(runs):
+    line = one_line_error(runs["bad_gpu"].result())
     assert "NoSuchGPU-9000" in line
     assert "H200" in line  # lists the known ones
 
 
-def test_cli_zero_bandwidth_is_one_line_error(runs):
-    line = _one_line_error(runs["bw_zero"].result())
+def test_cli_zero_bandwidth_isone_line_error(runs):
+    line = one_line_error(runs["bw_zero"].result())
     assert "--bandwidth" in line
     assert "positive" in line
 

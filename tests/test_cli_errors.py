@@ -8,58 +8,20 @@ few at a time) and each test waits for the result it needs.
 
 from __future__ import annotations
 
-import os
 import shutil
 import struct
 import subprocess
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from cli_helpers import WORKERS, one_line_error, run_llmaccel
+
 FETCH = Path(__file__).resolve().parents[1].parent / "shared/models/fetch"
 SHAPE_NAMES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-1.5b", "smollm2-135m")
 
-# ---------------------------------------------------------------------------------------------
-# Running the console command
-# ---------------------------------------------------------------------------------------------
-
-
-def _llmaccel_exe() -> str:
-    exe = Path(sys.executable).with_name("llmaccel")  # the venv running pytest
-    if exe.exists():
-        return str(exe)
-    found = shutil.which("llmaccel")
-    if found is None:
-        pytest.fail("the `llmaccel` console command is not installed")
-    return found
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="400")
-    for key in ("LLMACCEL_DEBUG", "FORCE_COLOR"):
-        env.pop(key, None)
-    return env
-
-
-def run_llmaccel(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([_llmaccel_exe(), *args], capture_output=True, text=True, env=_env(),
-                          timeout=180)
-
-
-def one_line_error(r: subprocess.CompletedProcess) -> str:
-    """Assert the run failed cleanly; return its single stderr line."""
-    assert "Traceback" not in r.stdout, r.stdout
-    assert "Traceback" not in r.stderr, r.stderr
-    assert r.returncode != 0, (r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("error:"), lines[0]
-    return lines[0]
-
-
-_WORKERS = max(2, min(4, os.cpu_count() or 2))
+_WORKERS = WORKERS
 
 # ---------------------------------------------------------------------------------------------
 # Inputs, built once per module
