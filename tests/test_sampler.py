@@ -34,8 +34,13 @@ def test_sampling_follows_distribution():
     torch.testing.assert_close(counts, logits[0].softmax(-1), atol=0.03, rtol=0)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_k=0),
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
                                     dict(max_tokens=0)])
 def test_out_of_range_params(kwargs):
     with pytest.raises(LLMAccelError):
         SamplingParams(**kwargs)
+
+
+def test_min_p_mask():
+    logits = torch.tensor([0.0, -1.0, -3.0]).log_softmax(-1)  # p ~ [0.71, 0.26, 0.04]
+    assert torch.isinf(apply_top_k_top_p(logits, -1, 1.0, 0.1)).tolist() == [False, False, True]

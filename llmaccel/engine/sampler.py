@@ -1,15 +1,26 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, with per-request generators."""
+"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, min_tokens, logprobs, with a
+generator per sequence so a seeded request samples the same tokens whatever shares its batch."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from llmaccel.engine.sampling_params import SamplingParams
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside the top-k and outside the top-p nucleus of one row."""
-    if top_k > 0 and top_k < logits.shape[-1]:
+@dataclass
+class SampleResult:
+    token: int
+    logprob: float                           # of the chosen token, under the model's softmax
+    top_logprobs: dict[int, float] | None    # chosen token + top-k, when logprobs were asked
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float,
+                      min_p: float = 0.0) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside the top-k, the top-p nucleus and the min-p floor."""
+    if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
@@ -18,6 +29,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
         # Drop a token when the mass before it already reaches top_p (the top token always stays).
         drop = probs.cumsum(-1) - probs >= top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values,
+                                    float("-inf"))
     return logits
 
 
@@ -29,13 +44,35 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+        row = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
+        out[i] = torch.multinomial(row.softmax(-1), 1, generator=generators[i])[0]
     return out
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                         generators: list[torch.Generator | None],
+                         banned: list[list[int]]) -> list[SampleResult]:
+    """Like `sample`, with per-row banned ids (EOS/stop ids before min_tokens) and logprobs of
+    the model's own distribution (before temperature and truncation, as vLLM reports them)."""
+    logits = logits.float()
+    logprobs = logits.log_softmax(-1)
+    for i, ids in enumerate(banned):
+        if ids:
+            logits[i, ids] = float("-inf")
+    tokens = sample(logits, params, generators).tolist()
+    results = []
+    for i, (tok, p) in enumerate(zip(tokens, params)):
+        top = None
+        if p.logprobs is not None:
+            top = {tok: logprobs[i, tok].item()}
+            if p.logprobs:
+                values, ids = logprobs[i].topk(p.logprobs)
+                top.update(zip(ids.tolist(), values.tolist()))
+        results.append(SampleResult(tok, logprobs[i, tok].item(), top))
+    return results
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     if seed is None:
         return None
     return torch.Generator(device=device).manual_seed(seed)

@@ -1,0 +1,42 @@
+"""EngineConfig: every engine knob in one frozen place (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmaccel.errors import LLMAccelError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    device: str | None = None
+    seed: int = 0
+    attention_backend: str = "torch"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None          # fixes the KV pool size, overriding the budget
+    gpu_memory_utilization: float = 0.9        # fraction of GPU memory for weights + KV + work
+    cpu_kv_cache_gib: float = 1.0              # KV budget on CPU
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # per-step token budget (default 8192)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise LLMAccelError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise LLMAccelError("gpu_memory_utilization must be in (0, 1], got "
+                                f"{self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise LLMAccelError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise LLMAccelError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise LLMAccelError("max_num_batched_tokens must be >= 1, got "
+                                f"{self.max_num_batched_tokens}")

@@ -1,0 +1,199 @@
+"""LLMEngine: requests in, one scheduled forward pass per `step()`, RequestOutputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmaccel.engine.block_manager import BlockManager
+from llmaccel.engine.config import EngineConfig
+from llmaccel.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from llmaccel.engine.model_runner import ModelRunner
+from llmaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmaccel.engine.sampler import make_generator, sample_with_logprobs
+from llmaccel.engine.sampling_params import SamplingParams
+from llmaccel.engine.scheduler import Scheduler
+from llmaccel.engine.sequence import Sequence, SequenceStatus
+from llmaccel.engine.stats import EngineStats
+from llmaccel.engine.stop_checker import StopChecker
+from llmaccel.errors import LLMAccelError
+from llmaccel.models.attention import AttentionMetadata
+from llmaccel.models.config import make_model_config
+from llmaccel.models.loader import get_model
+from llmaccel.models.tokenizer import eos_token_ids, get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    pending_forks: list[Sequence] = field(default_factory=list)  # n > 1: wait for the prefill
+    arrival_time: float = field(default_factory=time.monotonic)
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending_forks and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_config = mc = make_model_config(
+            config.model, dtype=config.dtype, max_model_len=config.max_model_len,
+            load_format=config.load_format, device=device)
+        self.device, self.max_model_len = device, mc.max_model_len
+        self.model = get_model(mc, device, attention_backend=config.attention_backend,
+                               seed=config.seed)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init and (mc.source.kind != "shape" or config.tokenizer):
+            self.tokenizer = get_tokenizer(mc, config.tokenizer)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            8192 if config.enable_chunked_prefill else max(8192, mc.max_model_len))
+        if not config.enable_chunked_prefill and self.max_num_batched_tokens < mc.max_model_len:
+            raise LLMAccelError(f"without chunked prefill, max_num_batched_tokens "
+                                f"({self.max_num_batched_tokens}) must cover max_model_len "
+                                f"({mc.max_model_len})")
+        bs = config.block_size
+        num_blocks = config.num_gpu_blocks or self._profile_num_blocks()
+        if num_blocks * bs < mc.max_model_len:
+            raise LLMAccelError(f"the KV cache holds {num_blocks * bs} tokens, fewer than "
+                                f"max_model_len={mc.max_model_len}; lower max_model_len or give "
+                                "the cache more memory")
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   self.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, allocate_kv_caches(
+            self.model, num_blocks, bs, mc.dtype, device), bs)
+        self.stop_checker = StopChecker(eos_token_ids(mc, self.tokenizer), mc.max_model_len,
+                                        self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats(num_blocks=num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, bs, num_blocks * bs)
+
+    def _profile_num_blocks(self) -> int:
+        """On GPU, run the largest step once without a cache to measure activation memory."""
+        c, mc = self.config, self.model_config
+        if self.device.type == "cuda":
+            n = min(self.max_num_batched_tokens, mc.max_model_len)
+            with torch.inference_mode():
+                hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                                    torch.arange(n, device=self.device),
+                                    AttentionMetadata.for_prefill([n], self.device))
+                self.model.compute_logits(hidden[-min(n, c.max_num_seqs):])
+            torch.cuda.synchronize(self.device)
+        useful = c.max_num_seqs * -(-mc.max_model_len // c.block_size)
+        return num_blocks_for_budget(self.model, c.block_size, mc.dtype, self.device,
+                                     c.gpu_memory_utilization, c.cpu_kv_cache_gib, useful)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request; raises LLMAccelError naming what is wrong with it."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise LLMAccelError(f"request id '{request_id}' is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None:
+            if self.tokenizer is None:
+                raise LLMAccelError("text prompts need a tokenizer; pass token ids instead")
+            prompt = self.tokenizer(text).input_ids
+        ids = [int(t) for t in prompt]
+        vocab = self.model_config.hf_config.vocab_size
+        if not ids:
+            raise LLMAccelError("the prompt is empty")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise LLMAccelError(f"the prompt has token ids outside the vocabulary (0..{vocab - 1})")
+        if len(ids) >= self.max_model_len:
+            raise LLMAccelError(f"the prompt has {len(ids)} tokens; max_model_len is "
+                                f"{self.max_model_len}, which leaves no room to generate")
+        seqs = [Sequence(request_id, i, ids, params, make_generator(
+            None if params.seed is None else params.seed + i, self.device))
+            for i in range(params.n)]
+        req = Request(request_id, text, ids, seqs, pending_forks=seqs[1:])
+        self.requests[request_id] = req
+        self.scheduler.add(seqs[0])
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        for seq in req.pending_forks:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        req.pending_forks = []
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        self.runner.copy_blocks(self.block_manager.take_pending_copies())
+        sampling, logits = self.runner.execute(sched)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+        rows, seqs = [], []
+        for i, seq in enumerate(sampling):
+            rows.append(i)
+            seqs.append(seq)
+            req = self.requests[seq.request_id]
+            for child in req.pending_forks:  # n > 1: siblings share the prompt's blocks
+                self.block_manager.fork(seq, child)
+                child.status = SequenceStatus.RUNNING
+                self.scheduler.running.append(child)
+                rows.append(i)
+                seqs.append(child)
+            req.pending_forks = []
+        results = sample_with_logprobs(logits[rows], [s.params for s in seqs],
+                                       [s.generator for s in seqs],
+                                       [self.stop_checker.banned_tokens(s) for s in seqs]
+                                       ) if seqs else []
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, r in zip(seqs, results):
+            seq.output_token_ids.append(r.token)
+            seq.cumulative_logprob += r.logprob
+            if r.top_logprobs is not None:
+                seq.output_logprobs.append(r.top_logprobs)
+            seq.first_token_time = seq.first_token_time or now
+            if self.stop_checker.check(seq):
+                self.scheduler.finish(seq, seq.finish_reason)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        self.stats.record_step(sched.num_tokens, len(seqs), len(sched.preempted))
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.finished_time = now
+                del self.requests[req.request_id]
+            outputs.append(self._output(req))
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        first = req.seqs[0]
+        completions = [CompletionOutput(
+            s.index, s.text, list(s.output_token_ids), s.cumulative_logprob,
+            list(s.output_logprobs) if s.params.logprobs is not None else None,
+            s.finish_reason, s.stop_reason) for s in req.seqs]
+        times = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        metrics = RequestMetrics(req.arrival_time, min(times) if times else None,
+                                 req.finished_time, sum(s.num_preemptions for s in req.seqs))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
+                             req.finished, first.num_cached_tokens, metrics)
+
+    def get_stats(self) -> EngineStats:
+        return self.stats.snapshot(self.scheduler, self.block_manager)

@@ -1,0 +1,111 @@
+"""Iteration-level scheduling: every step decides, under a token budget, how many new tokens of
+each sequence to compute.
+
+One rule covers prefill, chunked prefill, decode and recompute: a sequence needs
+`num_tokens - num_computed_tokens` more tokens computed, and produces a sampled token when a step
+brings it to zero. Running sequences go first (FCFS order); then waiting ones are admitted in
+arrival order while budget, `max_num_seqs` and KV blocks allow. When a running sequence cannot
+get a block, the most recently admitted running sequence is preempted: its blocks are freed and
+it goes back to the front of the queue to be recomputed (vLLM's recompute preemption).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmaccel.engine.block_manager import BlockManager
+from llmaccel.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.enable_chunked_prefill and n < seq.num_uncomputed_tokens:
+                i += 1
+                continue
+            while not self.bm.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: everything after it already went too
+        if out.preempted:
+            return out  # blocks are short: admit nobody this step
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self.bm.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            fits = self.enable_chunked_prefill or n == seq.num_uncomputed_tokens
+            if not (fits and self.bm.allocate_slots(seq, n)):
+                self.bm.free(seq)  # hold nothing while waiting
+                break  # FCFS: later requests do not jump the queue
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                if self.bm.cache is not None:
+                    self.bm.cache.record_lookup(len(seq.prompt_token_ids), seq.num_cached_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
+        out.preempted.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (done or aborted) and return its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason

@@ -1,0 +1,51 @@
+"""Decide after each new token whether a sequence is done, and keep its text up to date."""
+
+from __future__ import annotations
+
+from llmaccel.engine.sequence import Sequence
+
+
+class StopChecker:
+    def __init__(self, eos_token_ids: set[int], max_model_len: int, tokenizer=None) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+
+    def banned_tokens(self, seq: Sequence) -> list[int]:
+        """Ids that may not be sampled yet: EOS and stop ids before min_tokens outputs."""
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+
+    def check(self, seq: Sequence) -> bool:
+        """Update seq.text; set finish_reason/stop_reason when it must stop. True if done."""
+        p = seq.params
+        token = seq.output_token_ids[-1]
+        n = len(seq.output_token_ids)
+        if n >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output_token_ids,
+                                             skip_special_tokens=p.skip_special_tokens)
+            if p.stop and seq.finish_reason is None and n >= p.min_tokens:
+                self._check_stop_strings(seq)
+        if seq.finish_reason is None and (
+                (p.max_tokens is not None and n >= p.max_tokens)
+                or seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence) -> None:
+        hits = [(seq.text.find(s), s) for s in seq.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return
+        index, stop = min(hits)
+        end = index + len(stop) if seq.params.include_stop_str_in_output else index
+        seq.text = seq.text[:end]
+        seq.finish_reason, seq.stop_reason = "stop", stop
