@@ -9,7 +9,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Pret
                           Qwen2Config)
 
 COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 
 def tiny_configs() -> dict[str, PretrainedConfig]:

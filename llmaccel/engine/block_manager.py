@@ -102,12 +102,17 @@ class BlockManager:
             seq.block_table.append(self._take_block())
         return True
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Publish the sequence's full, computed blocks in the prefix cache. Where another
-        sequence already cached the same tokens, switch to that block and free our copy."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the blocks that hold full blocks of seq's first num_tokens tokens.
+
+        Called when a step is scheduled, for the tokens it will compute: a request admitted
+        later in the same step can then reuse them, because every layer writes the whole
+        batch's K/V before any sequence attends (vLLM V1 caches at allocation the same way).
+        Where the same tokens are cached already under another block, switch to that block and
+        free ours, so one copy serves everyone."""
         if self.cache is None:
             return
-        full = seq.num_computed_tokens // self.block_size
+        full = num_tokens // self.block_size
         if full == 0:
             return
         tokens = seq.all_token_ids[:full * self.block_size]
@@ -133,6 +138,15 @@ class BlockManager:
             self._incref(block)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after a failed step, whose blocks may never have been
+        written). Only valid when no sequence holds blocks."""
+        assert self.num_used_blocks == 0, "reset_prefix_cache with blocks in use"
+        self.free_blocks = deque(range(self.num_blocks))
+        self.num_idle_cached = 0
+        if self.cache is not None:
+            self.cache = RadixCache(self.block_size)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -142,11 +142,18 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched:
             return []
-        self.runner.copy_blocks(self.block_manager.take_pending_copies())
-        sampling, logits = self.runner.execute(sched)
+        try:
+            self.runner.copy_blocks(self.block_manager.take_pending_copies())
+            sampling, logits = self.runner.execute(sched)
+        except Exception:
+            # Blocks published for this step were never written: fail every request, drop
+            # the prefix cache, and let the caller report the error.
+            for request_id in list(self.requests):
+                self.abort_request(request_id)
+            self.block_manager.reset_prefix_cache()
+            raise
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq)
         rows, seqs = [], []
         for i, seq in enumerate(sampling):
             rows.append(i)

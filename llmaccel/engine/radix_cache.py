@@ -97,7 +97,3 @@ class RadixCache:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-    def reset(self) -> None:
-        self.root.children.clear()
-        self.node_of_block.clear()

@@ -64,6 +64,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
                 out.scheduled.append((seq, n))
                 budget -= n
                 i += 1
@@ -79,6 +80,7 @@ class Scheduler:
             if not (fits and self.bm.allocate_slots(seq, n)):
                 self.bm.free(seq)  # hold nothing while waiting
                 break  # FCFS: later requests do not jump the queue
+            self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 if self.bm.cache is not None:
@@ -97,7 +99,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
+        # Victims come from the tail, never from what this step already scheduled: those
+        # blocks are published in the prefix cache and must be written by this step.
         out.preempted.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -142,19 +142,23 @@ def gguf_weights(mc: ModelConfig, device: torch.device) -> Weights:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0, low: float = -1e-3,
-                       high: float = 1e-3) -> None:
-    """Random weights for speed work (vLLM's `load_format="dummy"`): small uniform values,
-    norms at 1, generated on the model's device."""
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float | None = None) -> None:
+    """Random weights for speed work (vLLM's `load_format="dummy"`), generated on the model's
+    device: uniform with the config's `initializer_range` as standard deviation, norms at 1.
+    Not vLLM's +-1e-3: values that small drive activations into subnormal floats, which run
+    several times slower on CPUs and would distort CPU measurements."""
+    std = std or getattr(getattr(model, "config", None), "initializer_range", None) or 0.02
+    bound = std * 3 ** 0.5
     for name, param in model.named_parameters():
         if param.is_meta:  # shape-only models (counting, planning) hold no values
             continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
-        gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        gen = torch.Generator(device=param.device).manual_seed(
+            seed * 1_000_003 + zlib.crc32(name.encode()))
         if param.is_floating_point():
-            param.uniform_(low, high, generator=gen)
+            param.uniform_(-bound, bound, generator=gen)
         else:  # packed integer weights of quantized layers
             param.random_(0, 256, generator=gen)
 

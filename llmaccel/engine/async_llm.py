@@ -1,0 +1,108 @@
+"""AsyncLLM: the engine for servers. Requests stream their outputs through async iterators
+while one background task steps the engine (in a worker thread, so the event loop stays free
+to accept requests while the model runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmaccel.engine.config import EngineConfig
+from llmaccel.engine.llm_engine import LLMEngine
+from llmaccel.engine.outputs import RequestOutput
+from llmaccel.engine.sampling_params import SamplingParams
+from llmaccel.engine.stats import EngineStats
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._ids = itertools.count()
+        self._lock = asyncio.Lock()          # engine calls never overlap a step
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, model: str | None = None, **kwargs: Any) -> AsyncLLM:
+        return cls(LLMEngine(EngineConfig(model=model, **kwargs)))
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after every step that advanced it; the last
+        one has finished=True. Leaving the loop early (a client gone) aborts the request."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        queue = await self.add_request(request_id, prompt, params)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams | None = None) -> asyncio.Queue:
+        """Queue a request (raises LLMAccelError for a bad one) and return its output queue."""
+        self._ensure_loop()
+        async with self._lock:
+            self.engine.add_request(request_id, prompt, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._wake.set()
+        return queue
+
+    async def abort(self, request_id: str) -> None:
+        async with self._lock:
+            out = self.engine.abort_request(request_id)
+        queue = self._queues.get(request_id)
+        if out is not None and queue is not None:
+            queue.put_nowait(out)
+
+    async def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while not self._closed:
+            if not self.engine.has_unfinished_requests():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                async with self._lock:
+                    outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as e:  # a failed step fails its requests, not the server
+                for request_id in list(self.engine.requests):
+                    self.engine.abort_request(request_id)
+                    if request_id in self._queues:
+                        self._queues[request_id].put_nowait(e)
+                continue
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            await asyncio.sleep(0)  # let new requests and aborts in between steps
+
+    async def shutdown(self, abort_running: bool = True) -> None:
+        """Stop the loop; abort what is still running (it is reported as finished, 'abort')."""
+        if abort_running:
+            for request_id in list(self.engine.requests):
+                await self.abort(request_id)
+        self._closed = True
+        self._wake.set()
+        if self._loop_task is not None:
+            await self._loop_task
