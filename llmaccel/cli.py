@@ -71,6 +71,10 @@ def generate(
     temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0),
     top_k: int = typer.Option(-1, help="-1: off."),
+    min_p: float = typer.Option(0.0, min=0.0, max=1.0),
+    n: int = typer.Option(1, min=1, help="Completions per prompt."),
+    stop: list[str] = typer.Option([], help="Stop string; repeat for several."),
+    ignore_eos: bool = typer.Option(False),
     seed: Optional[int] = typer.Option(None),
     dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32 (auto: the "
                               "checkpoint's 16-bit type on GPU, float32 on CPU)."),
@@ -81,35 +85,49 @@ def generate(
                                             "shapes with random weights)."),
     max_model_len: Optional[int] = typer.Option(None, min=1),
     load_format: str = typer.Option("auto", help="auto, safetensors, gguf or dummy."),
+    enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/"
+                                               "--no-enable-prefix-caching"),
+    max_num_seqs: int = typer.Option(256, min=1),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, min=1),
+    num_gpu_blocks: Optional[int] = typer.Option(None, min=1),
+    gpu_memory_utilization: float = typer.Option(0.9, min=0.01, max=1.0),
 ) -> None:
-    """Generate text for one or more prompts."""
+    """Generate text for one or more prompts on the engine."""
     from llmaccel.engine import SamplingParams
-    from llmaccel.engine.simple_runner import generate_tokens
-    from llmaccel.models.loader import load_model
-    from llmaccel.models.tokenizer import eos_token_ids, format_prompt, get_tokenizer
+    from llmaccel.engine.llm import LLM
+    from llmaccel.models.tokenizer import format_prompt
 
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                            max_tokens=max_tokens, seed=seed)
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                            min_p=min_p, max_tokens=max_tokens, seed=seed, stop=stop or None,
+                            ignore_eos=ignore_eos)
     start = time.perf_counter()
-    mc, llm = load_model(model, dtype=dtype, device=device, load_format=load_format,
-                         max_model_len=max_model_len, progress=True)
-    tok = get_tokenizer(mc, tokenizer)
+    with console.status("loading model…"):
+        llm = LLM(model, dtype=dtype, device=device, max_model_len=max_model_len,
+                  load_format=load_format, tokenizer=tokenizer,
+                  enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks=num_gpu_blocks,
+                  gpu_memory_utilization=gpu_memory_utilization)
     load_s = time.perf_counter() - start
-    ids = [format_prompt(tok, p, chat) for p in prompt]
-    device_name = str(next(llm.parameters()).device)
-    with console.status(f"generating on {device_name}…"):
-        start = time.perf_counter()
-        try:
-            outs = generate_tokens(llm, ids, params, eos_token_ids(mc, tok), mc.max_model_len)
-        except ValueError as e:
-            raise LLMAccelError(str(e)) from e
-        gen_s = time.perf_counter() - start
+    tok = llm.get_tokenizer()
+    if tok is None:
+        raise LLMAccelError("this model has no tokenizer; pass --tokenizer")
+    requests = [{"prompt": p, "prompt_token_ids": format_prompt(tok, p, chat)} for p in prompt]
+    start = time.perf_counter()
+    outs = llm.generate(requests, params)
+    gen_s = time.perf_counter() - start
     for text, out in zip(prompt, outs):
-        console.rule(f"[dim]{text}")
-        console.print(tok.decode(out, skip_special_tokens=True), markup=False, highlight=False)
-    n = sum(len(o) for o in outs)
-    console.print(f"[dim]{mc.name} · {str(mc.dtype).removeprefix('torch.')} on {device_name} · "
-                  f"load {load_s:.1f}s · {n} tokens in {gen_s:.2f}s ({n / gen_s:.1f} tok/s)")
+        if out.error:
+            raise LLMAccelError(f"prompt {text[:40]!r}: {out.error}")
+        for completion in out.outputs:
+            label = f" #{completion.index}" if n > 1 else ""
+            console.rule(f"[dim]{text}{label}")
+            console.print(completion.text, markup=False, highlight=False)
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    mc, stats = llm.engine.model_config, llm.get_stats()
+    console.print(f"[dim]{mc.name} · {str(mc.dtype).removeprefix('torch.')} on "
+                  f"{llm.engine.device} · load {load_s:.1f}s · {tokens} tokens in {gen_s:.2f}s "
+                  f"({tokens / gen_s:.1f} tok/s) · prefix hit rate "
+                  f"{stats.prefix_hit_rate:.0%} · {stats.num_preemptions} preemptions")
 
 
 def main() -> None:

@@ -37,17 +37,17 @@ def random_workload(vocab: int, seed: int = 0, n: int = 16, shared: int = 4):
 def hf_greedy(hf, prompts, max_tokens) -> list[list[int]]:
     out = []
     for p, m in zip(prompts, max_tokens):
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=hf.device)
         gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m,
                           do_sample=False, eos_token_id=[], pad_token_id=0)
         out.append(gen[0, len(p):].tolist())
     return out
 
 
-def run_engine(model: str, mode: str, prompts, max_tokens, **extra):
+def run_engine(model: str, mode: str, prompts, max_tokens, device: str = "cpu", **extra):
     config = {**MODES[mode], **{k: v for k, v in extra.items() if k in MODES[mode]}}
     extra = {k: v for k, v in extra.items() if k not in MODES[mode]}
-    llm = LLM(model, dtype="float32", device="cpu", block_size=16, **config, **extra)
+    llm = LLM(model, dtype="float32", device=device, block_size=16, **config, **extra)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outs = llm.generate(prompts, params, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]

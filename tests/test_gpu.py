@@ -4,11 +4,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llmaccel.engine import SamplingParams
-from llmaccel.engine.simple_runner import generate_tokens
+from llmaccel import LLM, SamplingParams
 from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.loader import load_model
 from llmaccel.models.shapes import SHAPES
+from engine_matrix import MODES, check_mode, hf_greedy, random_workload, run_engine
 from tiny_models import make_tiny_model, tiny_configs
 
 pytestmark = [pytest.mark.gpu,
@@ -49,8 +49,22 @@ def test_bf16_load_has_no_fp32_copy(tmp_path):
 
 @pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-1.5b"])
 def test_dummy_shape_generates_on_gpu(shape):
-    mc, model = load_model(shape, dtype="bfloat16", device="cuda", max_model_len=4096)
-    out = generate_tokens(model, [[1, 2, 3, 4], [5, 6]],
-                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    llm = LLM(shape, dtype="bfloat16", device="cuda", max_model_len=4096)
+    outs = llm.generate([[1, 2, 3, 4], [5, 6]],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    out = [o.outputs[0].token_ids for o in outs]
     assert [len(o) for o in out] == [8, 8]
     assert all(0 <= t < SHAPES[shape]["vocab_size"] for o in out for t in o)
+    stats = llm.get_stats()
+    assert stats.num_blocks * 16 >= 4096 and llm.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_engine_matches_transformers_on_gpu(mode, tmp_path):
+    hf = make_tiny_model(tiny_configs()["llama3-rope"], tmp_path).cuda()
+    prompts, max_tokens = random_workload(hf.config.vocab_size, seed=3)
+    expected = hf_greedy(hf, prompts, max_tokens)
+    llm, got = run_engine(str(tmp_path), mode, prompts, max_tokens, device="cuda",
+                          skip_tokenizer_init=True)
+    assert got == expected
+    check_mode(llm, mode)

@@ -8,8 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmaccel.analyze import parameter_counts
-from llmaccel.engine import SamplingParams
-from llmaccel.engine.simple_runner import generate_tokens
+from llmaccel import LLM, SamplingParams
 from llmaccel.errors import CorruptCheckpointError, LLMAccelError
 from llmaccel.models.config import make_model_config
 from llmaccel.models.layers.rotary import compute_inv_freq, rope_parameters
@@ -39,9 +38,9 @@ def test_dummy_shape_generates_in_bf16():
     weights = model.model.layers[0].self_attn.qkv_proj.weight
     assert 0.02 < weights.abs().max().item() <= 0.02 * 3 ** 0.5 * 1.01  # bf16 rounding
     assert abs(weights.float().std().item() - 0.02) < 0.002
-    out = generate_tokens(model, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4,
-                                                               ignore_eos=True))
-    assert len(out[0]) == 4
+    llm = LLM("smollm2-135m", dtype="bfloat16", device="cpu", max_model_len=256)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_dummy_weights_for_any_config_json(tmp_path):

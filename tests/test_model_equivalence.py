@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from llmaccel.engine.simple_runner import allocate_kv_caches
+from llmaccel.engine.kv_cache import allocate_kv_caches
 from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.loader import load_model
 from tiny_models import make_tiny_model, tiny_configs
@@ -46,7 +46,7 @@ def test_paged_kv_chunks_match_transformers(pair):
     blocks = list(range(num_blocks))
     rng.shuffle(blocks)
     tables = [[blocks.pop() for _ in range(-(-n // block_size))] for n in LENGTHS]
-    ours.bind_kv_caches(allocate_kv_caches(ours, num_blocks, block_size))
+    ours.bind_kv_caches(allocate_kv_caches(ours, num_blocks, block_size, torch.float32, "cpu"))
     done = [0] * len(seqs)
     got = [[] for _ in seqs]
     try:

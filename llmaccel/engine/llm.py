@@ -49,7 +49,8 @@ class LLM:
             request_id = str(next(self._ids))
             text, ids = _split_prompt(prompt)
             try:
-                self.engine.add_request(request_id, text if text is not None else ids, p)
+                self.engine.add_request(request_id, ids if ids is not None else text, p,
+                                        prompt_text=text)
                 order[request_id] = i
             except LLMAccelError as e:
                 results[i] = RequestOutput(request_id, text, ids or [], [], True, error=str(e))

@@ -96,16 +96,17 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> None:
-        """Queue a request; raises LLMAccelError naming what is wrong with it."""
+                    params: SamplingParams | None = None, prompt_text: str | None = None) -> None:
+        """Queue a request (text or token ids; `prompt_text` names token ids in outputs);
+        raises LLMAccelError naming what is wrong with it."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise LLMAccelError(f"request id '{request_id}' is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        if text is not None:
+        text = prompt if isinstance(prompt, str) else prompt_text
+        if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise LLMAccelError("text prompts need a tokenizer; pass token ids instead")
-            prompt = self.tokenizer(text).input_ids
+            prompt = self.tokenizer(prompt).input_ids
         ids = [int(t) for t in prompt]
         vocab = self.model_config.hf_config.vocab_size
         if not ids:

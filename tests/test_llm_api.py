@@ -1,0 +1,188 @@
+"""The LLM / LLMEngine / AsyncLLM API on a tiny random model: abort, rejection, prefix hit
+rate, seeds, n > 1 with copy-on-write, streaming."""
+
+import asyncio
+
+import pytest
+
+from llmaccel import LLM, SamplingParams
+from llmaccel.engine.async_llm import AsyncLLM
+from llmaccel.engine.config import EngineConfig
+from llmaccel.engine.llm_engine import LLMEngine
+from llmaccel.errors import LLMAccelError
+from tiny_models import make_tiny_model, tiny_configs
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-qwen2")
+    make_tiny_model(tiny_configs()["qwen2"], directory)
+    return str(directory)
+
+
+def make_llm(model_dir, **kwargs) -> LLM:
+    kwargs.setdefault("num_gpu_blocks", 64)
+    return LLM(model_dir, dtype="float32", device="cpu", skip_tokenizer_init=True, **kwargs)
+
+
+def test_abort_mid_generation_frees_blocks(model_dir):
+    engine = LLMEngine(EngineConfig(model_dir, dtype="float32", device="cpu",
+                                    skip_tokenizer_init=True, num_gpu_blocks=64,
+                                    enable_prefix_caching=False))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, n in enumerate([20, 50, 35]):
+        engine.add_request(str(i), list(range(1, n + 1)), params)
+    for _ in range(3):
+        engine.step()
+    used = engine.block_manager.num_used_blocks
+    held = len(next(s for s in engine.scheduler.running if s.request_id == "1").block_table)
+    out = engine.abort_request("1")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert len(out.outputs[0].token_ids) == 3
+    assert engine.block_manager.num_used_blocks == used - held
+    assert engine.abort_request("1") is None  # unknown (already gone)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o
+    assert sorted(finished) == ["0", "2"]
+    assert all(len(o.outputs[0].token_ids) == 40 for o in finished.values())
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_abort_waiting_request(model_dir):
+    llm = make_llm(model_dir)
+    engine = llm.engine
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    assert engine.abort_request("a").outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests() and not engine.scheduler.waiting
+
+
+def test_rejected_prompts_do_not_stop_the_others(model_dir):
+    llm = make_llm(model_dir, max_model_len=64)
+    outs = llm.generate([[5] * 10, [6] * 64, [], [7] * 20, [10_000]], GREEDY, use_tqdm=False)
+    assert [o.error is None for o in outs] == [True, False, False, True, False]
+    assert "64 tokens" in outs[1].error and "max_model_len" in outs[1].error
+    assert "empty" in outs[2].error and "vocabulary" in outs[4].error
+    assert len(outs[0].outputs[0].token_ids) == 12 and len(outs[3].outputs[0].token_ids) == 12
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_shared_prefix_hit_rate(model_dir):
+    """8 requests = one 64-token prefix + 8 unique tokens, submitted together: the first
+    computes the 4 prefix blocks, the other 7 reuse them (in the same step), so the hit rate
+    is 7 * 64 / (8 * 72)."""
+    llm = make_llm(model_dir, block_size=16, enable_prefix_caching=True)
+    prefix = list(range(1, 65))
+    prompts = [prefix + [100 + i] * 8 for i in range(8)]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.get_stats().prefix_hit_rate == pytest.approx(7 * 64 / (8 * 72))
+    assert [o.num_cached_tokens for o in outs] == [0] + [64] * 7
+    plain = make_llm(model_dir, enable_prefix_caching=False).generate(prompts, GREEDY,
+                                                                       use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_same_seed_same_output_alone_or_batched(model_dir):
+    llm = make_llm(model_dir)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=123, ignore_eos=True)
+    alone = llm.generate([[3, 1, 4, 1, 5]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=15 + i, seed=i, ignore_eos=True)
+              for i in range(7)]
+    prompts = [[2] * (i + 3) for i in range(7)]
+    batch = llm.generate(prompts[:3] + [[3, 1, 4, 1, 5]] + prompts[3:],
+                         others[:3] + [seeded] + others[3:], use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone
+    unseeded = [o.outputs[0].token_ids for o in batch[:3]]
+    assert len({tuple(t) for t in unseeded + [alone]}) == 4  # sampling really samples
+
+
+def test_n_completions_share_prompt_blocks(model_dir):
+    llm = make_llm(model_dir, enable_prefix_caching=False)
+    prompt = list(range(1, 24))  # 23 tokens: the last prompt block is partial -> copy-on-write
+    greedy = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=10,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in greedy.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
+    single = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == single.outputs[0].token_ids
+    sampled = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=0,
+                                                    max_tokens=10, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in sampled.outputs}) == 4
+    # completion i samples with seed + i: alone, that seed gives the same tokens, which holds
+    # only if the forks' shared prompt blocks were copied before each wrote its own token
+    for i, completion in enumerate(sampled.outputs):
+        alone = llm.generate([prompt], SamplingParams(temperature=1.0, seed=i, max_tokens=10,
+                                                      ignore_eos=True), use_tqdm=False)[0]
+        assert completion.token_ids == alone.outputs[0].token_ids
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_stop_token_ids_and_logprobs(model_dir):
+    llm = make_llm(model_dir)
+    base = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=12,
+                                                    ignore_eos=True, logprobs=3),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(base.logprobs) == 12
+    for tok, lp in zip(base.token_ids, base.logprobs):
+        assert tok in lp and len(lp) >= 3 and lp[tok] == max(lp.values())  # greedy = top-1
+    assert base.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in
+                                                        zip(base.token_ids, base.logprobs)))
+    stop_at = base.token_ids[4]
+    first = base.token_ids.index(stop_at)
+    cut = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=12,
+                                                   stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.token_ids == base.token_ids[:first + 1]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop_at)
+    later = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=12,
+                                                     stop_token_ids=[stop_at],
+                                                     min_tokens=first + 2),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(later.token_ids) >= first + 2 and stop_at not in later.token_ids[:first + 2]
+
+
+def test_engine_config_errors(model_dir):
+    with pytest.raises(LLMAccelError, match="fewer than max_model_len"):
+        make_llm(model_dir, num_gpu_blocks=2)
+    with pytest.raises(LLMAccelError, match="block_size"):
+        make_llm(model_dir, block_size=12)
+    with pytest.raises(LLMAccelError, match="max_num_batched_tokens"):
+        make_llm(model_dir, enable_chunked_prefill=False, max_num_batched_tokens=16)
+
+
+def test_async_streaming_and_client_abort(model_dir):
+    llm = make_llm(model_dir)
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 17]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    engine = AsyncLLM(llm.engine)
+
+    async def consume(prompt):
+        seen = []
+        async for out in engine.generate(prompt, GREEDY):
+            seen.append(len(out.outputs[0].token_ids))
+            last = out
+        assert seen == sorted(seen) and last.finished
+        return last.outputs[0].token_ids
+
+    async def leave_early():
+        stream = engine.generate([4] * 30, SamplingParams(temperature=0, max_tokens=500,
+                                                          ignore_eos=True))
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        await stream.aclose()  # what a server does when its client disconnects
+
+    async def main():
+        results = await asyncio.gather(*(consume(p) for p in prompts), leave_early())
+        await engine.shutdown()
+        return results[:3]
+
+    assert asyncio.run(main()) == expected
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert not llm.engine.has_unfinished_requests()
