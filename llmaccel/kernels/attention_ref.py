@@ -60,3 +60,23 @@ def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
         out[start:end] = causal_attention_ref(q[start:end], k[start:end], v[start:end], scale)
     return out
+
+
+def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """One new token per sequence, all sequences in one padded SDPA call: q [B, H, d],
+    block_tables [B, max_blocks], seq_lens [B] -> [B, H, d]. Same math as
+    `paged_attention_ref`, without its per-sequence Python loop."""
+    block_size = kv_cache.shape[2]
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    max_len = int(seq_lens.max())
+    pos = torch.arange(max_len, device=q.device)
+    valid = pos[None, :] < seq_lens[:, None].long()                        # [B, L]
+    blocks = block_tables[:, pos // block_size].long().clamp_min(0)       # -1 pads -> block 0
+    slots = torch.where(valid, blocks * block_size + pos % block_size, 0)
+    k, v = flat[0, slots].to(q.dtype), flat[1, slots].to(q.dtype)        # [B, L, kv_heads, d]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=scale, enable_gqa=q.shape[1] != k.shape[2])
+    return out.squeeze(2)

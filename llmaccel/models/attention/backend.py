@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from llmaccel.kernels.attention_ref import (paged_attention_ref, reshape_and_cache_ref,
-                                            varlen_attention_ref)
+from llmaccel.kernels.attention_ref import (paged_attention_ref, paged_decode_attention_ref,
+                                            reshape_and_cache_ref, varlen_attention_ref)
 from llmaccel.models.attention.metadata import AttentionMetadata
 
 
@@ -30,6 +30,9 @@ class TorchAttentionBackend(AttentionBackend):
         if kv_cache is None or not meta.uses_kv_cache:
             return varlen_attention_ref(q, k, v, meta.query_start_loc_cpu, scale)
         reshape_and_cache_ref(k, v, kv_cache, meta.slot_mapping)
+        if meta.num_tokens == meta.num_seqs:  # pure decode: one padded call, no Python loop
+            return paged_decode_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens,
+                                              scale)
         return paged_attention_ref(q, kv_cache, meta.block_tables, meta.query_start_loc_cpu,
                                    meta.seq_lens_cpu, scale)
 
