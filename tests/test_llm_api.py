@@ -186,3 +186,38 @@ def test_async_streaming_and_client_abort(model_dir):
     assert asyncio.run(main()) == expected
     assert llm.engine.block_manager.num_used_blocks == 0
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_failed_step_fails_streams_and_keeps_serving(model_dir, monkeypatch):
+    llm = make_llm(model_dir, enable_prefix_caching=True)
+    engine = AsyncLLM(llm.engine)
+    calls = {"n": 0}
+    real_execute = llm.engine.runner.execute
+
+    def flaky(step):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated kernel failure")
+        return real_execute(step)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", flaky)
+
+    async def consume(prompt):
+        out = None
+        async for out in engine.generate(prompt, GREEDY):
+            pass
+        return out.outputs[0].token_ids
+
+    async def main():
+        first = await asyncio.gather(consume(list(range(1, 40))), consume([5] * 33),
+                                     return_exceptions=True)
+        after = await consume(list(range(1, 40)))  # the engine still serves
+        await engine.shutdown()
+        return first, after
+
+    first, after = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) for r in first)
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert len(llm.engine.block_manager.cache) <= 3  # only the new request's blocks, re-computed
+    expected = make_llm(model_dir).generate([list(range(1, 40))], GREEDY, use_tqdm=False)
+    assert after == expected[0].outputs[0].token_ids

@@ -88,8 +88,8 @@ class AsyncLLM:
             except Exception as e:  # a failed step fails its requests, not the server
                 for request_id in list(self.engine.requests):
                     self.engine.abort_request(request_id)
-                    if request_id in self._queues:
-                        self._queues[request_id].put_nowait(e)
+                for queue in self._queues.values():
+                    queue.put_nowait(e)
                 continue
             for out in outputs:
                 queue = self._queues.get(out.request_id)

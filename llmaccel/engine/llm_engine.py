@@ -142,6 +142,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched:
+            # Config checks guarantee any single request fits; an empty step with work
+            # waiting would loop forever, so it is a bug worth a loud error.
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the scheduler could not admit the next waiting request")
             return []
         try:
             self.runner.copy_blocks(self.block_manager.take_pending_copies())

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmaccel.engine.detokenizer import DetokenizerState
 from llmaccel.engine.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     text: str = ""
+    detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llmaccel.engine.detokenizer import detokenize_incrementally
 from llmaccel.engine.sequence import Sequence
 
 
@@ -29,10 +30,11 @@ class StopChecker:
             elif token in p.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
         if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_token_ids,
-                                             skip_special_tokens=p.skip_special_tokens)
-            if p.stop and seq.finish_reason is None and n >= p.min_tokens:
-                self._check_stop_strings(seq)
+            new_text = detokenize_incrementally(self.tokenizer, seq.output_token_ids,
+                                                seq.detokenizer, p.skip_special_tokens)
+            seq.text += new_text
+            if new_text and p.stop and seq.finish_reason is None and n >= p.min_tokens:
+                self._check_stop_strings(seq, len(new_text))
         if seq.finish_reason is None and (
                 (p.max_tokens is not None and n >= p.max_tokens)
                 or seq.num_tokens >= self.max_model_len):
@@ -40,8 +42,10 @@ class StopChecker:
         return seq.finish_reason is not None
 
     @staticmethod
-    def _check_stop_strings(seq: Sequence) -> None:
-        hits = [(seq.text.find(s), s) for s in seq.params.stop]
+    def _check_stop_strings(seq: Sequence, new_chars: int) -> None:
+        # Only a match that ends in the new text is new: search from just before it.
+        start = max(0, len(seq.text) - new_chars - max(len(s) for s in seq.params.stop) + 1)
+        hits = [(seq.text.find(s, start), s) for s in seq.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return
