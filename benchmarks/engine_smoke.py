@@ -25,11 +25,11 @@ MODEL = "llama-3.2-1b"
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return os.environ.get("LLMACCEL_COMMIT", "unknown")
+    """The measured commit: $LLMACCEL_COMMIT (copies without .git), else git's HEAD."""
+    if os.environ.get("LLMACCEL_COMMIT"):
+        return os.environ["LLMACCEL_COMMIT"]
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def main(out_dir: str) -> None:
