@@ -5,6 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # No GPU (CI): Triton kernels run in Triton's interpreter. Set here, before any test module
+    # (or transformers/torch) imports triton: parts of triton read it at import time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 FETCH = REPO.parent / "shared" / "models" / "fetch"
 

@@ -1,7 +1,6 @@
 """Triton paged decode attention against its PyTorch reference: small cases under
 TRITON_INTERPRET=1 on CPU (CI), awkward sizes on a GPU (`pytest -m gpu`)."""
 
-import os
 import random
 
 import pytest
@@ -9,10 +8,7 @@ import torch
 
 from llmaccel.kernels.attention_ref import paged_decode_attention_ref
 
-if not torch.cuda.is_available():
-    # CPU (CI): run the kernels in Triton's interpreter. Set before the kernel module is
-    # imported: triton.jit reads it when it decorates.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, conftest.py has set TRITON_INTERPRET=1: the kernels run in Triton's interpreter.
 triton = pytest.importorskip("triton")
 
 

@@ -1,4 +1,4 @@
-"""ModelConfig: one validated description of the model to load (source, HF config, dtype, length)."""
+"""ModelConfig: the validated description of a model to load (source, config, dtype, length)."""
 
 from __future__ import annotations
 

@@ -21,8 +21,9 @@ def get_tokenizer(mc: ModelConfig, tokenizer: str | None = None) -> PreTrainedTo
         args, kwargs = (directory,), {"gguf_file": file}
     elif mc.source.kind == "hf":
         if not any((mc.source.path / f).is_file() for f in _TOKENIZER_FILES):
-            raise LLMAccelError(f"'{mc.name}' has no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
-                                "; pass one with --tokenizer PATH_OR_HUB_ID")
+            files = ", ".join(_TOKENIZER_FILES)
+            raise LLMAccelError(f"'{mc.name}' has no tokenizer files ({files}); pass one with "
+                                "--tokenizer PATH_OR_HUB_ID")
         args, kwargs = (str(mc.source.path),), {}
     else:
         raise LLMAccelError(f"'{mc.name}' is a shape with random weights and no tokenizer; "

@@ -43,5 +43,6 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
     if name not in _BACKENDS:
         from llmaccel.errors import LLMAccelError
-        raise LLMAccelError(f"unknown attention backend '{name}' (available: {', '.join(_BACKENDS)})")
+        raise LLMAccelError(f"unknown attention backend '{name}' "
+                            f"(available: {', '.join(_BACKENDS)})")
     return _BACKENDS[name]()

@@ -42,7 +42,8 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
 
 def _llama3_scale(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    factor = float(p["factor"])
+    low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
     old_len = float(p["original_max_position_embeddings"])
     low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq

@@ -1,0 +1,97 @@
+"""Triton RMSNorm, plain and with the fused residual add, plus their PyTorch references.
+
+One program per row: the row is loaded once (masked up to the next power of two, so any hidden
+size works), squared and summed in fp32, and the normalized row written back. The fused variant
+also adds the residual first and writes the sum back into `residual` in place, saving a separate
+elementwise add and one round trip of the residual stream through memory.
+
+The math matches `llmaccel.models.layers.norm.RMSNorm` step for step (normalize in fp32, round
+to the input dtype, then multiply by the weight and round again), so bf16/fp16 outputs match the
+layer, not just approximately the fp32 math.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, Res, W, Out, stride_x, stride_r, stride_o, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0)
+        # x + residual in the input dtype, as the layer does, then carried on as the residual.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(Res + row * stride_r + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    normed = (h * rstd).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    rows = t.view(-1, t.shape[-1])
+    assert rows.stride(-1) == 1, "last dim must be contiguous"
+    return rows
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            eps: float) -> torch.Tensor:
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,) and weight.is_contiguous()
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
+    # weight * h.to(dtype) in the layer follows torch's type promotion.
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    o2 = out.view(-1, hidden)
+    if x2.shape[0] == 0:
+        return out
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), hidden, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(max(block // 256, 1), 16),
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., hidden] -> weight * rmsnorm(x), a new tensor; x is not modified."""
+    return _launch(x, None, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rmsnorm(x + residual) * weight, x + residual).
+
+    In place: `residual` is overwritten with x + residual and is the second value returned.
+    `x` is left unchanged; the normalized output is a new tensor. `residual` must have x's
+    shape and dtype and be viewable as rows (contiguous last dim)."""
+    assert residual.shape == x.shape and residual.dtype == x.dtype
+    out = _launch(x, residual, weight, eps)
+    return out, residual
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """PyTorch reference: the exact math of `RMSNorm.forward(x)`."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference: `RMSNorm.forward(x, residual)`, with the same in-place contract as
+    `fused_add_rms_norm` (residual overwritten with x + residual, x unchanged)."""
+    residual.copy_(x + residual)
+    return rms_norm_ref(residual, weight, eps), residual
