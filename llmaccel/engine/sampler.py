@@ -59,16 +59,19 @@ def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams],
     for i, ids in enumerate(banned):
         if ids:
             logits[i, ids] = float("-inf")
-    tokens = sample(logits, params, generators).tolist()
+    tokens_t = sample(logits, params, generators)
+    # One gather and one transfer for the whole batch, not a host sync per row.
+    chosen = logprobs.gather(1, tokens_t[:, None]).squeeze(1).tolist()
+    tokens = tokens_t.tolist()
     results = []
     for i, (tok, p) in enumerate(zip(tokens, params)):
         top = None
         if p.logprobs is not None:
-            top = {tok: logprobs[i, tok].item()}
+            top = {tok: chosen[i]}
             if p.logprobs:
                 values, ids = logprobs[i].topk(p.logprobs)
                 top.update(zip(ids.tolist(), values.tolist()))
-        results.append(SampleResult(tok, logprobs[i, tok].item(), top))
+        results.append(SampleResult(tok, chosen[i], top))
     return results
 
 
