@@ -40,13 +40,9 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -97,7 +93,6 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         # Victims come from the tail, never from what this step already scheduled: those
         # blocks are published in the prefix cache and must be written by this step.
