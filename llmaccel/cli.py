@@ -62,6 +62,19 @@ def analyze(
         render_analysis(source.name, result, console)
 
 
+def parse_int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """'1,2,4' -> (1, 2, 4); a clear error for anything else."""
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise LLMAccelError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values:
+        raise LLMAccelError(f"{flag} is empty")
+    return values
+
+
 @app.command()
 def generate(
     model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
@@ -91,6 +104,12 @@ def generate(
     max_num_batched_tokens: Optional[int] = typer.Option(None, min=1),
     num_gpu_blocks: Optional[int] = typer.Option(None, min=1),
     gpu_memory_utilization: float = typer.Option(0.9, min=0.01, max=1.0),
+    attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, torch on CPU), "
+                                          "triton, flex or torch."),
+    enforce_eager: bool = typer.Option(False, help="Never use CUDA graphs."),
+    cudagraph_capture_sizes: Optional[str] = typer.Option(
+        None, help="Decode batch sizes to capture, comma-separated (default 1,2,4,8,16,32,…"
+        " up to max_num_seqs); fewer saves memory and start-up time."),
 ) -> None:
     """Generate text for one or more prompts on the engine."""
     from llmaccel.engine import SamplingParams
@@ -106,7 +125,10 @@ def generate(
                   load_format=load_format, tokenizer=tokenizer,
                   enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks=num_gpu_blocks,
-                  gpu_memory_utilization=gpu_memory_utilization)
+                  gpu_memory_utilization=gpu_memory_utilization,
+                  attention_backend=attention_backend, enforce_eager=enforce_eager,
+                  cudagraph_capture_sizes=parse_int_list(cudagraph_capture_sizes,
+                                                         "--cudagraph-capture-sizes"))
     load_s = time.perf_counter() - start
     tok = llm.get_tokenizer()
     if tok is None:

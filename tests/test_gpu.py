@@ -59,12 +59,95 @@ def test_dummy_shape_generates_on_gpu(shape):
     assert stats.num_blocks * 16 >= 4096 and llm.engine.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_engine_matches_transformers_on_gpu(mode, tmp_path):
-    hf = make_tiny_model(tiny_configs()["llama3-rope"], tmp_path).cuda()
+ENGINE_CASES = ([("triton", name, mode) for name in ("llama3-rope", "qwen2", "mistral")
+                 for mode in MODES]
+                + [("torch", "llama3-rope", mode) for mode in MODES]
+                + [("flex", "qwen2", "prefix-caching"), ("flex", "mistral", "all-three")])
+
+
+@pytest.mark.parametrize("backend,name,mode", ENGINE_CASES)
+def test_engine_matches_transformers_on_gpu(backend, name, mode, tmp_path):
+    """fp32 greedy tokens equal HF's, through CUDA graphs (triton: every decode step of a
+    batch that fits a captured size replays a graph, padded) or eagerly (torch, flex)."""
+    hf = make_tiny_model(tiny_configs()[name], tmp_path).cuda()
     prompts, max_tokens = random_workload(hf.config.vocab_size, seed=3)
     expected = hf_greedy(hf, prompts, max_tokens)
     llm, got = run_engine(str(tmp_path), mode, prompts, max_tokens, device="cuda",
-                          skip_tokenizer_init=True)
+                          skip_tokenizer_init=True, attention_backend=backend)
     assert got == expected
     check_mode(llm, mode)
+    runner = llm.engine.runner
+    assert (runner.graphs is not None) == (backend == "triton")
+
+
+def test_cuda_graph_replay_equals_eager(tmp_path):
+    """bf16, a dummy 1B shape: the logits of a graph replay (batch 5 padded to 8) equal the
+    eager forward of the same batch."""
+    llm = LLM("llama-3.2-1b", load_format="dummy", dtype="bfloat16", device="cuda",
+              max_model_len=1024, max_num_seqs=8, cudagraph_capture_sizes=(1, 2, 4, 8))
+    runner = llm.engine.runner
+    assert sorted(runner.graphs.graphs) == [1, 2, 4, 8]
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(20 + 9 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # fills the cache of 5 sequences
+    eng = llm.engine
+    for i, p in enumerate(prompts):  # decode one more step for each by hand
+        eng.add_request(f"x{i}", p, SamplingParams(temperature=0, max_tokens=2,
+                                                   ignore_eos=True))
+    step = eng.scheduler.schedule()  # prefill (prefix hits)
+    eng.runner.execute(step)
+    for seq, n in step.scheduled:
+        seq.num_computed_tokens += n
+        seq.output_token_ids.append(1)
+    decode = eng.scheduler.schedule()
+    assert all(n == 1 for _, n in decode.scheduled) and len(decode.scheduled) == 5
+    _, graph_logits = runner.execute(decode)
+    graph_logits = graph_logits.clone()
+    graphs, runner.graphs = runner.graphs, None
+    _, eager_logits = runner.execute(decode)
+    runner.graphs = graphs
+    torch.testing.assert_close(graph_logits.float(), eager_logits.float(), atol=3e-2, rtol=3e-2)
+    assert (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_logits_near_fp32(dtype, tmp_path):
+    """fp16 (T4-class GPUs have no bf16) and bf16 through the Triton path: prefill logits
+    stay near the fp32 torch reference."""
+    make_tiny_model(tiny_configs()["qwen2"], tmp_path)
+    _, ref = load_model(str(tmp_path), dtype="float32", device="cuda",
+                        attention_backend="torch")
+    ref.set_fused_kernels(False)
+    _, half = load_model(str(tmp_path), dtype=dtype, device="cuda", attention_backend="triton")
+    lens = [7, 33, 1]
+    ids = torch.randint(0, ref.config.vocab_size, (sum(lens),), device="cuda")
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lens])
+    meta = AttentionMetadata.for_prefill(lens, "cuda")
+    with torch.no_grad():
+        want = ref.compute_logits(ref(ids, pos, meta))
+        got = half.compute_logits(half(ids, pos, meta)).float()
+    assert torch.isfinite(got).all()
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 3e-2, err
+
+
+def test_smollm2_gpu_greedy_equals_cpu_reference():
+    """Real SmolLM2-135M (GGUF, path in $LLMACCEL_SMOLLM2_GGUF on the device): fp32 greedy on
+    the GPU (Triton kernels, CUDA graphs) equals fp32 greedy on the CPU (PyTorch reference
+    path), 64 tokens for 4 prompts."""
+    import os
+    path = os.environ.get("LLMACCEL_SMOLLM2_GGUF")
+    if not path:
+        pytest.skip("set LLMACCEL_SMOLLM2_GGUF to the SmolLM2-135M-Instruct GGUF")
+    prompts = ["The capital of France is", "def fibonacci(n):",
+               "Memory bandwidth limits decoding because", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(path, dtype="float32", device=device, max_model_len=512)
+        outs[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                     use_tqdm=False)]
+        if device == "cuda":
+            assert llm.engine.runner.graphs is not None
+            assert llm.engine.model.attention_backend.name == "triton"
+    assert outs["cuda"] == outs["cpu"]

@@ -1,5 +1,5 @@
-"""Triton paged decode attention against its PyTorch reference: small cases under
-TRITON_INTERPRET=1 on CPU (CI), awkward sizes on a GPU (`pytest -m gpu`)."""
+"""Triton paged decode attention (single pass and split-K) against its PyTorch reference: small
+cases under TRITON_INTERPRET=1 on CPU (CI), awkward sizes on a GPU (`pytest -m gpu`)."""
 
 import random
 
@@ -13,13 +13,19 @@ triton = pytest.importorskip("triton")
 
 
 def _case(lens, heads, kv_heads, head_dim, block_size, dtype, device, seed=0):
+    """Scattered block tables; every cache slot no sequence owns is NaN, so a kernel that reads
+    past a sequence's end (or through a -1 pad) poisons its output."""
     rng = random.Random(seed)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"))
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    for table, n in zip(tables, lens):
+        for pos in range(n):
+            cache[:, table[pos // block_size], pos % block_size] = torch.randn(
+                2, kv_heads, head_dim, generator=gen)
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
@@ -27,26 +33,82 @@ def _case(lens, heads, kv_heads, head_dim, block_size, dtype, device, seed=0):
     return [t.to(device) for t in (q.to(dtype), cache.to(dtype), bt, sl)]
 
 
-def _check(lens, heads, kv_heads, head_dim, block_size, dtype, device, atol):
+def _check(lens, heads, kv_heads, head_dim, block_size, dtype, device, atol, num_splits=1,
+           block_n=32):
     from llmaccel.kernels.paged_attention import paged_decode_attention
     q, cache, bt, sl = _case(lens, heads, kv_heads, head_dim, block_size, dtype, device)
     scale = head_dim ** -0.5
     want = paged_decode_attention_ref(q.float(), cache.float(), bt, sl, scale)
-    got = paged_decode_attention(q, cache, bt, sl, scale)
+    got = paged_decode_attention(q, cache, bt, sl, scale, num_splits=num_splits, block_n=block_n)
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 1, 32), (3, 3, 16)])
 def test_paged_decode_small(heads, kv_heads, head_dim):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    _check([1, 5, 17, 33], heads, kv_heads, head_dim, 4, torch.float32, device, atol=2e-3)
+    _check([1, 5, 17, 33], heads, kv_heads, head_dim, 4, torch.float32, _device(), atol=2e-3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 24), (3, 1, 32)])
+def test_paged_decode_split_k(num_splits, heads, kv_heads, head_dim):
+    # block_n 16: 33 tokens make 3 tiles, so splits get 1-2 tiles, a partial one, or none
+    # (seq_len 1 with 8 splits leaves 7 empty splits, which must not produce NaN).
+    _check([1, 5, 17, 33], heads, kv_heads, head_dim, 4, torch.float32, _device(), atol=2e-3,
+           num_splits=num_splits, block_n=16)
+
+
+def test_paged_decode_split_k_replays_with_new_lengths():
+    """Split ranges come from seq_lens on the device: the same launch (same tensors, same
+    grid), as a replayed CUDA graph would do it, is right after the lengths change in place."""
+    from llmaccel.kernels.paged_attention import paged_decode_attention
+    q, cache, bt, sl = _case([9, 40], 4, 2, 16, 4, torch.float32, _device())
+    for lens in ([9, 40], [3, 1], [9, 33]):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        got = paged_decode_attention(q, cache, bt, sl, 0.25, num_splits=4, block_n=16)
+        want = paged_decode_attention_ref(q, cache, bt, sl, 0.25)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_zero_length_gives_zeros(num_splits):
+    """A padded batch row (seq_len 0) must come out finite (zeros), never NaN."""
+    from llmaccel.kernels.paged_attention import paged_decode_attention
+    q, cache, bt, sl = _case([0, 6], 2, 1, 16, 4, torch.float32, _device())
+    got = paged_decode_attention(q, cache, bt, sl, 0.25, num_splits=num_splits)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    want = paged_decode_attention_ref(q[1:], cache, bt[1:], sl[1:], 0.25)
+    torch.testing.assert_close(got[1:], want, atol=2e-3, rtol=0)
+
+
+def test_split_heuristic():
+    from llmaccel.kernels.paged_attention import MAX_SPLITS, choose_num_splits, splits_for
+    assert splits_for(programs=264, num_sms=132) == 1            # already two waves
+    assert splits_for(programs=8, num_sms=132) == MAX_SPLITS     # one sequence, 8 KV heads
+    assert splits_for(programs=64, num_sms=132) == 5             # ceil(264 / 64)
+    assert splits_for(programs=8, num_sms=132, max_seq_len_hint=300) == 1   # short context
+    assert splits_for(programs=8, num_sms=132, max_seq_len_hint=1024) == 4
+    assert splits_for(programs=8, num_sms=132, max_seq_len_hint=100_000) == MAX_SPLITS
+    assert choose_num_splits(1, 8, device="cpu") == 1            # interpreter: never split
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3, 16, None])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 64), (24, 8, 128), (12, 2, 128),
-                                                     (9, 3, 64)])
-def test_paged_decode_gpu(dtype, heads, kv_heads, head_dim):
-    lens = [1, 15, 16, 17, 255, 1000, 4097]
-    _check(lens, heads, kv_heads, head_dim, 16, dtype, "cuda", atol=2e-2)
+                                                     (9, 3, 64), (10, 2, 80), (7, 7, 24)])
+def test_paged_decode_gpu(dtype, num_splits, heads, kv_heads, head_dim):
+    lens = [1, 15, 16, 17, 255, 1000, 3999, 4097]
+    _check(lens, heads, kv_heads, head_dim, 16, dtype, "cuda", atol=2e-2, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_decode_gpu_one_long_sequence(block_size):
+    """One sequence: the case split-K exists for (num_splits None picks many splits)."""
+    _check([4000], 32, 8, 128, block_size, torch.bfloat16, "cuda", atol=2e-2, num_splits=None)

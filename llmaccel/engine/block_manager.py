@@ -73,6 +73,7 @@ class BlockManager:
         for b in blocks:
             self._incref(b)
         seq.block_table = list(blocks)
+        seq.num_published_blocks = len(blocks)
         seq.num_computed_tokens = len(blocks) * self.block_size
         return seq.num_computed_tokens
 
@@ -113,8 +114,8 @@ class BlockManager:
         if self.cache is None:
             return
         full = num_tokens // self.block_size
-        if full == 0:
-            return
+        if full <= seq.num_published_blocks:
+            return  # nothing new: decode steps skip the walk 15 times out of 16
         tokens = seq.all_token_ids[:full * self.block_size]
         cached = self.cache.match_prefix(tokens)
         for i, block in enumerate(cached):
@@ -124,12 +125,13 @@ class BlockManager:
                 seq.block_table[i] = block
         if len(cached) < full:
             self.cache.insert(tokens, seq.block_table[:full])
+        seq.num_published_blocks = full
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):  # tail first: leaves become idle before roots
             self._decref(block)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_published_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; the first write into a shared partial
@@ -138,6 +140,7 @@ class BlockManager:
             self._incref(block)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.num_published_blocks = parent.num_published_blocks
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (after a failed step, whose blocks may never have been

@@ -17,7 +17,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     device: str | None = None
     seed: int = 0
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"            # auto | triton | flex | torch
+    enforce_eager: bool = False                # no CUDA graphs
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: default_capture_sizes
     block_size: int = 16
     num_gpu_blocks: int | None = None          # fixes the KV pool size, overriding the budget
     gpu_memory_utilization: float = 0.9        # fraction of GPU memory for weights + KV + work
@@ -37,6 +39,10 @@ class EngineConfig:
             raise LLMAccelError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise LLMAccelError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if self.cudagraph_capture_sizes is not None and any(
+                s < 1 for s in self.cudagraph_capture_sizes):
+            raise LLMAccelError("cudagraph_capture_sizes must be positive, got "
+                                f"{list(self.cudagraph_capture_sizes)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise LLMAccelError("max_num_batched_tokens must be >= 1, got "
                                 f"{self.max_num_batched_tokens}")

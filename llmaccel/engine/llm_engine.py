@@ -10,6 +10,7 @@ import torch
 
 from llmaccel.engine.block_manager import BlockManager
 from llmaccel.engine.config import EngineConfig
+from llmaccel.engine.cuda_graph import default_capture_sizes
 from llmaccel.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from llmaccel.engine.model_runner import ModelRunner
 from llmaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -72,17 +73,30 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, allocate_kv_caches(
-            self.model, num_blocks, bs, mc.dtype, device), bs)
+            self.model, num_blocks, bs, mc.dtype, device), bs, mc.max_model_len,
+            self._capture_sizes())
         self.stop_checker = StopChecker(eos_token_ids(mc, self.tokenizer), mc.max_model_len,
                                         self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(num_blocks=num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, bs, num_blocks * bs)
 
+    def _capture_sizes(self) -> list[int] | None:
+        c = self.config
+        if c.enforce_eager or self.device.type != "cuda":
+            return None
+        sizes = (list(c.cudagraph_capture_sizes) if c.cudagraph_capture_sizes is not None
+                 else default_capture_sizes(c.max_num_seqs))
+        # A decode batch never exceeds max_num_seqs, so larger graphs would be dead weight.
+        return sorted({s for s in sizes if s <= c.max_num_seqs}) or None
+
     def _profile_num_blocks(self) -> int:
         """On GPU, run the largest step once without a cache to measure activation memory."""
         c, mc = self.config, self.model_config
         if self.device.type == "cuda":
+            # Budget from this engine's own peak: weights + the profiling step (an earlier
+            # peak in the same process, e.g. another model since freed, must not count).
+            torch.cuda.reset_peak_memory_stats(self.device)
             n = min(self.max_num_batched_tokens, mc.max_model_len)
             with torch.inference_mode():
                 hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),

@@ -1,23 +1,42 @@
-"""Turns a scheduled step into one flat forward pass and returns the logits to sample from."""
+"""Turns a scheduled step into one flat forward pass and returns the logits to sample from.
+
+Decode-only steps replay a captured CUDA graph when one fits the batch (see cuda_graph.py);
+everything else (prefill, chunked prefill, mixed steps, CPU) runs eagerly.
+"""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from llmaccel.engine.cuda_graph import CUDAGraphRunner
 from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.engine.sequence import Sequence
 from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.transformer import TransformerForCausalLM
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
     def __init__(self, model: TransformerForCausalLM, kv_caches: list[torch.Tensor],
-                 block_size: int) -> None:
+                 block_size: int, max_model_len: int = 0,
+                 cudagraph_capture_sizes: list[int] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = next(model.parameters()).device
         model.bind_kv_caches(kv_caches)
+        self.graphs: CUDAGraphRunner | None = None
+        if cudagraph_capture_sizes and self.device.type == "cuda":
+            if not model.attention_backend.supports_cuda_graphs:
+                logger.warning("attention backend '%s' cannot be captured in CUDA graphs; "
+                               "decode runs eagerly", model.attention_backend.name)
+            else:
+                self.graphs = CUDAGraphRunner(model, cudagraph_capture_sizes,
+                                              -(-max_model_len // block_size), self.device)
+                self.graphs.capture()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks before a sequence writes into its copy."""
@@ -39,19 +58,29 @@ class ModelRunner:
         query_lens, seq_lens, tables, sampling, rows = [], [], [], [], []
         for seq, n in step.scheduled:
             start = seq.num_computed_tokens
-            ids += seq.all_token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            table = seq.block_table
+            if n == 1:  # decode: skip building per-token ranges
+                ids.append(seq.token_at(start))
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids += seq.token_slice(start, start + n)
+                positions += range(start, start + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(seq.block_table)
+            tables.append(table)
             if start + n == seq.num_tokens:
                 sampling.append(seq)
                 rows.append(len(ids) - 1)
+        if (self.graphs is not None and len(ids) == len(query_lens)
+                and self.graphs.can_run(len(ids))):
+            return sampling, self.graphs.run(ids, positions, slots, seq_lens, tables)
         meta = AttentionMetadata.build(query_lens, seq_lens, self.device, slots, tables)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta)
         if not rows:
             return [], hidden.new_empty(0, 0)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        return sampling, logits
+        if len(rows) < len(ids):
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        return sampling, self.model.compute_logits(hidden)

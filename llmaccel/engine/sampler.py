@@ -54,15 +54,25 @@ def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams],
                          banned: list[list[int]]) -> list[SampleResult]:
     """Like `sample`, with per-row banned ids (EOS/stop ids before min_tokens) and logprobs of
     the model's own distribution (before temperature and truncation, as vLLM reports them)."""
-    logits = logits.float()
-    logprobs = logits.log_softmax(-1)
-    for i, ids in enumerate(banned):
-        if ids:
-            logits[i, ids] = float("-inf")
-    tokens_t = sample(logits, params, generators)
-    # One gather and one transfer for the whole batch, not a host sync per row.
-    chosen = logprobs.gather(1, tokens_t[:, None]).squeeze(1).tolist()
-    tokens = tokens_t.tolist()
+    raw = logits.float()
+    want_top = any(p.logprobs for p in params)
+    # The chosen token's logprob is logit - logsumexp: one reduction over the vocabulary,
+    # not a full log-softmax tensor, unless someone asked for top-k logprobs.
+    logprobs = raw.log_softmax(-1) if want_top else None
+    masked = raw
+    if any(banned):
+        masked = raw.clone()
+        for i, ids in enumerate(banned):
+            if ids:
+                masked[i, ids] = float("-inf")
+    tokens_t = sample(masked, params, generators)
+    if logprobs is not None:
+        chosen_t = logprobs.gather(1, tokens_t[:, None]).squeeze(1)
+    else:
+        chosen_t = raw.gather(1, tokens_t[:, None]).squeeze(1) - raw.logsumexp(-1)
+    # One device-to-host transfer (one sync) for the whole batch: ids are exact in float64.
+    tokens_f, chosen = torch.stack([tokens_t.double(), chosen_t.double()]).tolist()
+    tokens = [int(t) for t in tokens_f]
     results = []
     for i, (tok, p) in enumerate(zip(tokens, params)):
         top = None

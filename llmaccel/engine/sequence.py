@@ -30,6 +30,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    num_published_blocks: int = 0    # leading blocks already in the prefix cache
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     num_cached_tokens: int = 0       # of the prompt, served from the prefix cache
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -43,6 +44,19 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (it grows every step)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
     def num_tokens(self) -> int:

@@ -1,78 +1,212 @@
 """Triton paged decode attention: one new token per sequence against its paged KV cache.
 
-One program per (sequence, KV head) handles the whole GQA group of query heads that share the
-KV head, so each K/V tile is read once for the group: decode is memory-bound and K/V reads are
-the cost. Online softmax over tiles of BLOCK_N cached tokens (gathered through the block
-table). Reference: `attention_ref.paged_decode_attention_ref`.
+One program per (sequence, KV head, split) handles the whole GQA group of query heads that share
+the KV head, so each K/V tile is read once for the group: decode is memory-bound and K/V reads
+are the cost. Online softmax over tiles of BLOCK_N cached tokens (gathered through the block
+table), in the exp2 domain.
+
+Split-K (flash-decoding): with few sequences, (sequence, KV head) programs leave most SMs idle, so
+the context is cut into `num_splits` contiguous ranges, each program writing a normalised partial
+output and its log-sum-exp into a workspace; a second small kernel merges the splits. The range of
+a split is computed inside the kernel from the seq_len it loads, so the launch grid depends only
+on (num_seqs, num_kv_heads, num_splits): a CUDA graph captured once replays for any lengths.
+num_splits == 1 is the single-pass path (no workspace, no second kernel).
+
+Head dims that are not powers of two (e.g. 24, 80) are padded to the next power of two (at least
+16, for tl.dot) and masked. Reference: `attention_ref.paged_decode_attention_ref`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+__all__ = ["choose_num_splits", "paged_decode_attention"]
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+# A split shorter than this costs more in its extra K/V tile loop, workspace traffic and the
+# combine pass than the parallelism it adds.
+MIN_TOKENS_PER_SPLIT = 256
+
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, K, V, BlockTables, SeqLens, Out, scale,
+    Q, K, V, BlockTables, SeqLens, Out, PartOut, PartLse, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(SeqLens + seq)
+    # Whole tiles per split, so every split but the last starts and ends on a tile boundary.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, DIM_PAD)
     g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
     heads = kv_head * GROUP + g
     q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None], other=0.0)
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        p_mask = pos < seq_len
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    # An empty range (start >= end: a short sequence with many splits) runs no iterations.
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        p_mask = pos < end
         block = tl.load(BlockTables + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
         offs = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        k = tl.load(K + offs[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * qk_scale
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offs[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
+        v = tl.load(V + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
                                              input_precision=PRECISION).to(tl.float32)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             out.to(Out.dtype.element_ty), mask=g_mask[:, None])
+    # l_i >= 1 whenever a key was seen; 0 only for an empty range (or seq_len 0): output 0.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        # Base-2 log-sum-exp of the scaled scores; -inf marks an empty split (l_i is 0 there
+        # and >= 1 otherwise, so the max only keeps log2 away from 0).
+        lse = m_i + tl.log2(tl.maximum(l_i, 1.0))
+        part = PartOut + seq * stride_pt + heads[:, None] * stride_ph + split * stride_ps
+        tl.store(part + d[None, :], out, mask=out_mask)
+        tl.store(PartLse + seq * stride_lt + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    PartOut, PartLse, Out,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    s_mask = s < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    lse = tl.load(PartLse + seq * stride_lt + head * stride_lh + s, mask=s_mask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    # All splits empty (seq_len 0, e.g. a padded CUDA-graph row): avoid -inf - -inf = NaN.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    part = tl.load(PartOut + seq * stride_pt + head * stride_ph + s[:, None] * stride_ps
+                   + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + seq * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty),
+             mask=d_mask)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def splits_for(programs: int, num_sms: int, max_seq_len_hint: int | None = None) -> int:
+    """The split-K heuristic on plain numbers (see `choose_num_splits`)."""
+    target = 2 * num_sms
+    if programs <= 0 or programs >= target:
+        return 1
+    splits = min(MAX_SPLITS, -(-target // programs))
+    if max_seq_len_hint is not None:
+        splits = min(splits, max(1, max_seq_len_hint // MIN_TOKENS_PER_SPLIT))
+    return max(1, splits)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len_hint: int | None = None,
+                      device: torch.device | str | None = None) -> int:
+    """Splits per (sequence, KV head) for `paged_decode_attention`.
+
+    Aim for about two programs per SM (so one wave hides the other's memory latency):
+    splits = ceil(2 * SMs / (num_seqs * num_kv_heads)), capped at MAX_SPLITS (16). Batches that
+    already give >= 2 programs per SM get 1 (single pass, no combine). With a length hint (the
+    batch's longest context) each split keeps at least MIN_TOKENS_PER_SPLIT (256) tokens, so
+    short contexts are not split. Pass no hint under CUDA-graph capture: the result, and so the
+    grid, must not depend on lengths. Non-CUDA devices (the Triton interpreter) get 1: splitting
+    only adds work there.
+    """
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return splits_for(num_seqs * num_kv_heads, _sm_count(index), max_seq_len_hint)
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float,
-                           block_n: int = 32) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                           block_n: int | None = None) -> torch.Tensor:
     """q [B, H, d]; kv_cache [2, num_blocks, block_size, kv_heads, d]; block_tables
-    [B, max_blocks] int32; seq_lens [B] int32 -> [B, H, d]."""
+    [B, max_blocks] int32; seq_lens [B] int32 -> [B, H, d].
+
+    num_splits None picks `choose_num_splits(B, kv_heads, device=q.device)` (no length hint, so
+    graph-safe); 1 is the single-pass kernel. A sequence with seq_len 0 gets zeros. block_n:
+    cached tokens per tile (None: 32, or 16 for fp32, whose wider tiles spill registers)."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(2) == 1 and kv_cache.stride(-1) == 1, "head dim must be contiguous"
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, device=q.device)
+    num_splits = max(1, int(num_splits))
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
     key, value = kv_cache[0], kv_cache[1]
     # tl.dot needs every dimension >= 16.
     group_pad = max(16, triton.next_power_of_2(group))
-    block_n = max(16, block_n)
-    _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, key, value, block_tables, seq_lens, out, scale,
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if block_n is None:
+        block_n = 16 if q.dtype == torch.float32 else 32
+    block_n = max(16, triton.next_power_of_2(block_n))
+    if num_splits == 1:
+        # Never read: the single-pass kernel stores straight into `out`.
+        part_out, part_lse = out, out
+        part_strides = (0, 0, 0, 0, 0)
+    else:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
+                               device=q.device)
+        part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, key, value, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
+        block_tables.stride(0), out.stride(0), out.stride(1), *part_strides,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         # fp32 models get full-precision dots (the default would round inputs to TF32).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, *part_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )
     return out

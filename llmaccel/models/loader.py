@@ -5,14 +5,16 @@ arrive one at a time and are cast as they are copied in."""
 from __future__ import annotations
 
 import contextlib
-import zlib
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from llmaccel.errors import CorruptCheckpointError, LLMAccelError
+from llmaccel.kernels import triton_available
+from llmaccel.models.attention.backend import resolve_backend_name
 from llmaccel.models.config import ModelConfig
 from llmaccel.models.layers.linear import Linear
 from llmaccel.models.layers.quantization import QuantizationConfig
@@ -33,9 +35,13 @@ def _default_dtype(dtype: torch.dtype):
 
 def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
               quant_config: QuantizationConfig | None = None,
-              attention_backend: str = "torch", seed: int = 0,
-              progress: bool = False) -> TransformerForCausalLM:
+              attention_backend: str = "auto", seed: int = 0,
+              progress: bool = False, fused_kernels: bool | None = None
+              ) -> TransformerForCausalLM:
+    """`attention_backend` 'auto' picks triton on CUDA, torch elsewhere; `fused_kernels`
+    (None: on with CUDA and Triton) routes norms, rotary and activations through Triton."""
     device = torch.device(device)
+    attention_backend = resolve_backend_name(attention_backend, device)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = TransformerForCausalLM(model_config.hf_config, model_config.max_model_len,
                                        quant_config, attention_backend)
@@ -52,6 +58,9 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
     for module in model.modules():
         if isinstance(module, Linear):
             module.quant_method.process_weights_after_loading(module)
+    if fused_kernels is None:
+        fused_kernels = device.type == "cuda" and triton_available()
+    model.set_fused_kernels(fused_kernels)
     return model.eval()
 
 
@@ -165,7 +174,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float | None 
 
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None, load_format: str = "auto",
-               max_model_len: int | None = None, seed: int = 0, progress: bool = False):
+               max_model_len: int | None = None, seed: int = 0, progress: bool = False,
+               attention_backend: str = "auto"):
     """Convenience: (ModelConfig, model) for a path, hub id, GGUF file or shape name."""
     from llmaccel.models.config import make_model_config
 
@@ -174,4 +184,5 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto",
         raise LLMAccelError("device 'cuda' was asked for but no CUDA GPU is available")
     mc = make_model_config(model, dtype=dtype, max_model_len=max_model_len,
                            load_format=load_format, device=device)
-    return mc, get_model(mc, device, seed=seed, progress=progress)
+    return mc, get_model(mc, device, seed=seed, progress=progress,
+                         attention_backend=attention_backend)

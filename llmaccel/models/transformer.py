@@ -146,6 +146,17 @@ class TransformerForCausalLM(nn.Module):
             return torch.nn.functional.linear(hidden_states, self.model.embed_tokens.weight)
         return self.lm_head(hidden_states)
 
+    @property
+    def attention_backend(self) -> AttentionBackend:
+        return self.model.layers[0].self_attn.backend
+
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Route RMSNorm, rotary and SiLU-and-mul through their Triton kernels (CUDA) or the
+        PyTorch code (CPU, reference)."""
+        for module in self.modules():
+            if hasattr(module, "use_triton"):
+                module.use_triton = enabled
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 

@@ -1,4 +1,10 @@
-"""Attention backends: the one seam through which the model reaches attention kernels."""
+"""Attention backends: the one seam through which the model reaches attention kernels.
+
+- `torch`: plain PyTorch references; the CPU path and what every kernel is tested against.
+- `triton`: our Triton kernels (paged decode with split-K; varlen prefill/extend reading the
+  paged cache); capturable in CUDA graphs for decode. Default on CUDA.
+- `flex`: PyTorch FlexAttention over K/V gathered from the paged cache; portable, not graphed.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from llmaccel.kernels import triton_available
 from llmaccel.kernels.attention_ref import (paged_attention_ref, paged_decode_attention_ref,
                                             reshape_and_cache_ref, varlen_attention_ref)
 from llmaccel.models.attention.metadata import AttentionMetadata
@@ -13,6 +20,9 @@ from llmaccel.models.attention.metadata import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str
+    # Decode steps may be captured in CUDA graphs: forward never reads device values on the
+    # host, and launch shapes depend only on the batch size.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -30,19 +40,60 @@ class TorchAttentionBackend(AttentionBackend):
         if kv_cache is None or not meta.uses_kv_cache:
             return varlen_attention_ref(q, k, v, meta.query_start_loc_cpu, scale)
         reshape_and_cache_ref(k, v, kv_cache, meta.slot_mapping)
-        if meta.num_tokens == meta.num_seqs:  # pure decode: one padded call, no Python loop
+        if meta.is_pure_decode:  # one padded call, no Python loop
             return paged_decode_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens,
                                               scale)
         return paged_attention_ref(q, kv_cache, meta.block_tables, meta.query_start_loc_cpu,
                                    meta.seq_lens_cpu, scale)
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+class TritonAttentionBackend(AttentionBackend):
+    """Triton kernels: K/V written by one kernel, then decode (GQA group per program, split-K
+    over long contexts) or varlen prefill/extend that reads cached prefixes in one launch."""
+
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        from llmaccel.kernels import prefill_attention as pf
+        from llmaccel.kernels.cache import reshape_and_cache
+        from llmaccel.kernels.paged_attention import choose_num_splits, paged_decode_attention
+        if kv_cache is None or not meta.uses_kv_cache:
+            return pf.varlen_prefill_attention(q, k, v, meta.query_start_loc, scale,
+                                               meta.max_query_len)
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        if meta.is_pure_decode:
+            splits = choose_num_splits(meta.num_seqs, kv_cache.shape[3], meta.max_seq_len,
+                                       q.device)
+            return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                                          num_splits=splits)
+        return pf.paged_prefill_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
+                                          meta.seq_lens, scale, meta.max_query_len)
+
+
+def _flex() -> type[AttentionBackend]:
+    from llmaccel.models.attention.flex import FlexAttentionBackend
+    return FlexAttentionBackend
+
+
+_BACKENDS = {"torch": lambda: TorchAttentionBackend, "triton": lambda: TritonAttentionBackend,
+             "flex": _flex}
+BACKEND_NAMES = ("auto", *_BACKENDS)
+
+
+def resolve_backend_name(name: str, device: torch.device | str) -> str:
+    """'auto' -> triton on CUDA when Triton is installed, else torch (CPU, or no Triton)."""
+    if name == "auto":
+        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+    return name
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    from llmaccel.errors import LLMAccelError
     if name not in _BACKENDS:
-        from llmaccel.errors import LLMAccelError
         raise LLMAccelError(f"unknown attention backend '{name}' "
-                            f"(available: {', '.join(_BACKENDS)})")
-    return _BACKENDS[name]()
+                            f"(available: {', '.join(BACKEND_NAMES)})")
+    if name in ("triton",) and not triton_available():
+        raise LLMAccelError(f"attention backend '{name}' needs Triton: pip install triton "
+                            "(Linux), or use --attention-backend torch")
+    return _BACKENDS[name]()()

@@ -21,6 +21,9 @@ class AttentionMetadata:
     # Host copies, so reference paths and schedulers never sync with the device to read them.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    max_query_len: int = 0
+    # None under CUDA-graph capture: a replayed graph must not depend on lengths.
+    max_seq_len: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -29,6 +32,11 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """One new token per sequence (the shape CUDA graphs capture)."""
+        return self.num_tokens == self.num_seqs
 
     @property
     def uses_kv_cache(self) -> bool:
@@ -54,7 +62,8 @@ class AttentionMetadata:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             slot_mapping=(None if slot_mapping is None
                           else torch.tensor(slot_mapping, dtype=torch.int64, device=device)),
-            block_tables=tables, query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens))
+            block_tables=tables, query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens),
+            max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0))
 
     @classmethod
     def for_prefill(cls, seq_lens: list[int], device: torch.device | str) -> AttentionMetadata:

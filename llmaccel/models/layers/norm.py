@@ -11,9 +11,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.eps = eps
+        self.use_triton = False  # set by TransformerForCausalLM.set_fused_kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x) or, with a residual, (norm(x + residual), x + residual)."""
+        if self.use_triton:
+            # One kernel reads x (and the residual) once; the sum goes back into `residual`.
+            from llmaccel.kernels import rmsnorm
+            if residual is None:
+                return rmsnorm.rms_norm(x, self.weight, self.eps)
+            return rmsnorm.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

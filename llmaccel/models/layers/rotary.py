@@ -64,9 +64,14 @@ class RotaryEmbedding(nn.Module):
         # fp32 cache, built once; a buffer so it follows the model to its device.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
+        self.use_triton = False  # set by TransformerForCausalLM.set_fused_kernels
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            # In place on the q/k views of the qkv output: no new tensors, one launch each.
+            from llmaccel.kernels.rotary import rotary_embedding
+            return rotary_embedding(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

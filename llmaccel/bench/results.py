@@ -1,0 +1,213 @@
+"""Benchmark records in the BENCHMARKS.md format: one JSON object a line, plus a markdown summary
+whose ratios are computed from the records themselves (never typed in by hand)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+OURS = "llmaccel"
+# Metrics where more is better; a ratio reads "ours / theirs". Latencies are the reverse, so
+# their ratio reads "theirs / ours" and stays a speed-up (> 1 means we are faster). gbps and
+# pct_roofline are tok_s times a constant of the shape, so their ratios would repeat tok_s's.
+HIGHER_IS_BETTER = ("tok_s", "decode_tok_s", "out_tok_s")
+LOWER_IS_BETTER = ("ttft_ms_p50", "ttft_ms_p95", "ttft_ms_p99", "tpot_ms_p50", "e2e_ms_p50")
+PREFIX_OFF, PREFIX_ON = "prefix-cache-off", "prefix-cache-on"
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """What every record of one run shares: where and from what it was measured."""
+    device: str
+    torch: str
+    commit: str
+    command: str
+
+
+@dataclass
+class Record:
+    """One measurement. Field order is the order of BENCHMARKS.md's example line."""
+    workload: str
+    model: str
+    load_format: str
+    backend: str
+    config: dict[str, Any]
+    metric: str
+    value: float
+    device: str
+    torch: str
+    commit: str
+    command: str
+
+    @property
+    def row(self) -> str:
+        """Table row label: the backend, plus a variant (e.g. prefix cache on/off) if any."""
+        variant = self.config.get("variant")
+        return f"{self.backend} [{variant}]" if variant else self.backend
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Record:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A backend that raised: logged and shown in the markdown, never written as a record."""
+    workload: str
+    model: str
+    backend: str
+    error: str
+
+
+@dataclass
+class Outcome:
+    records: list[Record] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+
+    def extend(self, other: Outcome) -> None:
+        self.records += other.records
+        self.failures += other.failures
+
+
+def make_record(meta: RunMeta, workload: str, model: str, backend: str, config: dict[str, Any],
+                metric: str, value: float, load_format: str = "dummy") -> Record:
+    return Record(workload, model, load_format, backend, dict(config), metric,
+                  round(float(value), 3), meta.device, meta.torch, meta.commit, meta.command)
+
+
+def current_commit() -> str:
+    """$LLMACCEL_COMMIT (copies of the tree without .git, as on the GPU machine), else git's
+    HEAD, else "unknown"."""
+    if os.environ.get("LLMACCEL_COMMIT"):
+        return os.environ["LLMACCEL_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True,
+                             text=True, cwd=Path(__file__).resolve().parents[2], timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def guarded(fn: Callable[[], list[Record]], workload: str, model: str,
+            backend: str) -> Outcome:
+    """Run one (backend, workload): an exception becomes a Failure so the run goes on."""
+    try:
+        return Outcome(records=fn())
+    except Exception as e:  # any failure of one backend must not end the run
+        logger.exception("%s %s on %s failed", backend, workload, model)
+        text = " ".join(str(e).split()) or type(e).__name__
+        return Outcome(failures=[Failure(workload, model, backend,
+                                         f"{type(e).__name__}: {text}"[:500])])
+
+
+# -- JSON lines --------------------------------------------------------------------------------
+def write_jsonl(path: str | Path, records: Iterable[Record]) -> None:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(asdict(r)) + "\n" for r in records)
+
+
+def read_jsonl(path: str | Path) -> list[Record]:
+    with open(path) as f:
+        return [Record.from_dict(json.loads(line)) for line in f if line.strip()]
+
+
+# -- markdown ----------------------------------------------------------------------------------
+def _fmt(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:,.4g}"
+
+
+def _group(records: list[Record], failures: list[Failure]) -> dict[tuple[str, str], Outcome]:
+    groups: dict[tuple[str, str], Outcome] = {}
+    for r in records:
+        groups.setdefault((r.workload, r.model), Outcome()).records.append(r)
+    for f in failures:
+        groups.setdefault((f.workload, f.model), Outcome()).failures.append(f)
+    return groups
+
+
+def _table(records: list[Record]) -> tuple[list[str], dict[str, dict[str, float]]]:
+    metrics: list[str] = []
+    values: dict[str, dict[str, float]] = {}
+    for r in records:
+        if r.metric not in metrics:
+            metrics.append(r.metric)
+        values.setdefault(r.row, {})[r.metric] = r.value
+    return metrics, values
+
+
+def ratio_lines(records: list[Record]) -> list[str]:
+    """Speed ratios of one (workload, model) group: llmaccel against each other backend, and
+    prefix cache off against on. Each line names its metric and direction."""
+    metrics, values = _table(records)
+    lines = []
+    ours = values.get(OURS)
+    for row, theirs in values.items():
+        if ours is None or row == OURS:
+            continue
+        for m in metrics:
+            if m not in ours or m not in theirs or not ours[m] or not theirs[m]:
+                continue
+            if m in HIGHER_IS_BETTER:
+                lines.append(f"{OURS} / {row} ({m}) = {ours[m] / theirs[m]:.2f}×")
+            elif m in LOWER_IS_BETTER:
+                lines.append(f"{row} / {OURS} ({m}, lower is better) = "
+                             f"{theirs[m] / ours[m]:.2f}×")
+    for backend in dict.fromkeys(r.backend for r in records):
+        off, on = values.get(f"{backend} [{PREFIX_OFF}]"), values.get(f"{backend} [{PREFIX_ON}]")
+        if off is None or on is None:
+            continue
+        for m in metrics:
+            if m in LOWER_IS_BETTER and off.get(m) and on.get(m):
+                lines.append(f"{backend}: {PREFIX_OFF} / {PREFIX_ON} ({m}) = "
+                             f"{off[m] / on[m]:.2f}×")
+    return lines
+
+
+def _notes(records: list[Record]) -> list[str]:
+    """Context a reader needs next to the numbers, taken from the records' configs: the
+    roofline arithmetic of each decode rate (one line per distinct arithmetic)."""
+    rows_by_note: dict[str, list[str]] = {}
+    for r in records:
+        c = r.config
+        if r.metric == "pct_roofline" and "roofline_tok_s" in c:
+            note = (f"roofline {c['roofline_tok_s']:,.0f} tok/s = copy bandwidth "
+                    f"{c['copy_gbps']:,.4g} GB/s ({c.get('copy_method', '?')}) / "
+                    f"{c['bytes_per_step'] / 1e9:.4g} GB read per step (weights + KV); "
+                    f"pct_roofline from {c.get('rate_basis', 'tok_s')}")
+            rows_by_note.setdefault(note, []).append(r.row)
+    return [f"{', '.join(rows)}: {note}" for note, rows in rows_by_note.items()]
+
+
+def summary_markdown(records: Iterable[Record], failures: Iterable[Failure] = (),
+                     title: str = "GPU speed", header: Iterable[str] = ()) -> str:
+    header = list(header)
+    out = [f"# {title}", "", *header, ""] if header else [f"# {title}", ""]
+    for (workload, model), group in _group(list(records), list(failures)).items():
+        out += [f"## {workload} — {model}", ""]
+        if group.records:
+            metrics, values = _table(group.records)
+            out.append("| backend | " + " | ".join(metrics) + " |")
+            out.append("|---|" + "---|" * len(metrics))
+            for row, vals in values.items():
+                cells = [_fmt(vals[m]) if m in vals else "–" for m in metrics]
+                out.append(f"| {row} | " + " | ".join(cells) + " |")
+            out.append("")
+            out += [f"- {line}" for line in ratio_lines(group.records)]
+            out += [f"- {note}" for note in _notes(group.records)]
+        out += [f"- {f.backend}: {json.dumps({'error': f.error})}" for f in group.failures]
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_markdown(path: str | Path, records: Iterable[Record],
+                   failures: Iterable[Failure] = (),
+                   title: str = "GPU speed", header: Iterable[str] = ()) -> None:
+    Path(path).write_text(summary_markdown(records, failures, title, header))

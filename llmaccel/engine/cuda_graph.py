@@ -1,0 +1,103 @@
+"""CUDA graphs for decode steps: one captured graph per batch size, replayed with new inputs.
+
+A decode step of a small model is a few hundred kernel launches whose CPU cost exceeds their
+GPU time; replaying a graph is one launch. Inputs live in static device buffers that every
+graph reads; a step copies its batch into them (three small host-to-device copies from pinned
+memory), pads the batch up to the next captured size and replays. Padding rows write nothing
+(slot -1) and attend over one token of a valid block, so they cost little and touch nothing.
+Graphs share one memory pool and are captured largest first, so they reuse the same memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from llmaccel.models.attention import AttentionMetadata
+from llmaccel.models.transformer import TransformerForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to 256, then every 64: padding wastes at most 16 rows
+    (or 64 beyond 256) while keeping the number of graphs (and capture time) small."""
+    sizes = [1, 2, 4, 8, *range(16, 257, 16), *range(320, 1025, 64)]
+    capped = [s for s in sizes if s < max_num_seqs]
+    return capped + [max_num_seqs] if max_num_seqs <= 1024 else capped
+
+
+class CUDAGraphRunner:
+    def __init__(self, model: TransformerForCausalLM, capture_sizes: list[int],
+                 max_blocks_per_seq: int, device: torch.device) -> None:
+        self.model = model
+        self.sizes = sorted(set(capture_sizes))
+        self.max_bs = self.sizes[-1]
+        self.device = device
+        n, w = self.max_bs, max_blocks_per_seq
+        # Static device inputs: ids, positions, slots (int64) and seq lens, tables (int32).
+        self.inputs = torch.zeros(3, n, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # Pinned host mirrors, written through numpy views (no per-element torch overhead).
+        self.h_inputs = torch.zeros(3, n, dtype=torch.long).pin_memory()
+        self.h_seq_lens = torch.ones(n, dtype=torch.int32).pin_memory()
+        self.h_tables = torch.zeros(n, w, dtype=torch.int32).pin_memory()
+        self.np_inputs, self.np_seq_lens, self.np_tables = (
+            self.h_inputs.numpy(), self.h_seq_lens.numpy(), self.h_tables.numpy())
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
+            slot_mapping=self.inputs[2, :bs], block_tables=self.block_tables[:bs],
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
+            max_query_len=1, max_seq_len=None)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.inputs[2].fill_(-1)  # capture-time runs must not write into the cache
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for bs in reversed(self.sizes):
+            with torch.cuda.stream(stream):
+                self._forward(bs)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[bs] = self._forward(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def can_run(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_bs
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int],
+            seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One decode step for len(ids) sequences -> logits [len(ids), vocab] (a view of the
+        graph's output: valid until the next replay)."""
+        n = len(ids)
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        inp = self.np_inputs
+        inp[0, :n], inp[1, :n], inp[2, :n] = ids, positions, slots
+        inp[0, n:bs], inp[1, n:bs], inp[2, n:bs] = 0, 0, -1  # padding rows: no cache writes
+        self.np_seq_lens[:n] = seq_lens
+        self.np_seq_lens[n:bs] = 1
+        for i, table in enumerate(tables):
+            self.np_tables[i, :len(table)] = table
+        # Stale table entries beyond a row's length are never read (positions < seq_len only).
+        self.inputs.copy_(self.h_inputs, non_blocking=True)
+        self.seq_lens.copy_(self.h_seq_lens, non_blocking=True)
+        self.block_tables[:bs].copy_(self.h_tables[:bs], non_blocking=True)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
