@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from llmaccel.engine.sampler import greedy_with_logprobs
 from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.transformer import TransformerForCausalLM
 
@@ -49,7 +50,7 @@ class CUDAGraphRunner:
         self.np_inputs, self.np_seq_lens, self.np_tables = (
             self.h_inputs.numpy(), self.h_seq_lens.numpy(), self.h_tables.numpy())
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -58,9 +59,11 @@ class CUDAGraphRunner:
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
             max_query_len=1, max_seq_len=None)
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        # Greedy sampling rides along in the graph: most decode batches need nothing else.
+        return logits, greedy_with_logprobs(logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -83,9 +86,9 @@ class CUDAGraphRunner:
         return num_seqs <= self.max_bs
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
-            seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """One decode step for len(ids) sequences -> logits [len(ids), vocab] (a view of the
-        graph's output: valid until the next replay)."""
+            seq_lens: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for len(ids) sequences -> (logits [n, vocab], greedy [2, n]) (see
+        `greedy_with_logprobs`): views of the graph's outputs, valid until the next replay."""
         n = len(ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         inp = self.np_inputs
@@ -100,4 +103,5 @@ class CUDAGraphRunner:
         self.seq_lens.copy_(self.h_seq_lens, non_blocking=True)
         self.block_tables[:bs].copy_(self.h_tables[:bs], non_blocking=True)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        logits, greedy = self.outputs[bs]
+        return logits[:n], greedy[:, :n]

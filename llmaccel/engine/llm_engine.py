@@ -14,7 +14,8 @@ from llmaccel.engine.cuda_graph import default_capture_sizes
 from llmaccel.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from llmaccel.engine.model_runner import ModelRunner
 from llmaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmaccel.engine.sampler import make_generator, sample_with_logprobs
+from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_generator,
+                                     sample_with_logprobs)
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.engine.sequence import Sequence, SequenceStatus
@@ -78,6 +79,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(eos_token_ids(mc, self.tokenizer), mc.max_model_len,
                                         self.tokenizer)
         self.requests: dict[str, Request] = {}
+        self._deferred: list[Sequence] = []  # sampled last step, outputs not yet built
         self.stats = EngineStats(num_blocks=num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, bs, num_blocks * bs)
 
@@ -154,27 +156,41 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one forward pass; while the GPU runs it, finish the host work
+        of the previous step (detokenization, stop strings, outputs); then sample.
+
+        Outputs therefore come one step late, and the GPU never waits for the tokenizer. The
+        checks that decide whether a sequence takes part in the next step (EOS, stop ids,
+        max_tokens) run right after sampling; only a stop string is noticed one step late, and
+        the token computed meanwhile for that sequence is dropped, so outputs are unchanged.
+        """
         sched = self.scheduler.schedule()
         if not sched:
+            outputs = self._process_outputs()
             # Config checks guarantee any single request fits; an empty step with work
             # waiting would loop forever, so it is a bug worth a loud error.
-            if self.scheduler.waiting and not self.scheduler.running:
+            if not outputs and self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the scheduler could not admit the next waiting request")
-            return []
+            return outputs
         try:
             self.runner.copy_blocks(self.block_manager.take_pending_copies())
-            sampling, logits = self.runner.execute(sched)
+            sampling, logits, greedy = self.runner.execute(sched)
         except Exception:
             # Blocks published for this step were never written: fail every request, drop
             # the prefix cache, and let the caller report the error.
+            self._deferred = []
             for request_id in list(self.requests):
                 self.abort_request(request_id)
             self.block_manager.reset_prefix_cache()
             raise
+        outputs = self._process_outputs()  # overlaps the GPU
         for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
+            if not seq.is_finished:
+                seq.num_computed_tokens += n
         rows, seqs = [], []
         for i, seq in enumerate(sampling):
+            if seq.is_finished:  # a stop string found just now, or aborted
+                continue
             rows.append(i)
             seqs.append(seq)
             req = self.requests[seq.request_id]
@@ -185,22 +201,50 @@ class LLMEngine:
                 rows.append(i)
                 seqs.append(child)
             req.pending_forks = []
-        results = sample_with_logprobs(logits[rows], [s.params for s in seqs],
-                                       [s.generator for s in seqs],
-                                       [self.stop_checker.banned_tokens(s) for s in seqs]
-                                       ) if seqs else []
+        results = self._sample(seqs, rows, len(sampling), logits, greedy)
         now = time.monotonic()
-        touched: dict[str, Request] = {}
         for seq, r in zip(seqs, results):
             seq.output_token_ids.append(r.token)
             seq.cumulative_logprob += r.logprob
             if r.top_logprobs is not None:
                 seq.output_logprobs.append(r.top_logprobs)
             seq.first_token_time = seq.first_token_time or now
-            if self.stop_checker.check(seq):
+            if self.stop_checker.check_token(seq):
                 self.scheduler.finish(seq, seq.finish_reason)
-            touched[seq.request_id] = self.requests[seq.request_id]
         self.stats.record_step(sched.num_tokens, len(seqs), len(sched.preempted))
+        self._deferred = seqs
+        return outputs
+
+    def _sample(self, seqs: list[Sequence], rows: list[int], num_rows: int,
+                logits: torch.Tensor, greedy: torch.Tensor | None) -> list[SampleResult]:
+        if not seqs:
+            return []
+        banned = [self.stop_checker.banned_tokens(s) for s in seqs]
+        plain = (len(rows) == num_rows and not any(banned)
+                 and all(s.params.greedy and s.params.logprobs is None for s in seqs))
+        if plain:  # all greedy, nothing banned: argmax and logprob in one transfer
+            if greedy is None:
+                greedy = greedy_with_logprobs(logits)
+            tokens, logprobs = greedy.tolist()
+            return [SampleResult(int(t), lp, None) for t, lp in zip(tokens, logprobs)]
+        if len(rows) != num_rows:
+            logits = logits[rows]
+        return sample_with_logprobs(logits, [s.params for s in seqs],
+                                    [s.generator for s in seqs], banned)
+
+    def _process_outputs(self) -> list[RequestOutput]:
+        """Host work of the previous step: text, stop strings, RequestOutputs."""
+        seqs, self._deferred = self._deferred, []
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq in seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue  # aborted meanwhile (abort_request reported it)
+            was_running = not seq.is_finished
+            if self.stop_checker.update_text(seq) and was_running:
+                self.scheduler.finish(seq, seq.finish_reason)
+            touched[seq.request_id] = req
         outputs = []
         for req in touched.values():
             if req.finished:

@@ -48,9 +48,11 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
-        """Run the step; returns the sequences that reached their last token (and so sample
-        now) and their next-token logits [len, vocab]."""
+    def execute(self, step: SchedulerOutput
+                ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
+        """Launch the step (no host sync); returns the sequences that reached their last token
+        (and so sample now), their next-token logits [len, vocab] and, from a CUDA graph, the
+        greedy tokens and logprobs [2, len] computed inside it (else None)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -75,12 +77,12 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
         if (self.graphs is not None and len(ids) == len(query_lens)
                 and self.graphs.can_run(len(ids))):
-            return sampling, self.graphs.run(ids, positions, slots, seq_lens, tables)
+            return sampling, *self.graphs.run(ids, positions, slots, seq_lens, tables)
         meta = AttentionMetadata.build(query_lens, seq_lens, self.device, slots, tables)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta)
         if not rows:
-            return [], hidden.new_empty(0, 0)
+            return [], hidden.new_empty(0, 0), None
         if len(rows) < len(ids):
             hidden = hidden[torch.tensor(rows, device=self.device)]
-        return sampling, self.model.compute_logits(hidden)
+        return sampling, self.model.compute_logits(hidden), None

@@ -49,6 +49,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
+def greedy_with_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """[B, vocab] -> [2, B] float64: argmax ids (exact in float64) and their logprobs, stacked
+    so one transfer brings both to the host. Graph-capturable (no host sync)."""
+    logits = logits.float()
+    tokens = logits.argmax(-1)
+    chosen = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(-1)
+    return torch.stack([tokens.double(), chosen.double()])
+
+
 def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams],
                          generators: list[torch.Generator | None],
                          banned: list[list[int]]) -> list[SampleResult]:

@@ -20,7 +20,14 @@ class StopChecker:
         return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
 
     def check(self, seq: Sequence) -> bool:
-        """Update seq.text; set finish_reason/stop_reason when it must stop. True if done."""
+        """Both checks at once (token ids, then text); True if done."""
+        self.check_token(seq)
+        self.update_text(seq)
+        return seq.finish_reason is not None
+
+    def check_token(self, seq: Sequence) -> bool:
+        """The checks that need only token ids (EOS, stop ids, max_tokens, max_model_len):
+        cheap, so the engine runs them before launching the next step. True if done."""
         p = seq.params
         token = seq.output_token_ids[-1]
         n = len(seq.output_token_ids)
@@ -29,16 +36,23 @@ class StopChecker:
                 seq.finish_reason = "stop"
             elif token in p.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
-        if self.tokenizer is not None:
-            new_text = detokenize_incrementally(self.tokenizer, seq.output_token_ids,
-                                                seq.detokenizer, p.skip_special_tokens)
-            seq.text += new_text
-            if new_text and p.stop and seq.finish_reason is None and n >= p.min_tokens:
-                self._check_stop_strings(seq, len(new_text))
         if seq.finish_reason is None and (
                 (p.max_tokens is not None and n >= p.max_tokens)
                 or seq.num_tokens >= self.max_model_len):
             seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def update_text(self, seq: Sequence) -> bool:
+        """Detokenize the new tokens and look for stop strings (a stop string overrides a
+        length finish of the same token, as it ends the text earlier). True if done."""
+        p = seq.params
+        if self.tokenizer is not None:
+            new_text = detokenize_incrementally(self.tokenizer, seq.output_token_ids,
+                                                seq.detokenizer, p.skip_special_tokens)
+            seq.text += new_text
+            if (new_text and p.stop and seq.finish_reason in (None, "length")
+                    and len(seq.output_token_ids) >= p.min_tokens):
+                self._check_stop_strings(seq, len(new_text))
         return seq.finish_reason is not None
 
     @staticmethod

@@ -18,12 +18,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotary_kernel(
-    Positions, X, CosSin, stride_xt, stride_xh, stride_c, num_heads, half,
-    HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(Positions + t).to(tl.int64)
+def _rotate_heads(X, t, pos, CosSin, stride_xt, stride_xh, stride_c, num_heads, half,
+                  HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
     h = tl.arange(0, HEADS_PAD)
     j = tl.arange(0, HALF_PAD)
     j_mask = j < half
@@ -43,19 +39,21 @@ def _rotary_kernel(
     tl.store(p1 + half, (c + e).to(dt), mask=mask)
 
 
-def _apply(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
-    num_tokens, num_heads, head_dim = x.shape
-    assert head_dim % 2 == 0 and x.stride(2) == 1
-    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
-    if num_tokens == 0:
-        return
-    half = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
-        positions, x, cos_sin_cache, x.stride(0), x.stride(1), cos_sin_cache.stride(0),
-        num_heads, half,
-        HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4,
-    )
+@triton.jit
+def _rotary_kernel(
+    Positions, Q, K, CosSin, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+    num_q_heads, num_k_heads, half,
+    Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    # Grid (tokens, 2): q and k of a token in one launch (decode is launch-bound).
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Positions + t).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rotate_heads(Q, t, pos, CosSin, stride_qt, stride_qh, stride_c, num_q_heads, half,
+                      Q_HEADS_PAD, HALF_PAD)
+    else:
+        _rotate_heads(K, t, pos, CosSin, stride_kt, stride_kh, stride_c, num_k_heads, half,
+                      K_HEADS_PAD, HALF_PAD)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -63,9 +61,21 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """positions [T] (int); q [T, heads, d], k [T, kv_heads, d]; cos_sin_cache [max_pos, d]
     fp32 = cat(cos, sin). Rotates q and k IN PLACE and returns them."""
     assert positions.shape[0] == q.shape[0] == k.shape[0]
+    num_tokens, num_q_heads, head_dim = q.shape
+    assert k.shape[2] == head_dim and head_dim % 2 == 0
+    assert q.stride(2) == 1 and k.stride(2) == 1
+    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
+    if num_tokens == 0:
+        return q, k
     positions = positions.contiguous()
-    _apply(positions, q, cos_sin_cache)
-    _apply(positions, k, cos_sin_cache)
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens, 2)](
+        positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos_sin_cache.stride(0), num_q_heads, k.shape[1], half,
+        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
+        K_HEADS_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(half),
+        num_warps=4,
+    )
     return q, k
 
 

@@ -1,0 +1,96 @@
+"""Where a batch-1 decode step spends its time: graph replay alone (GPU) against each host
+phase of LLMEngine.step. A diagnostic, not a benchmark of record.
+
+    python benchmarks/profile_decode.py --shape llama-3.2-1b [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from llmaccel import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--kernels", action="store_true", help="print a per-kernel GPU profile")
+    args = ap.parse_args()
+    llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=2048,
+              skip_tokenizer_init=True, enable_prefix_caching=False)
+    eng = llm.engine
+    runner = eng.runner
+    # GPU time of one replay, back to back.
+    bs = args.batch
+    g = runner.graphs.graphs[runner.graphs.sizes[0] if bs == 1 else bs]
+    for _ in range(10):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(100):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replay_ms = start.elapsed_time(end) / 100
+    # Host phases of real steps.
+    phases: dict[str, list[float]] = {k: [] for k in ("schedule", "execute", "sample", "rest",
+                                                      "step")}
+    prompts = [[100 + i + j for j in range(128)] for i in range(bs)]
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=args.steps + 2,
+                                                  ignore_eos=True))
+    eng.step()  # prefill
+    orig_schedule, orig_execute = eng.scheduler.schedule, runner.execute
+    orig_sample = eng._sample
+    marks: dict[str, float] = {}
+
+    def schedule():
+        t = time.perf_counter()
+        out = orig_schedule()
+        marks["schedule"] = time.perf_counter() - t
+        return out
+
+    def execute(step):
+        t = time.perf_counter()
+        out = orig_execute(step)
+        marks["execute"] = time.perf_counter() - t
+        return out
+
+    def sample(*a, **k):
+        t = time.perf_counter()
+        out = orig_sample(*a, **k)
+        marks["sample"] = time.perf_counter() - t
+        return out
+
+    eng.scheduler.schedule, runner.execute, eng._sample = schedule, execute, sample
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        eng.step()
+        total = time.perf_counter() - t
+        phases["step"].append(total)
+        for k in ("schedule", "execute", "sample"):
+            phases[k].append(marks[k])
+        phases["rest"].append(total - marks["schedule"] - marks["execute"] - marks["sample"])
+    if args.kernels:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                g.replay()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
+                                        max_name_column_width=70))
+    print(f"graph replay (GPU, back to back): {replay_ms * 1e3:.0f} us")
+    for k, v in phases.items():
+        print(f"{k:>9}: median {statistics.median(v) * 1e6:7.0f} us")
+    print(f"=> {1 / statistics.median(phases['step']):.0f} steps/s; replay-only bound "
+          f"{1e3 / replay_ms:.0f} steps/s")
+
+
+if __name__ == "__main__":
+    main()
