@@ -97,7 +97,9 @@ class BlockManager:
             old, new = seq.block_table[idx], self._take_block()
             self.pending_copies.append((old, new))
             self._decref(old)
-            seq.block_table[idx] = new
+            # A new list, never an in-place edit: a table's entries only ever grow by
+            # appends, which lets the CUDA-graph runner copy just the new entries.
+            seq.block_table = [*seq.block_table[:idx], new, *seq.block_table[idx + 1:]]
         total = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) * self.block_size < total:
             seq.block_table.append(self._take_block())
@@ -118,11 +120,14 @@ class BlockManager:
             return  # nothing new: decode steps skip the walk 15 times out of 16
         tokens = seq.all_token_ids[:full * self.block_size]
         cached = self.cache.match_prefix(tokens)
-        for i, block in enumerate(cached):
-            if seq.block_table[i] != block:
-                self._incref(block)
-                self._decref(seq.block_table[i])
-                seq.block_table[i] = block
+        if any(seq.block_table[i] != block for i, block in enumerate(cached)):
+            table = list(seq.block_table)  # new list (see allocate_slots)
+            for i, block in enumerate(cached):
+                if table[i] != block:
+                    self._incref(block)
+                    self._decref(table[i])
+                    table[i] = block
+            seq.block_table = table
         if len(cached) < full:
             self.cache.insert(tokens, seq.block_table[:full])
         seq.num_published_blocks = full

@@ -49,6 +49,11 @@ class CUDAGraphRunner:
         self.h_tables = torch.zeros(n, w, dtype=torch.int32).pin_memory()
         self.np_inputs, self.np_seq_lens, self.np_tables = (
             self.h_inputs.numpy(), self.h_seq_lens.numpy(), self.h_tables.numpy())
+        # The table list each host row holds and how many of its entries are written there.
+        # The block manager never edits a table in place (it appends, or makes a new list),
+        # so a row whose list is the same object only needs the appended entries; holding
+        # the reference keeps the object's identity from being reused.
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * n
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -96,8 +101,14 @@ class CUDAGraphRunner:
         inp[0, n:bs], inp[1, n:bs], inp[2, n:bs] = 0, 0, -1  # padding rows: no cache writes
         self.np_seq_lens[:n] = seq_lens
         self.np_seq_lens[n:bs] = 1
+        rows = self._rows
         for i, table in enumerate(tables):
-            self.np_tables[i, :len(table)] = table
+            held, done = rows[i]
+            if held is not table:
+                done = 0
+            if done < len(table):
+                self.np_tables[i, done:len(table)] = table[done:]
+                rows[i] = (table, len(table))
         # Stale table entries beyond a row's length are never read (positions < seq_len only).
         self.inputs.copy_(self.h_inputs, non_blocking=True)
         self.seq_lens.copy_(self.h_seq_lens, non_blocking=True)
