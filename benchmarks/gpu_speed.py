@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-kw", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="extra EngineConfig keywords for our engine")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+    p.add_argument("--hf-cb-repeats", type=int, default=None,
+                   help="timed repeats of hf-cb alone (default --repeats); its runs take "
+                        "minutes, and the record's config lists every repeat")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth-test copy (default 1024, 64 with --quick)")
     return p
@@ -100,8 +103,8 @@ def _plan(workloads: list[str], backends: list[str]) -> list[tuple[str, str]]:
     return plan
 
 
-def _runner(workload: str, backend: str, model: str, specs: dict, settings, meta, copy
-            ) -> list[Callable[[], list]]:
+def _runner(workload: str, backend: str, model: str, specs: dict, settings, meta, copy,
+            settings_hf_repeats: int | None = None) -> list[Callable[[], list]]:
     """Zero-argument callables for one (workload, backend); W4 gives two (cache off, on)."""
     from llmaccel.bench import engine_runs as er
     from llmaccel.bench import hf_baselines as hf
@@ -115,6 +118,8 @@ def _runner(workload: str, backend: str, model: str, specs: dict, settings, meta
         return [lambda on=on: er.run_w4(model, spec, settings, meta, on) for on in (False, True)]
     if workload == "W1":
         return [lambda: hf.run_hf_w1(backend, model, spec, settings, meta, copy)]
+    if settings_hf_repeats is not None:  # HF continuous batching takes minutes per repeat
+        settings = dataclasses.replace(settings, repeats=settings_hf_repeats)
     return [lambda: hf.run_hf_cb_w2(model, spec, settings, meta)]
 
 
@@ -155,7 +160,8 @@ def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list, list]
     for model in args.shapes:
         specs = _model_specs(model, args.quick)
         for workload, backend in _plan(args.workloads, args.backends):
-            for fn in _runner(workload, backend, model, specs, settings, meta, copy):
+            for fn in _runner(workload, backend, model, specs, settings, meta, copy,
+                              args.hf_cb_repeats):
                 free = hw.free_memory_gib(device)
                 logger.info("running %s %s on %s%s", backend, workload, model,
                             "" if free is None else f" ({free:.1f} GiB of GPU memory free)")

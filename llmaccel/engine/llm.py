@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -43,6 +44,8 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise LLMAccelError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        # Only finished requests are collected here: skip building outputs every step.
+        params = [replace(p, output_kind="final_only") for p in params]
         order: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(prompts)
         for i, (prompt, p) in enumerate(zip(prompts, params)):

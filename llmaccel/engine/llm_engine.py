@@ -250,6 +250,8 @@ class LLMEngine:
             if req.finished:
                 req.finished_time = now
                 del self.requests[req.request_id]
+            elif req.seqs[0].params.output_kind == "final_only":
+                continue
             outputs.append(self._output(req))
         return outputs
 

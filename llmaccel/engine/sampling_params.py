@@ -23,6 +23,9 @@ class SamplingParams:
     min_tokens: int = 0           # EOS and stop tokens are masked until this many were made
     logprobs: int | None = None   # also return the top-k logprobs of each generated token
     skip_special_tokens: bool = True
+    # vLLM's RequestOutputKind: "cumulative" reports every step (streaming); "final_only"
+    # only the finished request (LLM.generate), which spares building outputs every step.
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         checks = [
@@ -36,6 +39,8 @@ class SamplingParams:
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.output_kind in ("cumulative", "final_only"),
+             f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}"),
             (self.logprobs is None or self.logprobs >= 0,
              f"logprobs must be >= 0, got {self.logprobs}"),
         ]
