@@ -143,6 +143,10 @@ def runs(inputs):
             commands["analyze", case] = ("analyze", models[case])
     commands["generate", "max_model_len"] = _generate(str(inputs["tiny"]), "--max-model-len",
                                                        "999999999")
+    commands["generate", "capture_sizes"] = _generate(
+        str(inputs["tiny"]), "--cudagraph-capture-sizes", "1,two")
+    commands["generate", "backend"] = _generate(str(inputs["tiny"]), "--attention-backend",
+                                                "fastest")
     commands["generate", "tiny_ok"] = _generate(str(inputs["tiny"]), "--prompt", "w5 w6")
     with ThreadPoolExecutor(_WORKERS) as pool:
         futures: dict[tuple[str, str], Future] = {
@@ -241,3 +245,10 @@ def test_max_model_len_out_of_range(runs):
     assert "999999999" in line
     assert "max_model_len" in line or "max-model-len" in line
     assert "2048" in line  # the tiny model's max_position_embeddings: the allowed maximum
+
+
+def test_bad_engine_flags(runs):
+    line = one_line_error(_result(runs, "generate", "capture_sizes"))
+    assert "--cudagraph-capture-sizes" in line and "1,two" in line
+    line = one_line_error(_result(runs, "generate", "backend"))
+    assert "fastest" in line and "triton" in line

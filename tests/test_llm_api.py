@@ -221,3 +221,25 @@ def test_failed_step_fails_streams_and_keeps_serving(model_dir, monkeypatch):
     assert len(llm.engine.block_manager.cache) <= 3  # only the new request's blocks, re-computed
     expected = make_llm(model_dir).generate([list(range(1, 40))], GREEDY, use_tqdm=False)
     assert after == expected[0].outputs[0].token_ids
+
+
+def test_output_kind(model_dir):
+    """cumulative (streaming) reports every step; final_only only the finished request; a
+    bad value is refused. LLM.generate's results do not depend on it."""
+    with pytest.raises(LLMAccelError, match="output_kind"):
+        SamplingParams(output_kind="delta-ish")
+    llm = make_llm(model_dir)
+    expected = llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    seen = {}
+    for kind in ("cumulative", "final_only"):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=kind)
+        llm.engine.add_request(kind, [3, 4, 5], params)
+        outs = []
+        while llm.engine.has_unfinished_requests():
+            outs += llm.engine.step()
+        seen[kind] = outs
+    assert len(seen["cumulative"]) == 12 and not seen["cumulative"][0].finished
+    assert [len(o.outputs[0].token_ids) for o in seen["cumulative"]] == list(range(1, 13))
+    assert len(seen["final_only"]) == 1 and seen["final_only"][0].finished
+    for kind in seen:
+        assert seen[kind][-1].outputs[0].token_ids == expected
