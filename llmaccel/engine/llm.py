@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import Any
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn

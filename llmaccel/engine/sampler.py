@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from llmaccel.engine.sampling_params import SamplingParams
+from llmaccel.kernels import triton_available
 
 
 @dataclass
@@ -49,9 +50,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
-def greedy_with_logprobs(logits: torch.Tensor) -> torch.Tensor:
+def greedy_with_logprobs(logits: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
     """[B, vocab] -> [2, B] float64: argmax ids (exact in float64) and their logprobs, stacked
-    so one transfer brings both to the host. Graph-capturable (no host sync)."""
+    so one transfer brings both to the host. Graph-capturable (no host sync).
+    `use_kernel`: the chunked Triton pair (`kernels/greedy.py`), for which this torch code is
+    the reference. Off by default until it has been measured on a GPU (tested on CPU only)."""
+    if use_kernel and logits.is_cuda and triton_available():
+        from llmaccel.kernels.greedy import greedy_sample
+        return greedy_sample(logits)
     logits = logits.float()
     tokens = logits.argmax(-1)
     chosen = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(-1)

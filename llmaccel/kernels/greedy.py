@@ -1,0 +1,69 @@
+"""Triton greedy sampling: argmax and its logprob (logit - logsumexp) over the vocabulary in
+two small launches, for the decode graph.
+
+torch's one-row reductions over a 128k vocabulary run in one thread block each (~25 us for
+argmax or logsumexp at batch 1). Here each program reduces one chunk of one row (max, first
+argmax, sum of exp against the chunk max) and a second kernel merges a row's chunks, so every
+SM helps at batch 1. Reference: `llmaccel.engine.sampler.greedy_with_logprobs` (torch path).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_kernel(Logits, Max, Arg, Sum, stride_l, vocab, num_chunks,
+                  CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(Logits + row * stride_l + idx, mask=idx < vocab,
+                other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    a = tl.argmax(x, 0, tie_break_left=True) + c * CHUNK
+    s = tl.sum(tl.exp(x - m), 0)
+    out = row * num_chunks + c
+    tl.store(Max + out, m)
+    tl.store(Arg + out, a)
+    tl.store(Sum + out, s)
+
+
+@triton.jit
+def _merge_kernel(Max, Arg, Sum, Out, num_chunks, num_rows, CHUNKS_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS_PAD)
+    mask = c < num_chunks
+    m = tl.load(Max + row * num_chunks + c, mask=mask, other=float("-inf"))
+    s = tl.load(Sum + row * num_chunks + c, mask=mask, other=0.0)
+    big = tl.max(m, 0)
+    lse = big + tl.log(tl.sum(s * tl.exp(m - big), 0))
+    # The first chunk holding the maximum: chunks are in vocabulary order, so this is
+    # torch.argmax's first-occurrence rule.
+    best = tl.argmax(m, 0, tie_break_left=True)
+    token = tl.load(Arg + row * num_chunks + best)
+    tl.store(Out + row, token.to(tl.float64))
+    tl.store(Out + num_rows + row, (big - lse).to(tl.float64))
+
+
+def greedy_sample(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """logits [B, vocab] (any float dtype, last dim contiguous) -> [2, B] float64: argmax ids
+    and their logprobs, as `greedy_with_logprobs`."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1
+    chunk = min(chunk, triton.next_power_of_2(vocab))
+    num_chunks = triton.cdiv(vocab, chunk)
+    dev = logits.device
+    maxes = torch.empty(rows, num_chunks, dtype=torch.float32, device=dev)
+    args = torch.empty(rows, num_chunks, dtype=torch.int64, device=dev)
+    sums = torch.empty(rows, num_chunks, dtype=torch.float32, device=dev)
+    out = torch.empty(2, rows, dtype=torch.float64, device=dev)
+    if rows == 0:
+        return out
+    _chunk_kernel[(rows, num_chunks)](logits, maxes, args, sums, logits.stride(0), vocab,
+                                      num_chunks, CHUNK=chunk, num_warps=8)
+    _merge_kernel[(rows,)](maxes, args, sums, out, num_chunks, rows,
+                           CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)))
+    return out
