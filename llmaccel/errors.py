@@ -15,3 +15,8 @@ class UnsupportedModelError(LLMAccelError):
 
 class CorruptCheckpointError(LLMAccelError):
     """A config, safetensors or GGUF file that cannot be parsed."""
+
+
+class QuantizationError(LLMAccelError, ValueError):
+    """Settings or weights a quantizer or checkpoint format cannot take (bits, group size,
+    shapes). Also a ValueError: it is a bad argument value."""
