@@ -68,8 +68,9 @@ class BlockManager:
         assert not seq.block_table
         if self.cache is None:
             return 0
-        tokens = seq.all_token_ids
-        blocks = self.cache.match_prefix(tokens[:-1])
+        # The last token is left to compute: match only blocks that end before it.
+        blocks = self.cache.match_keys(
+            seq.block_keys((seq.num_tokens - 1) // self.block_size, self.block_size))
         for b in blocks:
             self._incref(b)
         seq.block_table = list(blocks)
@@ -118,8 +119,8 @@ class BlockManager:
         full = num_tokens // self.block_size
         if full <= seq.num_published_blocks:
             return  # nothing new: decode steps skip the walk 15 times out of 16
-        tokens = seq.all_token_ids[:full * self.block_size]
-        cached = self.cache.match_prefix(tokens)
+        keys = seq.block_keys(full, self.block_size)
+        cached = self.cache.match_keys(keys)
         if any(seq.block_table[i] != block for i, block in enumerate(cached)):
             table = list(seq.block_table)  # new list (see allocate_slots)
             for i, block in enumerate(cached):
@@ -129,7 +130,7 @@ class BlockManager:
                     table[i] = block
             seq.block_table = table
         if len(cached) < full:
-            self.cache.insert(tokens, seq.block_table[:full])
+            self.cache.insert_keys(keys, seq.block_table[:full])
         seq.num_published_blocks = full
 
     def free(self, seq: Sequence) -> None:

@@ -42,8 +42,12 @@ class RadixCache:
 
     def match_prefix(self, tokens: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix of `tokens` (whole blocks only)."""
+        return self.match_keys(list(self._blocks_of(tokens)))
+
+    def match_keys(self, keys: Sequence[tuple[int, ...]]) -> list[int]:
+        """`match_prefix` on precomputed block keys (a sequence caches its own)."""
         node, blocks, now = self.root, [], next(self._clock)
-        for key in self._blocks_of(tokens):
+        for key in keys:
             child = node.children.get(key)
             if child is None:
                 break
@@ -60,8 +64,11 @@ class RadixCache:
     def insert(self, tokens: Sequence[int], block_ids: Sequence[int]) -> list[int]:
         """Record that block_ids[i] holds block i of `tokens`. Returns the ids that became
         cached; a block whose prefix is already cached under another id stays uncached."""
+        return self.insert_keys(list(self._blocks_of(tokens)), block_ids)
+
+    def insert_keys(self, keys: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> list[int]:
         node, added, now = self.root, [], next(self._clock)
-        for key, block_id in zip(self._blocks_of(tokens), block_ids):
+        for key, block_id in zip(keys, block_ids):
             child = node.children.get(key)
             if child is None:
                 if block_id in self.node_of_block:

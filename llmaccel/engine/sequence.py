@@ -40,6 +40,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    _block_keys: list[tuple[int, ...]] = field(default_factory=list, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -57,6 +58,14 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def block_keys(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """Token tuples of the first num_blocks full blocks: the prefix cache's keys, built
+        once per block (a sequence's tokens only ever grow)."""
+        keys = self._block_keys
+        for i in range(len(keys), num_blocks):
+            keys.append(tuple(self.token_slice(i * block_size, (i + 1) * block_size)))
+        return keys[:num_blocks]
 
     @property
     def num_tokens(self) -> int:
