@@ -152,6 +152,43 @@ def generate(
                   f"{stats.prefix_hit_rate:.0%} · {stats.num_preemptions} preemptions")
 
 
+@app.command()
+def quantize(
+    model: str = typer.Argument(..., help="A local HF directory or a hub id (org/name)."),
+    method: str = typer.Option("gptq", help="rtn, gptq or awq."),
+    bits: int = typer.Option(4, help="4 or 8 (AWQ checkpoints: 4 only)."),
+    group_size: int = typer.Option(128, help="Input channels per scale: 32, 64, 128, or -1 "
+                                   "for one per output channel."),
+    sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric codes (default "
+                                       "for rtn and gptq) or zero points (default for awq)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="gptq, awq or compressed-tensors "
+                                      "(default: gptq for gptq, awq for awq, compressed-tensors "
+                                      "for rtn)."),
+    calib: str = typer.Option("wikitext2", help="wikitext2, tinyshakespeare, a text file or "
+                              "an HF dataset name (name or name:config; needs `datasets`)."),
+    n_samples: int = typer.Option(128, min=1, help="Calibration sequences."),
+    seq_len: int = typer.Option(512, min=2, help="Tokens per calibration sequence."),
+    seed: int = typer.Option(0, help="Seed for picking calibration windows."),
+    act_order: bool = typer.Option(False, help="GPTQ act-order (desc_act)."),
+    out: str = typer.Option(..., "--out", help="Output directory."),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
+) -> None:
+    """Quantize a model's linears (RTN, GPTQ, AWQ) into a checkpoint vLLM/transformers load."""
+    from llmaccel.quant.calibration import CalibConfig
+    from llmaccel.quant.driver import quantize_model
+
+    report = quantize_model(model, method=method, bits=bits, group_size=group_size, sym=sym,
+                            out_dir=out, calib=CalibConfig(calib, n_samples, seq_len, seed),
+                            format=fmt, device=device, act_order=act_order)
+    errs = report.layer_error
+    summary = ""
+    if errs and report.layer_error_rtn:
+        summary = (f" · mean layer error {sum(errs) / len(errs):.3g} "
+                   f"(RTN {sum(report.layer_error_rtn) / len(errs):.3g})")
+    console.print(f"wrote {report.format} int{bits} checkpoint to {out} in "
+                  f"{report.seconds:.1f}s{summary}", highlight=False)
+
+
 def main() -> None:
     """Entry point: user errors print one line and exit 1, without a traceback."""
     try:

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from llmaccel.errors import CorruptCheckpointError, LLMAccelError, UnsupportedModelError
+from llmaccel.models.layers.quantization import QuantizationConfig
 from llmaccel.models.shapes import SHAPES
 from llmaccel.models.source import ModelSource, resolve_model_source
 
@@ -37,6 +38,8 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     load_format: str  # resolved: safetensors | gguf | dummy
+    # from config.json's quantization_config (packed GPTQ/AWQ/compressed-tensors); None: plain
+    quant_config: QuantizationConfig | None = None
 
     @property
     def name(self) -> str:
@@ -138,7 +141,18 @@ def make_model_config(model: str | None, *, dtype: str | torch.dtype = "auto",
     return ModelConfig(source=source, hf_config=hf_config, architecture=arch,
                        dtype=parse_dtype(dtype, hf_config, device),
                        max_model_len=_max_model_len(hf_config, max_model_len),
-                       load_format=resolved_format)
+                       load_format=resolved_format,
+                       quant_config=_quant_config(hf_config, resolved_format))
+
+
+def _quant_config(hf_config: PretrainedConfig, load_format: str) -> QuantizationConfig | None:
+    # Only safetensors checkpoints hold packed tensors: transformers also sets
+    # quantization_config on GGUF configs, whose tensors arrive already dequantized, and dummy
+    # weights are plain random values.
+    if load_format != "safetensors":
+        return None
+    from llmaccel.quant.quant_configs import quant_config_from_hf
+    return quant_config_from_hf(hf_config)
 
 
 def _check_rope(hf_config: PretrainedConfig, source: ModelSource) -> None:

@@ -42,6 +42,7 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
     (None: on with CUDA and Triton) routes norms, rotary and activations through Triton."""
     device = torch.device(device)
     attention_backend = resolve_backend_name(attention_backend, device)
+    quant_config = quant_config or model_config.quant_config
     with torch.device(device), _default_dtype(model_config.dtype):
         model = TransformerForCausalLM(model_config.hf_config, model_config.max_model_len,
                                        quant_config, attention_backend)
@@ -58,6 +59,9 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
     for module in model.modules():
         if isinstance(module, Linear):
             module.quant_method.process_weights_after_loading(module)
+    if quant_config is not None:
+        from llmaccel.quant.quant_configs import log_linear_methods
+        log_linear_methods(model, model_config.name)
     if fused_kernels is None:
         fused_kernels = device.type == "cuda" and triton_available()
     model.set_fused_kernels(fused_kernels)

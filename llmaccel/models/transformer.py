@@ -175,7 +175,7 @@ class TransformerForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # some tied checkpoints store a copy of the embedding
-            shard = None
+            shard, checkpoint_name = None, name
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in STACKED_PARAMS:
                 fused, shard = STACKED_PARAMS[parts[-2]]
@@ -185,9 +185,13 @@ class TransformerForCausalLM(nn.Module):
             param = params[name]
             owner = self.get_submodule(name.rsplit(".", 1)[0])
             if isinstance(owner, Linear):
-                owner.weight_loader(param, tensor, shard)
+                try:
+                    owner.weight_loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"tensor '{checkpoint_name}': {e}") from e
             elif tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
+                raise ValueError(f"tensor '{checkpoint_name}': shape {tuple(tensor.shape)} "
+                                 f"does not fit {tuple(param.shape)}")
             else:
                 param.data.copy_(tensor)
             shards_seen.setdefault(name, set()).add(shard)

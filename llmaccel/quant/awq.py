@@ -184,7 +184,7 @@ def search_scales(weights: list[torch.Tensor], x: torch.Tensor, bits: int = 4,
                                 f"got {tuple(mean_abs.shape)}")
 
     losses: dict[float, float] = {}
-    best_alpha, best_loss, best_s = 0.0, float("inf"), torch.ones(in_features)
+    best_alpha, best_loss, best_s = 0.0, float("inf"), torch.ones(in_features, device=x.device)
     for i in range(n_grid):
         alpha = i / n_grid
         s = scales_for_alpha(mean_abs, alpha)
@@ -222,10 +222,12 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size
     n_groups = in_features // group_len
     w = weight.to(torch.float32)
     xg = x.reshape(-1, in_features).to(torch.float32).reshape(-1, n_groups, group_len)
-    ones = torch.ones(out_features, n_groups)
+    ones = torch.ones(out_features, n_groups, device=w.device)  # CUDA weights: same device
+
+    unit = torch.ones(in_features, device=w.device)
 
     def per_group_error(clip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d = w - dequantize(quantize_scaled(w, torch.ones(in_features), bits, group_size, sym,
+        d = w - dequantize(quantize_scaled(w, unit, bits, group_size, sym,
                                            clip=clip, scale_dtype=scale_dtype))
         dg = d.reshape(out_features, n_groups, group_len)
         contrib = torch.einsum("tgk,ogk->tog", xg, dg)  # each group's share of each output

@@ -38,6 +38,13 @@ class Linear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | None = None) -> None:
         """Copy a checkpoint tensor into `param`, into shard `shard_id` of a fused layer."""
+        custom = getattr(param, "weight_loader", None)
+        if custom is not None:  # tensors every shard carries whole (GPTQ g_idx, weight_shape)
+            custom(param, loaded, shard_id)
+            return
+        if not param.is_floating_point() and loaded.is_floating_point():
+            # copy_ would silently truncate floats into packed integer words
+            raise ValueError(f"dtype {loaded.dtype} does not fit packed {param.dtype}")
         target = param.data
         if shard_id is not None:
             dim = getattr(param, "output_dim", 0)

@@ -1,0 +1,226 @@
+"""`quantize_model`: an HF checkpoint in, a GPTQ / AWQ / compressed-tensors checkpoint out.
+
+Layer by layer, so a model larger than the GPU quantizes: the HF model is loaded on the CPU,
+the embeddings compute the calibration inputs of decoder layer 0, and then each layer in turn
+moves to the device, is quantized with its own inputs, and produces the next layer's inputs
+with its QUANTIZED weights (so later layers calibrate against, and compensate, the error that
+really reaches them). lm_head, embeddings and norms stay unquantized.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import nn
+
+from llmaccel.errors import LLMAccelError, QuantizationError, UnsupportedModelError
+from llmaccel.quant.calibration import CalibConfig, calibration_batches
+from llmaccel.quant.checkpoint import (
+    FORMATS,
+    check_format_settings,
+    format_scale_dtype,
+    pack_linear,
+    quantization_config,
+    write_checkpoint,
+)
+from llmaccel.quant.layerwise import (
+    LINEARS,
+    LinearQuant,
+    QuantSpec,
+    quantize_layer,
+    run_layer,
+)
+from llmaccel.quant.rtn import check_group_size
+
+METHODS = ("rtn", "gptq", "awq")
+DEFAULT_FORMAT = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class _StopForward(Exception):
+    """Raised by the layer-0 hook: the rest of the model is not needed to get its inputs."""
+
+
+@dataclass
+class QuantizeReport:
+    method: str
+    format: str
+    bits: int
+    group_size: int
+    sym: bool
+    n_samples: int
+    seq_len: int
+    seconds: float = 0.0
+    # relative output error ||y_q - y||^2 / ||y||^2 of each decoder layer on its calibration
+    # inputs, for this method and for RTN on the same inputs
+    layer_error: list[float] = field(default_factory=list)
+    layer_error_rtn: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _settings(method: str, fmt: str | None, sym: bool | None, bits: int, group_size: int,
+              act_order: bool) -> tuple[str, bool]:
+    if method not in METHODS:
+        raise QuantizationError(f"method must be one of {METHODS}, got {method!r}")
+    fmt = fmt or DEFAULT_FORMAT[method]
+    if fmt not in FORMATS:
+        raise QuantizationError(f"format must be one of {FORMATS}, got {fmt!r}")
+    sym = (method != "awq") if sym is None else sym  # AWQ's checkpoints are zero-point ones
+    if act_order and (method != "gptq" or fmt != "gptq"):
+        raise QuantizationError("act_order needs method gptq and format gptq (only GPTQ "
+                                "checkpoints store the g_idx map)")
+    check_format_settings(fmt, bits, group_size, sym)
+    return fmt, sym
+
+
+def _load(model: str, device: torch.device) -> tuple[nn.Module, Any, Path]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmaccel.models.source import resolve_model_source
+
+    source = resolve_model_source(model)
+    if source.kind != "hf" or source.path is None:
+        raise UnsupportedModelError(f"quantize needs an HF safetensors model directory or hub "
+                                    f"id, got {source.kind} {model!r}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).eval()
+    tokenizer = None
+    # transformers 5 builds an EMPTY tokenizer for a directory without tokenizer files rather
+    # than failing, so look for the files first.
+    if any((source.path / f).is_file() for f in _TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.path)
+        except Exception:  # unreadable tokenizer: fine when token ids are passed in
+            tokenizer = None
+    if not hasattr(getattr(hf, "model", None), "layers"):
+        raise UnsupportedModelError(f"{type(hf).__name__} has no model.layers; quantize "
+                                    "supports Llama/Qwen2/Mistral-style models")
+    return hf, tokenizer, source.path
+
+
+@torch.no_grad()
+def _layer0_inputs(hf: nn.Module, ids: torch.Tensor, device: torch.device
+                   ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Hidden states entering decoder layer 0 per sample, and the layer's keyword arguments
+    (identical for every sample: same length, no padding, so position embeddings agree)."""
+    body = hf.model
+    layer0 = body.layers[0]
+    inputs: list[torch.Tensor] = []
+    kwargs: dict[str, Any] = {}
+
+    def hook(_m: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        inputs.append(args[0] if args else kw["hidden_states"])
+        if not kwargs:
+            kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
+        raise _StopForward
+
+    body.embed_tokens.to(device)
+    if hasattr(body, "rotary_emb"):
+        body.rotary_emb.to(device)
+    handle = layer0.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for row in ids:
+            try:
+                body(input_ids=row.unsqueeze(0).to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+        body.embed_tokens.to("cpu")
+    kwargs.pop("past_key_values", None)
+    kwargs.pop("past_key_value", None)
+    return inputs, kwargs
+
+
+def _rel_error(ys: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
+    num = sum(float((y.float() - r.float()).pow(2).sum()) for y, r in zip(ys, refs))
+    den = sum(float(r.float().pow(2).sum()) for r in refs)
+    return num / den if den > 0 else 0.0
+
+
+def quantize_model(model: str | Path, method: str = "gptq", bits: int = 4, group_size: int = 128,
+                   sym: bool | None = None, out_dir: str | Path = "quantized",
+                   calib: CalibConfig | None = None, format: str | None = None,
+                   device: str | None = None, calib_token_ids: torch.Tensor | None = None,
+                   act_order: bool = False, damp_percent: float = 0.01,
+                   compare_rtn: bool = True, show_progress: bool = True) -> QuantizeReport:
+    """Quantize `model` (local HF directory or hub id) and write a checkpoint to `out_dir`.
+
+    `calib_token_ids` [n_samples, seq_len] replaces tokenizing `calib` (tests; models without
+    a tokenizer). RTN needs no calibration: without a tokenizer or ids it skips the
+    per-layer error report. Returns the report that is also saved as quantize_report.json.
+    """
+    start = time.perf_counter()
+    fmt, sym = _settings(method, format, sym, bits, group_size, act_order)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    calib = calib or CalibConfig()
+    hf, tokenizer, src = _load(str(model), dev)
+    for name in LINEARS:  # fail before calibration, not at layer 0 after minutes of it
+        check_group_size(hf.model.layers[0].get_submodule(name).in_features, group_size)
+    if calib_token_ids is None and tokenizer is not None:
+        calib_token_ids = calibration_batches(tokenizer, calib)
+    if calib_token_ids is None and method != "rtn":
+        raise LLMAccelError(f"{src} has no tokenizer to tokenize the calibration text")
+    ids = calib_token_ids if calib_token_ids is not None else torch.empty(0, 0, dtype=torch.long)
+    report = QuantizeReport(method, fmt, bits, group_size, sym, ids.shape[0], ids.shape[1])
+    spec = QuantSpec(method, bits, group_size, sym, format_scale_dtype(fmt, src),
+                     damp_percent=damp_percent, act_order=act_order)
+
+    inputs, kwargs = _layer0_inputs(hf, ids, dev) if len(ids) else ([], {})
+    tensors: dict[str, torch.Tensor] = {}
+    layers = hf.model.layers
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, disable=not show_progress, transient=True) as bar:
+        task = bar.add_task(f"{method} int{bits}", total=len(layers))
+        for i, layer in enumerate(layers):
+            bar.update(task, description=f"{method} int{bits} · layer {i}")
+            layer.to(dev)
+            ref = copy.deepcopy(layer) if inputs else None
+            quantized = quantize_layer(layer, inputs, kwargs, spec)
+            outputs = run_layer(layer, inputs, kwargs)
+            if ref is not None:
+                _report_layer(report, ref, inputs, kwargs, outputs, spec, compare_rtn)
+            tensors.update(_pack_layer(i, quantized, fmt, spec))
+            layer.to("cpu")
+            inputs = outputs
+            bar.advance(task)
+
+    qconfig = quantization_config(fmt, spec)
+    write_checkpoint(Path(out_dir), hf, src, tensors, qconfig, tokenizer)
+    report.seconds = round(time.perf_counter() - start, 3)
+    (Path(out_dir) / "quantize_report.json").write_text(json.dumps(report.to_json(), indent=2))
+    return report
+
+
+def _report_layer(report: QuantizeReport, ref: nn.Module, inputs: list[torch.Tensor],
+                  kwargs: dict[str, Any], outputs: list[torch.Tensor], spec: QuantSpec,
+                  compare_rtn: bool) -> None:
+    fp_out = run_layer(ref, inputs, kwargs)
+    report.layer_error.append(_rel_error(outputs, fp_out))
+    if compare_rtn:
+        rtn = QuantSpec("rtn", spec.bits, spec.group_size, spec.sym, spec.scale_dtype)
+        quantize_layer(ref, inputs, kwargs, rtn)
+        report.layer_error_rtn.append(_rel_error(run_layer(ref, inputs, kwargs), fp_out))
+
+
+def _pack_layer(index: int, quantized: dict[str, LinearQuant], fmt: str, spec: QuantSpec
+                ) -> dict[str, torch.Tensor]:
+    prefix = f"model.layers.{index}."
+    out: dict[str, torch.Tensor] = {}
+    for name, lq in quantized.items():
+        for key, t in pack_linear(lq, fmt, spec).items():
+            out[f"{prefix}{name}.{key}"] = t.detach().cpu().contiguous()
+    return out
+
+
+__all__ = ["METHODS", "DEFAULT_FORMAT", "QuantizeReport", "quantize_model"]

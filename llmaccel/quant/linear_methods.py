@@ -1,0 +1,236 @@
+"""Linear methods that run packed GPTQ / AWQ / compressed-tensors weights inside our Transformer.
+
+Each method registers the checkpoint's own tensors (same names, shapes and dtypes as on disk, so
+`TransformerForCausalLM.load_weights` fills them shard by shard like plain weights), then
+`process_weights_after_loading` unpacks them once into one layout shared by all three formats:
+
+    codes   uint8 [out, in]        unsigned codes, one per weight
+    scales  fp32  [out, n_groups]  fp32 holds fp16 and bf16 scales exactly
+    zeros   int32 [out, n_groups]  the zero point readers use (GPTQ v1's +1 already applied)
+    g_idx   int64 [n_idx, in]      group of each input channel; one row per fused shard when the
+                                   shards' act-order permutations differ, else a single row
+
+and `apply` is the reference path: W = (codes - zeros[:, g]) * scales[:, g] in fp32, cast to the
+activation dtype, then F.linear. It is exact but re-dequantizes on every call, so it is meant for
+CPU and for checking kernels. KERNEL HOOK: a Triton W4A16 (and W8A16) kernel for CUDA replaces
+`_reference_matmul` in `PackedLinearMethod.apply`; it would take these unpacked tensors (or repack
+them in `process_weights_after_loading`) and must agree with `dequantize_unpacked`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmaccel.errors import CorruptCheckpointError
+from llmaccel.models.layers.quantization import LinearMethodBase
+from llmaccel.quant.formats.awq import AWQ_PACK_FACTOR, unpack_awq
+from llmaccel.quant.formats.compressed_tensors import unpack_compressed_tensors
+from llmaccel.quant.formats.gptq import ZERO_OFFSETS, pack_factor, unpack_int32
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, output_dim: int | None = None,
+           packed_factor: int = 1) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    if output_dim is not None:
+        p.output_dim = output_dim
+        p.packed_factor = packed_factor  # Linear.weight_loader divides shard offsets by this
+    return p
+
+
+def _per_shard_loader(what: str):
+    """A weight_loader for a tensor that each fused shard carries whole (g_idx, weight_shape):
+    the parameter keeps one row per shard instead of one stacked slice."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        row = param.data[0 if shard_id is None else shard_id]
+        if tuple(row.shape) != tuple(loaded.shape):
+            raise ValueError(f"{what} shape {tuple(loaded.shape)} does not fit "
+                             f"{tuple(row.shape)}")
+        row.copy_(loaded)
+
+    return load
+
+
+def dequantize_unpacked(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        g_idx: torch.Tensor, output_sizes: list[int],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """W [out, in] in `dtype` from the unpacked layout (see the module docstring)."""
+    if g_idx.shape[0] == 1:
+        return _dequant_rows(codes, scales, zeros, g_idx[0]).to(dtype)
+    parts, start = [], 0
+    for shard, size in enumerate(output_sizes):
+        rows = slice(start, start + size)
+        parts.append(_dequant_rows(codes[rows], scales[rows], zeros[rows], g_idx[shard]))
+        start += size
+    return torch.cat(parts).to(dtype)
+
+
+def _dequant_rows(codes, scales, zeros, g_idx) -> torch.Tensor:
+    q = codes.to(torch.int32) - zeros[:, g_idx]
+    return q.to(torch.float32) * scales[:, g_idx]
+
+
+class PackedLinearMethod(LinearMethodBase):
+    """Shared part: the unpacked layout, the reference `apply`, a description for the log."""
+
+    format_name = "packed"
+
+    def __init__(self, bits: int, group_size: int, sym: bool) -> None:
+        self.bits, self.group_size, self.sym = bits, group_size, sym
+
+    def describe(self) -> str:
+        group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
+        kind = "sym" if self.sym else "asym"
+        return (f"{self.format_name} int{self.bits} {group} {kind} "
+                "(reference: dequantize + F.linear)")
+
+    def _group_len(self, input_size: int, prefix: str) -> int:
+        group = input_size if self.group_size == -1 else self.group_size
+        if input_size % group:
+            raise CorruptCheckpointError(f"{prefix}: in_features={input_size} is not a multiple "
+                                         f"of the checkpoint's group_size={self.group_size}")
+        return group
+
+    def _set_unpacked(self, layer: nn.Module, packed: tuple[str, ...], codes: torch.Tensor,
+                      scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor) -> None:
+        for name in packed:
+            delattr(layer, name)
+        if g_idx.dim() == 1:
+            g_idx = g_idx[None]
+        if g_idx.shape[0] > 1 and bool((g_idx == g_idx[:1]).all()):
+            g_idx = g_idx[:1]  # fused shards share one input, so usually one ordering
+        n_groups = scales.shape[1]
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= n_groups):
+            raise CorruptCheckpointError(f"{layer.prefix}.g_idx holds groups outside "
+                                         f"0..{n_groups - 1}")
+        for name, t in (("codes", codes.to(torch.uint8)), ("scales", scales.to(torch.float32)),
+                        ("zeros", zeros.to(torch.int32)), ("g_idx", g_idx.to(torch.int64))):
+            layer.register_parameter(name, nn.Parameter(t.contiguous(), requires_grad=False))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        try:
+            self._unpack(layer)
+        except CorruptCheckpointError as e:
+            if layer.prefix in str(e):
+                raise
+            raise CorruptCheckpointError(f"{layer.prefix}: {e}") from e
+
+    def _unpack(self, layer: nn.Module) -> None:
+        """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""
+        raise NotImplementedError
+
+    def apply(self, layer, x, bias=None):
+        # KERNEL HOOK (see module docstring): CUDA will dispatch to a Triton W4A16/W8A16 kernel
+        # chosen per shape here; today every device takes the exact reference path.
+        return self._reference_matmul(layer, x, bias)
+
+    @staticmethod
+    def _reference_matmul(layer: nn.Module, x: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        w = dequantize_unpacked(layer.codes, layer.scales, layer.zeros, layer.g_idx,
+                                layer.output_sizes, x.dtype)
+        return F.linear(x, w, bias)
+
+
+class GPTQLinearMethod(PackedLinearMethod):
+    """qweight int32 [in/pf, out], qzeros int32 [G, out/pf], scales [G, out], g_idx [in]."""
+
+    format_name = "gptq"
+
+    def __init__(self, bits: int, group_size: int, sym: bool, checkpoint_format: str) -> None:
+        super().__init__(bits, group_size, sym)
+        self.zero_offset = ZERO_OFFSETS[checkpoint_format]
+        self.pf = pack_factor(bits)
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        out = sum(output_sizes)
+        n_groups = input_size // self._group_len(input_size, layer.prefix)
+        _check_divisible(layer.prefix, input_size, self.pf, "in_features")
+        for size in output_sizes:
+            _check_divisible(layer.prefix, size, self.pf, "each fused output")
+        layer.register_parameter("qweight", _param((input_size // self.pf, out), torch.int32, 1))
+        layer.register_parameter("qzeros", _param((n_groups, out // self.pf), torch.int32, 1,
+                                                  self.pf))
+        layer.register_parameter("scales", _param((n_groups, out), torch.float32, 1))
+        g_idx = _param((len(output_sizes), input_size), torch.int32)
+        g_idx.weight_loader = _per_shard_loader("g_idx")
+        layer.register_parameter("g_idx", g_idx)
+
+    def _unpack(self, layer: nn.Module) -> None:
+        codes = unpack_int32(layer.qweight.data, self.bits, dim=0).t()
+        zeros = (unpack_int32(layer.qzeros.data, self.bits, dim=1) + self.zero_offset).t()
+        self._set_unpacked(layer, ("qweight", "qzeros", "scales", "g_idx"), codes,
+                           layer.scales.data.t(), zeros, layer.g_idx.data)
+
+
+class AWQLinearMethod(PackedLinearMethod):
+    """qweight int32 [in, out/8], qzeros int32 [G, out/8], scales [G, out] (AWQ GEMM)."""
+
+    format_name = "awq"
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        out = sum(output_sizes)
+        n_groups = input_size // self._group_len(input_size, layer.prefix)
+        for size in output_sizes:
+            _check_divisible(layer.prefix, size, AWQ_PACK_FACTOR, "each fused output")
+        pf = AWQ_PACK_FACTOR
+        layer.register_parameter("qweight", _param((input_size, out // pf), torch.int32, 1, pf))
+        layer.register_parameter("qzeros", _param((n_groups, out // pf), torch.int32, 1, pf))
+        layer.register_parameter("scales", _param((n_groups, out), torch.float32, 1))
+
+    def _unpack(self, layer: nn.Module) -> None:
+        codes, scales, zeros = unpack_awq(layer.qweight.data, layer.qzeros.data,
+                                          layer.scales.data)
+        in_features = codes.shape[1]
+        g_idx = torch.arange(in_features, device=codes.device) // (in_features // scales.shape[1])
+        self._set_unpacked(layer, ("qweight", "qzeros", "scales"), codes, scales, zeros, g_idx)
+
+
+class CompressedTensorsLinearMethod(PackedLinearMethod):
+    """pack-quantized: weight_packed int32 [out, in/pf], weight_scale [out, G], weight_shape
+    int64 [2] (one per fused shard), weight_zero_point int32 [out/pf, G] (asymmetric only)."""
+
+    format_name = "compressed-tensors"
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        pf = 32 // self.bits
+        out = sum(output_sizes)
+        n_groups = input_size // self._group_len(input_size, layer.prefix)
+        # compressed-tensors pads a row to whole words; fused shards must still start on one.
+        if not self.sym:
+            for size in output_sizes:
+                _check_divisible(layer.prefix, size, pf, "each fused output (zero points)")
+        layer.register_parameter("weight_packed", _param((out, -(-input_size // pf)),
+                                                         torch.int32, 0))
+        layer.register_parameter("weight_scale", _param((out, n_groups), torch.float32, 0))
+        shape = _param((len(output_sizes), 2), torch.int64)
+        shape.weight_loader = _per_shard_loader("weight_shape")
+        layer.register_parameter("weight_shape", shape)
+        if not self.sym:
+            layer.register_parameter("weight_zero_point", _param((out // pf, n_groups),
+                                                                 torch.int32, 0, pf))
+
+    def _unpack(self, layer: nn.Module) -> None:
+        expected = [[size, layer.input_size] for size in layer.output_sizes]
+        if layer.weight_shape.data.tolist() != expected:
+            raise CorruptCheckpointError(
+                f"{layer.prefix}.weight_shape holds {layer.weight_shape.data.tolist()}, "
+                f"expected {expected} (out, in) per shard")
+        zp = getattr(layer, "weight_zero_point", None)
+        codes, scales, zeros = unpack_compressed_tensors(
+            layer.weight_packed.data, layer.weight_scale.data,
+            torch.tensor([layer.output_size, layer.input_size]),
+            None if zp is None else zp.data, num_bits=self.bits)
+        g_idx = torch.arange(layer.input_size, device=codes.device) // (
+            layer.input_size // scales.shape[1])
+        packed = ("weight_packed", "weight_scale", "weight_shape") + (
+            () if zp is None else ("weight_zero_point",))
+        self._set_unpacked(layer, packed, codes, scales, zeros, g_idx)
+
+
+def _check_divisible(prefix: str, size: int, factor: int, what: str) -> None:
+    if size % factor:
+        raise CorruptCheckpointError(f"{prefix}: {what} ({size}) is not a multiple of {factor}, "
+                                     "which this packed format needs")
