@@ -1,12 +1,13 @@
 """The GPTQ algorithm (`llmaccel.quant.gptq`): layer output error below RTN's on correlated
 inputs, identical to RTN when there is nothing to exploit, packs as a GPTQ checkpoint, and
-the act-order group map. Packed tensors are decoded by `_decode_gptq`, written here from the
+the act-order group map. Packed tensors are decoded by `decode_gptq`, written here from the
 format's definition, not by our unpacker."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gptq_decoder import decode_gptq
 
 from llmaccel.errors import QuantizationError
 from llmaccel.quant.gptq import HessianAccumulator, dequantize_with_g_idx, gptq_quantize
@@ -38,25 +39,6 @@ def _hessian(x: torch.Tensor) -> torch.Tensor:
 
 def _out_err(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return (x @ w.t() - x @ w_hat.t()).norm().item()
-
-
-def _decode_gptq(t: dict[str, torch.Tensor], bits: int, zero_offset: int = 1) -> torch.Tensor:
-    """W[o, i] = (code - (stored_zero + zero_offset)) * scales[g_idx[i], o], element by element
-    from the bit layout (input channel i = r * pf + j in bits [bits*j, bits*(j+1)) of row r)."""
-    pf, mask = 32 // bits, (1 << bits) - 1
-    qweight, qzeros = t["qweight"].tolist(), t["qzeros"].tolist()
-    scales, g_idx = t["scales"].double().tolist(), t["g_idx"].tolist()
-    in_features, out_features = len(qweight) * pf, len(qweight[0])
-    w = torch.empty(out_features, in_features, dtype=torch.float64)
-    for i in range(in_features):
-        row, field = divmod(i, pf)
-        g = g_idx[i]
-        for o in range(out_features):
-            code = ((qweight[row][o] & 0xFFFFFFFF) >> (bits * field)) & mask
-            zword = qzeros[g][o // pf] & 0xFFFFFFFF
-            zero = ((zword >> (bits * (o % pf))) & mask) + zero_offset
-            w[o, i] = (code - zero) * scales[g][o]
-    return w
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +79,7 @@ def test_packs_and_decodes(calib, group_size, sym, fmt, offset, act_order):
     w, h = w[:16, :64].contiguous(), h[:64, :64].contiguous()  # small: the decoder is per element
     res = gptq_quantize(w, h, bits=4, group_size=group_size, sym=sym, act_order=act_order)
     packed = res.pack(fmt)
-    decoded = _decode_gptq(packed, 4, zero_offset=offset)
+    decoded = decode_gptq(packed, 4, zero_offset=offset)
     assert torch.equal(decoded.to(torch.float32), res.dequantize())
     assert torch.equal(packed["g_idx"], res.g_idx)
     if not act_order:  # contiguous groups: rtn.dequantize reads the same weights

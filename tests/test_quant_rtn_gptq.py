@@ -1,6 +1,6 @@
 """RTN quantization and the GPTQ checkpoint layout.
 
-The GPTQ checks decode our packed tensors with `_decode_gptq`, written here from the format's
+The GPTQ checks decode our packed tensors with `decode_gptq`, written here from the format's
 definition (Python ints and shifts, one element at a time), never with our own unpacker.
 """
 
@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from gptq_decoder import decode_gptq
 
 from llmaccel.errors import CorruptCheckpointError
 from llmaccel.quant.formats.gptq import (
@@ -32,25 +33,6 @@ def _weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
     w = torch.randn(out_features, in_features, generator=g)
     w *= torch.rand(out_features, 1, generator=g) * 0.1 + 0.01
     w.view(-1)[torch.randint(0, w.numel(), (8,), generator=g)] *= 12
-    return w
-
-
-def _decode_gptq(t: dict[str, torch.Tensor], bits: int, zero_offset: int = 1) -> torch.Tensor:
-    """W[o, i] = (code - (stored_zero + zero_offset)) * scales[g_idx[i], o], as vLLM's GPTQ
-    kernels and transformers/GPTQModel compute it (v1: zero_offset 1, v2: 0). float64."""
-    pf, mask = 32 // bits, (1 << bits) - 1
-    qweight, qzeros = t["qweight"].tolist(), t["qzeros"].tolist()
-    scales, g_idx = t["scales"].double().tolist(), t["g_idx"].tolist()
-    in_features, out_features = len(qweight) * pf, len(qweight[0])
-    w = torch.empty(out_features, in_features, dtype=torch.float64)
-    for i in range(in_features):
-        row, field = divmod(i, pf)
-        g = g_idx[i]
-        for o in range(out_features):
-            code = ((qweight[row][o] & 0xFFFFFFFF) >> (bits * field)) & mask
-            zword = qzeros[g][o // pf] & 0xFFFFFFFF
-            zero = ((zword >> (bits * (o % pf))) & mask) + zero_offset
-            w[o, i] = (code - zero) * scales[g][o]
     return w
 
 
@@ -171,7 +153,7 @@ def test_gptq_pack_decodes_to_dequantize(out_features: int, in_features: int, bi
         torch.int32, torch.int32, torch.float16, torch.int32]
     assert t["g_idx"].tolist() == [i // (group_size if group_size > 0 else in_features)
                                    for i in range(in_features)]
-    assert torch.equal(_decode_gptq(t, bits), dequantize(qw).double())
+    assert torch.equal(decode_gptq(t, bits), dequantize(qw).double())
 
 
 @pytest.mark.parametrize("out_features,in_features,bits,group_size,sym", GPTQ_CASES)
@@ -209,7 +191,7 @@ def test_gptq_hand_packed_4bit() -> None:
     assert t["qzeros"].tolist() == [[0x76543210]]  # zero - 1 = 0..7, output o at bits 4 o
     assert t["scales"].tolist() == [[0.5 * (o + 1) for o in range(8)]]
     assert t["g_idx"].tolist() == [0] * 8
-    assert torch.equal(_decode_gptq(t, 4), dequantize(qw).double())
+    assert torch.equal(decode_gptq(t, 4), dequantize(qw).double())
     assert float(dequantize(qw)[5, 6]) == (0 - 6) * 3.0  # code 0, zero 6, scale 3.0
 
 
@@ -227,7 +209,7 @@ def test_gptq_hand_packed_8bit() -> None:
         [0x04030201, 0x7F00FF80, _i32(0xAAAAAAAA), 0x13121110],
         [0x08070605, 0x40302010, _i32(0xAAAAAAAA), 0x17161514]]
     assert t["qzeros"].tolist() == [[0x7F7F7F7F]]
-    assert torch.equal(_decode_gptq(t, 8), dequantize(qw).double())
+    assert torch.equal(decode_gptq(t, 8), dequantize(qw).double())
 
 
 def test_gptq_v1_rejects_zero_point_zero_and_v2_keeps_it() -> None:
@@ -238,7 +220,7 @@ def test_gptq_v1_rejects_zero_point_zero_and_v2_keeps_it() -> None:
     with pytest.raises(ValueError, match="cannot hold a zero point of 0"):
         pack_gptq(qw)
     t = pack_gptq(qw, checkpoint_format="gptq_v2")
-    assert torch.equal(_decode_gptq(t, 4, zero_offset=0), dequantize(qw).double())
+    assert torch.equal(decode_gptq(t, 4, zero_offset=0), dequantize(qw).double())
     _, _, zeros, _ = unpack_gptq(t, 4, 32, checkpoint_format="gptq_v2")
     assert torch.equal(zeros, qw.zeros)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from llmaccel.errors import CorruptCheckpointError, QuantizationError
+from llmaccel.quant.formats.common import as_codes
 
 AWQ_BITS = 4
 AWQ_PACK_FACTOR = 32 // AWQ_BITS
@@ -82,8 +83,8 @@ def pack_awq(
     """
     check_awq_settings(bits, group_size)
     _check_shapes(codes, scales, zeros, group_size)
-    qweight = _pack_rows(_nibbles(codes, "codes").t())
-    qzeros = _pack_rows(_nibbles(zeros, "zeros").t())
+    qweight = _pack_rows(as_codes(codes, "codes", AWQ_BITS).t())
+    qzeros = _pack_rows(as_codes(zeros, "zeros", AWQ_BITS).t())
     scales16 = scales.detach().t().to(torch.float16).contiguous()
     if not torch.isfinite(scales16).all():
         raise QuantizationError("AWQ stores scales in fp16; some scales are not finite in fp16")
@@ -148,22 +149,6 @@ def _check_shapes(
     for name, t in (("scales", scales), ("zeros", zeros)):
         if tuple(t.shape) != expected:
             raise QuantizationError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
-
-
-def _nibbles(values: torch.Tensor, name: str) -> torch.Tensor:
-    """Integer-valued tensor in [0, 15] as int64; floats are accepted when they hold integers."""
-    if values.is_floating_point():
-        if not torch.equal(values, values.round()):
-            raise QuantizationError(f"{name} must hold integers, got non-integral floats")
-    elif values.dtype == torch.bool or values.is_complex():
-        raise QuantizationError(f"{name} must be an integer tensor, got {values.dtype}")
-    as_int = values.detach().to(torch.int64)
-    if as_int.numel() and (as_int.min() < 0 or as_int.max() > _NIBBLE_MAX):
-        raise QuantizationError(
-            f"{name} must lie in [0, {_NIBBLE_MAX}] for 4-bit AWQ, "
-            f"got [{int(as_int.min())}, {int(as_int.max())}]"
-        )
-    return as_int
 
 
 def _pack_rows(values: torch.Tensor) -> torch.Tensor:

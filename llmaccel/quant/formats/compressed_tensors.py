@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.errors import CorruptCheckpointError, QuantizationError
+from llmaccel.quant.formats.common import as_codes
 
 CT_BITS = (4, 8)
 CT_GROUP_SIZES = (32, 64, 128)
@@ -125,7 +126,7 @@ def pack_compressed_tensors(
     if not weight_scale.is_floating_point() or not torch.isfinite(weight_scale).all():
         raise QuantizationError(f"scales must be finite floats in {weight_scale.dtype}")
     tensors = {
-        "weight_packed": _pack_cols(_as_codes(codes, "codes", num_bits), num_bits),
+        "weight_packed": _pack_cols(as_codes(codes, "codes", num_bits), num_bits),
         "weight_scale": weight_scale,
         "weight_shape": torch.tensor([out_features, in_features], dtype=torch.int64),
     }
@@ -189,7 +190,7 @@ def _pack_zeros(
         raise QuantizationError("asymmetric pack-quantized needs zeros")
     if tuple(zeros.shape) != shape:
         raise QuantizationError(f"zeros must have shape {shape}, got {tuple(zeros.shape)}")
-    zeros = _as_codes(zeros, "zeros", num_bits)
+    zeros = as_codes(zeros, "zeros", num_bits)
     if symmetric:
         if not bool((zeros == midpoint).all()):
             raise QuantizationError(
@@ -215,23 +216,6 @@ def _check_int32(t: torch.Tensor, name: str, shape: tuple[int, int]) -> None:
         raise CorruptCheckpointError(
             f"{name} must be int32 {shape}, got {t.dtype} {tuple(t.shape)}"
         )
-
-
-def _as_codes(values: torch.Tensor, name: str, num_bits: int) -> torch.Tensor:
-    """Integer-valued tensor in [0, 2^bits - 1] as int64; floats are accepted when integral."""
-    if values.is_floating_point():
-        if not torch.equal(values, values.round()):
-            raise QuantizationError(f"{name} must hold integers, got non-integral floats")
-    elif values.dtype == torch.bool or values.is_complex():
-        raise QuantizationError(f"{name} must be an integer tensor, got {values.dtype}")
-    as_int = values.detach().to(torch.int64)
-    top = (1 << num_bits) - 1
-    if as_int.numel() and (as_int.min() < 0 or as_int.max() > top):
-        raise QuantizationError(
-            f"{name} must lie in [0, {top}] for {num_bits}-bit codes, "
-            f"got [{int(as_int.min())}, {int(as_int.max())}]"
-        )
-    return as_int
 
 
 def _pack_cols(values: torch.Tensor, num_bits: int) -> torch.Tensor:
