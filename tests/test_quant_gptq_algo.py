@@ -1,7 +1,7 @@
 """The GPTQ algorithm (`llmaccel.quant.gptq`): layer output error below RTN's on correlated
 inputs, identical to RTN when there is nothing to exploit, packs as a GPTQ checkpoint, and
-the act-order group map. Packed tensors are decoded by `decode_gptq`, written here from the
-format's definition, not by our unpacker."""
+the act-order group map. Packed tensors are decoded by `decode_gptq` (gptq_decoder.py),
+written from the format's definition, not by our unpacker."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """RTN quantization and the GPTQ checkpoint layout.
 
-The GPTQ checks decode our packed tensors with `decode_gptq`, written here from the format's
-definition (Python ints and shifts, one element at a time), never with our own unpacker.
+The GPTQ checks decode our packed tensors with `decode_gptq` (gptq_decoder.py), written from
+the format's definition (Python ints and shifts, one element at a time), never with our own
+unpacker.
 """
 
 from __future__ import annotations
