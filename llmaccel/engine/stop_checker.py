@@ -19,12 +19,6 @@ class StopChecker:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
 
-    def check(self, seq: Sequence) -> bool:
-        """Both checks at once (token ids, then text); True if done."""
-        self.check_token(seq)
-        self.update_text(seq)
-        return seq.finish_reason is not None
-
     def check_token(self, seq: Sequence) -> bool:
         """The checks that need only token ids (EOS, stop ids, max_tokens, max_model_len):
         cheap, so the engine runs them before launching the next step. True if done."""

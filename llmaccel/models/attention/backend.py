@@ -93,7 +93,7 @@ def get_attention_backend(name: str = "torch") -> AttentionBackend:
     if name not in _BACKENDS:
         raise LLMAccelError(f"unknown attention backend '{name}' "
                             f"(available: {', '.join(BACKEND_NAMES)})")
-    if name in ("triton",) and not triton_available():
+    if name == "triton" and not triton_available():
         raise LLMAccelError(f"attention backend '{name}' needs Triton: pip install triton "
                             "(Linux), or use --attention-backend torch")
     return _BACKENDS[name]()()
