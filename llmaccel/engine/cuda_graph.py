@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 
 import torch
 
@@ -20,6 +21,10 @@ from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.transformer import TransformerForCausalLM
 
 logger = logging.getLogger(__name__)
+
+# The chunked Triton argmax+logprob (kernels/greedy.py) inside the graph instead of torch's
+# one-block-per-row reductions; LLMACCEL_GREEDY_KERNEL=0/1 overrides (for measuring both).
+USE_GREEDY_KERNEL = os.environ.get("LLMACCEL_GREEDY_KERNEL", "0") == "1"
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -68,7 +73,7 @@ class CUDAGraphRunner:
         hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
         logits = self.model.compute_logits(hidden)
         # Greedy sampling rides along in the graph: most decode batches need nothing else.
-        return logits, greedy_with_logprobs(logits)
+        return logits, greedy_with_logprobs(logits, use_kernel=USE_GREEDY_KERNEL)
 
     @torch.inference_mode()
     def capture(self) -> None:

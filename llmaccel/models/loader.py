@@ -59,12 +59,12 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
     for module in model.modules():
         if isinstance(module, Linear):
             module.quant_method.process_weights_after_loading(module)
-    if quant_config is not None:
-        from llmaccel.quant.quant_configs import log_linear_methods
-        log_linear_methods(model, model_config.name)
     if fused_kernels is None:
         fused_kernels = device.type == "cuda" and triton_available()
     model.set_fused_kernels(fused_kernels)
+    if quant_config is not None:  # after set_fused_kernels: the log names the kernel in use
+        from llmaccel.quant.quant_configs import log_linear_methods
+        log_linear_methods(model, model_config.name)
     return model.eval()
 
 

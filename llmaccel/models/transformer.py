@@ -18,7 +18,7 @@ from llmaccel.models.layers.activation import SiluAndMul
 from llmaccel.models.layers.embedding import VocabEmbedding
 from llmaccel.models.layers.linear import Linear
 from llmaccel.models.layers.norm import RMSNorm
-from llmaccel.models.layers.quantization import QuantizationConfig
+from llmaccel.models.layers.quantization import QuantizationConfig, dense_linear
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
 
 # checkpoint name -> (our fused parameter, shard index)
@@ -143,7 +143,8 @@ class TransformerForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.tie_word_embeddings:
-            return torch.nn.functional.linear(hidden_states, self.model.embed_tokens.weight)
+            return dense_linear(hidden_states, self.model.embed_tokens.weight, None,
+                                self.model.norm.use_triton)
         return self.lm_head(hidden_states)
 
     @property
@@ -151,8 +152,9 @@ class TransformerForCausalLM(nn.Module):
         return self.model.layers[0].self_attn.backend
 
     def set_fused_kernels(self, enabled: bool) -> None:
-        """Route RMSNorm, rotary and SiLU-and-mul through their Triton kernels (CUDA) or the
-        PyTorch code (CPU, reference)."""
+        """Route RMSNorm, rotary, SiLU-and-mul and the linear layers (where tuned faster, see
+        kernels/gemm_tuning.py) through Triton kernels (CUDA) or the PyTorch code (CPU,
+        reference)."""
         for module in self.modules():
             if hasattr(module, "use_triton"):
                 module.use_triton = enabled

@@ -10,11 +10,13 @@ Each method registers the checkpoint's own tensors (same names, shapes and dtype
     g_idx   int64 [n_idx, in]      group of each input channel; one row per fused shard when the
                                    shards' act-order permutations differ, else a single row
 
-and `apply` is the reference path: W = (codes - zeros[:, g]) * scales[:, g] in fp32, cast to the
-activation dtype, then F.linear. It is exact but re-dequantizes on every call, so it is meant for
-CPU and for checking kernels. KERNEL HOOK: a Triton W4A16 (and W8A16) kernel for CUDA replaces
-`_reference_matmul` in `PackedLinearMethod.apply`; it would take these unpacked tensors (or repack
-them in `process_weights_after_loading`) and must agree with `dequantize_unpacked`.
+On CUDA with Triton, `process_weights_after_loading` then repacks that layout once more for
+`kernels/gemm.py` (int4 eight to an int32 along K, act-order channels sorted into contiguous
+groups, scales in the activation dtype when exact) and drops the unpacked copy; `apply` runs the
+Triton W4A16/W8A16 kernel with a per-shape config from the GPU's tuning table. Everywhere else
+`apply` is the reference path: W = (codes - zeros[:, g]) * scales[:, g] in fp32, cast to the
+activation dtype, then F.linear; exact but re-dequantized on every call, so it is for CPU and
+for checking the kernel. The engine logs which of the two each layer uses.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmaccel.errors import CorruptCheckpointError
+from llmaccel.kernels import triton_available
 from llmaccel.models.layers.quantization import LinearMethodBase
 from llmaccel.quant.formats.awq import AWQ_PACK_FACTOR, unpack_awq
 from llmaccel.quant.formats.compressed_tensors import unpack_compressed_tensors
@@ -80,11 +83,16 @@ class PackedLinearMethod(LinearMethodBase):
     def __init__(self, bits: int, group_size: int, sym: bool) -> None:
         self.bits, self.group_size, self.sym = bits, group_size, sym
 
-    def describe(self) -> str:
+    def describe(self, layer: nn.Module | None = None) -> str:
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
         kind = "sym" if self.sym else "asym"
-        return (f"{self.format_name} int{self.bits} {group} {kind} "
-                "(reference: dequantize + F.linear)")
+        if layer is not None and hasattr(layer, "kernel_weight") and layer.use_triton:
+            order = ", act-order permuted" if layer.kernel_perm is not None else ""
+            kernel = f"Triton W{self.bits}A16 (kernels/gemm.py{order})"
+        else:
+            kernel = ("reference: dequantize + F.linear" if layer is None or not
+                      hasattr(layer, "kernel_weight") else "reference on the kernel layout")
+        return f"{self.format_name} int{self.bits} {group} {kind} ({kernel})"
 
     def _group_len(self, input_size: int, prefix: str) -> int:
         group = input_size if self.group_size == -1 else self.group_size
@@ -116,15 +124,55 @@ class PackedLinearMethod(LinearMethodBase):
             if layer.prefix in str(e):
                 raise
             raise CorruptCheckpointError(f"{layer.prefix}: {e}") from e
+        if layer.codes.is_cuda and triton_available():
+            self._prepare_kernel(layer)
+
+    def _prepare_kernel(self, layer: nn.Module) -> None:
+        """Swap the unpacked layout for the Triton kernel's (kept only if the kernel can take
+        it: one g_idx row whose groups sort into equal contiguous runs)."""
+        from llmaccel.kernels.gemm import prepare_packed_weight
+
+        if layer.g_idx.shape[0] != 1:
+            return
+        pw = prepare_packed_weight(layer.codes.data, layer.scales.data, layer.zeros.data,
+                                   layer.g_idx.data[0], self.bits, torch.get_default_dtype()
+                                   if layer.scales.dtype == torch.float32 else
+                                   layer.scales.dtype)
+        if pw is None:
+            return
+        for name in ("codes", "scales", "zeros", "g_idx"):
+            delattr(layer, name)
+        layer.register_buffer("kernel_weight", pw.weight)
+        layer.register_buffer("kernel_scales", pw.scales)
+        layer.register_buffer("kernel_zeros", pw.zeros)
+        layer.register_buffer("kernel_perm", pw.perm)
+        layer.kernel_group_size = pw.group_size
 
     def _unpack(self, layer: nn.Module) -> None:
         """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""
         raise NotImplementedError
 
     def apply(self, layer, x, bias=None):
-        # KERNEL HOOK (see module docstring): CUDA will dispatch to a Triton W4A16/W8A16 kernel
-        # chosen per shape here; today every device takes the exact reference path.
+        if hasattr(layer, "kernel_weight"):
+            return self._kernel_matmul(layer, x, bias)
         return self._reference_matmul(layer, x, bias)
+
+    def _kernel_matmul(self, layer: nn.Module, x: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+        from llmaccel.kernels.gemm import linear_ref, triton_linear
+        from llmaccel.kernels.gemm_tuning import packed_config
+
+        if layer.kernel_perm is not None:
+            x = x.index_select(-1, layer.kernel_perm)
+        args = (layer.kernel_weight, self.bits, layer.kernel_scales, layer.kernel_zeros,
+                layer.kernel_group_size, bias)
+        if not layer.use_triton:  # fused kernels switched off: the same layout, in PyTorch
+            return linear_ref(x, *args)
+        x2 = x.reshape(-1, x.shape[-1])
+        group = x.shape[-1] if layer.kernel_group_size == -1 else layer.kernel_group_size
+        cfg = packed_config(x2.shape[0], layer.output_size, x.shape[-1], self.bits, group,
+                            x.device)
+        return triton_linear(x, *args, config=cfg)
 
     @staticmethod
     def _reference_matmul(layer: nn.Module, x: torch.Tensor,

@@ -225,6 +225,11 @@ def quant_config_from_hf(hf_config: Any) -> QuantizationConfig | None:
     if not isinstance(raw, Mapping):
         raw = raw.to_dict() if hasattr(raw, "to_dict") else vars(raw)
     method = str(raw.get("quant_method", "")).lower().replace("_", "-")
+    if method == "fp8" or (method == "compressed-tensors"
+                           and raw.get("format") == "float-quantized"):
+        from llmaccel.quant.fp8_config import fp8_config_from_hf  # W8A8: its own module
+
+        return fp8_config_from_hf(raw)
     if method not in _CONFIGS:
         raise QuantizationError(f"quantization_config.quant_method={raw.get('quant_method')!r} "
                                 f"is not supported (supported: {', '.join(_CONFIGS)})")
@@ -240,7 +245,7 @@ def log_linear_methods(model: nn.Module, model_name: str) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             method = module.quant_method
-            desc = (method.describe() if isinstance(method, PackedLinearMethod)
+            desc = (method.describe(module) if hasattr(method, "describe")
                     else "unquantized")
             # model.layers.3.self_attn.qkv_proj -> self_attn.qkv_proj: the same in every layer
             by_method[desc].append(re.sub(r"^model\.layers\.\d+\.", "", module.prefix))

@@ -22,6 +22,7 @@ class Linear(nn.Module):
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.output_size = sum(self.output_sizes)
         self.prefix = prefix
+        self.use_triton = False  # set by TransformerForCausalLM.set_fused_kernels
         self.quant_method = (quant_config.get_linear_method(prefix) if quant_config
                              else UnquantizedLinearMethod())
         self.quant_method.create_weights(self, input_size, self.output_sizes,

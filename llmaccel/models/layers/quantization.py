@@ -38,7 +38,25 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias=None):
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias, getattr(layer, "use_triton", False))
+
+
+# Rows up to which a decode-size product may take the Triton GEMV (kernels/gemm.py).
+DENSE_GEMV_MAX_ROWS = 16
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 use_triton: bool = False) -> torch.Tensor:
+    """F.linear, except for decode-size products on CUDA whose shape the GPU's tuning table
+    (kernels/gemm_tuning.py) measured faster through the Triton kernel than through cuBLAS."""
+    if use_triton and x.is_cuda and x.dim() == 2 and x.shape[0] <= DENSE_GEMV_MAX_ROWS:
+        from llmaccel.kernels.gemm import triton_linear
+        from llmaccel.kernels.gemm_tuning import dense_config
+
+        cfg = dense_config(x.shape[0], weight.shape[0], weight.shape[1], x.device)
+        if cfg is not None:
+            return triton_linear(x, weight, 16, bias=bias, config=cfg)
+    return F.linear(x, weight, bias)
 
 
 class QuantizationConfig(ABC):

@@ -1,0 +1,273 @@
+"""Triton linear layers for decode and prefill: dense (bf16/fp16), W8A16 and W4A16.
+
+One kernel, `y = x @ dequant(W)^T (+ b)`, with the weight format a compile-time constant:
+
+    BITS=16  W [N, K] in the activation dtype (a plain linear; used for decode GEMVs, where
+             cuBLAS is measured slower than streaming the weight once at full bandwidth)
+    BITS=8   W uint8 [N, K], one code per weight
+    BITS=4   W int32 [N, K/8], word j of row n holds codes k = 8j..8j+7, lowest nibble first
+
+and for BITS 8/4 per-group `scales` [N, G] and integer `zeros` [N, G] (uint8), so
+w[n, k] = (code - zero[n, k // group]) * scale[n, k // group], exactly the dequantization of
+`llmaccel.quant.linear_methods.dequantize_unpacked`. Symmetric weights skip the zero tensor
+(ZERO is the constant 2^(bits-1)). Act-order checkpoints permute the input channels once at
+load (`prepare_packed_weight`), so groups are contiguous and x is permuted per call.
+
+Each program owns BLOCK_M rows of x and BLOCK_N output channels and streams its weight rows
+over K once; the dequantized tile feeds `tl.dot` (BLOCK_M >= 16) or a broadcast
+multiply-and-sum (small BLOCK_M, no tensor-core layout shuffle). Decode (M <= 16) is
+bandwidth-bound, so configs aim for enough bytes in flight per SM; prefill (large M) reuses
+each dequantized tile across BLOCK_M rows. `pick_config` chooses per shape.
+Reference: `linear_ref` (dequantize in fp32 + F.linear).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _linear_kernel(
+    X, W, Scales, Zeros, Bias, Y,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rm < M
+    mask_n = rn < N
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask_k = rk < K
+        x = tl.load(X + rm64[:, None] * stride_xm + rk[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        wmask = mask_n[:, None] & mask_k[None, :]
+        if BITS == 16:
+            w = tl.load(W + rn64[:, None] * stride_wn + rk[None, :], mask=wmask, other=0.0)
+        else:
+            if BITS == 8:
+                q = tl.load(W + rn64[:, None] * stride_wn + rk[None, :], mask=wmask, other=0)
+                q = q.to(tl.int32)
+            else:
+                # Each int32 word is loaded once per code it holds; the repeats hit L1.
+                word = tl.load(W + rn64[:, None] * stride_wn + (rk // 8)[None, :],
+                               mask=wmask, other=0)
+                q = (word >> ((rk % 8) * 4)[None, :]) & 0xF
+            if BLOCK_K <= GROUP:
+                # the whole tile lies in one group (GROUP is a multiple of BLOCK_K)
+                g = k0 // GROUP
+                s = tl.load(Scales + rn64 * stride_sn + g, mask=mask_n, other=0.0)
+                s = s.to(tl.float32)[:, None]
+                if HAS_ZEROS:
+                    z = tl.load(Zeros + rn64 * stride_zn + g, mask=mask_n, other=0)
+                    z = z.to(tl.int32)[:, None]
+                else:
+                    z = 1 << (BITS - 1)
+            else:
+                g = rk // GROUP
+                s = tl.load(Scales + rn64[:, None] * stride_sn + g[None, :], mask=wmask,
+                            other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    z = tl.load(Zeros + rn64[:, None] * stride_zn + g[None, :], mask=wmask,
+                                other=0).to(tl.int32)
+                else:
+                    z = 1 << (BITS - 1)
+            # (q - z) is a small exact integer; one rounding, in the product with the scale
+            w = ((q - z).to(tl.float32) * s).to(X.dtype.element_ty)
+        if USE_DOT:
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        else:
+            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, axis=2)
+    if HAS_BIAS:
+        acc += tl.load(Bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rm64[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+PER_CHANNEL_GROUP = 1 << 30
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    use_dot: bool
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def describe(self) -> str:
+        mode = "dot" if self.use_dot else "fma"
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}-{mode}"
+                f"-w{self.num_warps}s{self.num_stages}")
+
+
+def pick_config(m: int, n: int, k: int, bits: int, group: int) -> GemmConfig:
+    """Tile sizes per shape. Decode rows (m <= 16) stream the weight: narrow BLOCK_N keeps
+    enough programs for every SM even on 2048-wide outputs, wide BLOCK_K keeps bytes in
+    flight. Larger m reuses each dequantized tile across a 64-row block with tensor cores."""
+    block_k = 128 if bits == 16 else min(128, _pow2_floor(group))
+    if m <= 2:
+        return GemmConfig(block_m=max(1, triton.next_power_of_2(m)), block_n=16,
+                          block_k=min(256, block_k * 2) if bits == 16 else block_k,
+                          use_dot=False, num_warps=4, num_stages=4)
+    if m <= 16:
+        return GemmConfig(block_m=16, block_n=32, block_k=block_k, use_dot=True,
+                          num_warps=4, num_stages=4)
+    return GemmConfig(block_m=64, block_n=64, block_k=min(64, block_k), use_dot=True,
+                      num_warps=4, num_stages=3)
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, bits: int = 16,
+                  scales: torch.Tensor | None = None, zeros: torch.Tensor | None = None,
+                  group_size: int = -1, bias: torch.Tensor | None = None,
+                  config: GemmConfig | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N]. `weight` in the BITS layout of the module docstring; `scales`
+    [N, G] and optional `zeros` [N, G] for bits 8/4; group_size -1 means one group per row."""
+    if bits not in (4, 8, 16):
+        raise ValueError(f"bits must be 4, 8 or 16, got {bits}")
+    lead = x.shape[:-1]
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    n = weight.shape[0]
+    expected_cols = {16: k, 8: k, 4: k // 8}[bits]
+    if weight.shape[1] != expected_cols or weight.stride(-1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} does not fit K={k} at {bits} bits")
+    group = k if group_size == -1 else group_size
+    if bits != 16:
+        if scales is None or k % group or scales.shape != (n, k // group):
+            raise ValueError("scales must be [N, K // group_size]")
+        if zeros is not None and zeros.shape != scales.shape:
+            raise ValueError("zeros must have the shape of scales")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    cfg = config or pick_config(m, n, k, bits, group)
+    # One scale column (per channel) compiles once for every K: a group larger than any K.
+    group_const = PER_CHANNEL_GROUP if bits == 16 or group == k else group
+    dummy = weight  # pointer arguments the constexpr flags switch off
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _linear_kernel[grid](
+        x2, weight,
+        scales if scales is not None else dummy,
+        zeros if zeros is not None else dummy,
+        bias if bias is not None else dummy, y,
+        m, n, k,
+        x2.stride(0), weight.stride(0),
+        scales.stride(0) if scales is not None else 0,
+        zeros.stride(0) if zeros is not None else 0,
+        y.stride(0),
+        BITS=bits, GROUP=group_const, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        USE_DOT=cfg.use_dot, IEEE=x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y.reshape(*lead, n)
+
+
+# --------------------------------------------------------------------------- weight layout
+
+@dataclass
+class PackedWeight:
+    """A quantized linear weight in the kernel's layout (module docstring)."""
+
+    weight: torch.Tensor                 # uint8 [N, K] (8 bits) or int32 [N, K/8] (4 bits)
+    scales: torch.Tensor                 # [N, G] activation dtype when exact, else fp32
+    zeros: torch.Tensor | None           # uint8 [N, G]; None when every zero is 2^(bits-1)
+    bits: int
+    group_size: int                      # -1: per channel
+    perm: torch.Tensor | None = None     # act-order: x[:, perm] before the kernel
+
+
+def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (K % 8 == 0) -> int32 [N, K/8], lowest nibble = lowest k."""
+    n, k = codes.shape
+    c = codes.to(torch.int64).reshape(n, k // 8, 8)
+    shifts = torch.arange(0, 32, 4, device=codes.device, dtype=torch.int64)
+    words = (c << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def prepare_packed_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                          g_idx: torch.Tensor, bits: int, act_dtype: torch.dtype
+                          ) -> PackedWeight | None:
+    """The kernel layout from the unpacked one (codes uint8 [N, K], fp32 scales [N, G], int
+    zeros [N, G], g_idx [K]), or None when the kernel cannot take it (odd K, or groups that
+    are not equal contiguous runs even after sorting the input channels)."""
+    n, k = codes.shape
+    n_groups = scales.shape[1]
+    if bits not in (4, 8) or k % n_groups or (bits == 4 and k % 8):
+        return None
+    group = k // n_groups
+    perm = None
+    expected = torch.arange(k, device=g_idx.device) // group
+    if not torch.equal(g_idx.to(torch.int64), expected):
+        # act order: sort the input channels by group; then each group must be one run
+        perm = torch.argsort(g_idx.to(torch.int64), stable=True)
+        if not torch.equal(g_idx.to(torch.int64)[perm], expected):
+            return None
+        codes = codes[:, perm]
+    scales_act = scales.to(act_dtype)
+    if torch.equal(scales_act.to(torch.float32), scales.to(torch.float32)):
+        scales = scales_act  # fp16/bf16 checkpoints: half the scale bytes, still exact
+    else:
+        scales = scales.to(torch.float32)
+    zero_const = 1 << (bits - 1)
+    z = None if bool((zeros == zero_const).all()) else zeros.to(torch.uint8)
+    if z is not None and not torch.equal(z.to(zeros.dtype), zeros):
+        return None  # zero points outside 0..255 cannot come from 4/8-bit codes
+    w = codes.to(torch.uint8).contiguous() if bits == 8 else pack_int4_rows(codes)
+    return PackedWeight(weight=w.contiguous(), scales=scales.contiguous(),
+                        zeros=None if z is None else z.contiguous(), bits=bits,
+                        group_size=-1 if n_groups == 1 else group, perm=perm)
+
+
+def packed_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+                  config: GemmConfig | None = None) -> torch.Tensor:
+    if pw.perm is not None:
+        x = x.index_select(-1, pw.perm)
+    return triton_linear(x, pw.weight, pw.bits, pw.scales, pw.zeros, pw.group_size, bias,
+                         config)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bits: int = 16,
+               scales: torch.Tensor | None = None, zeros: torch.Tensor | None = None,
+               group_size: int = -1, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of `triton_linear` (fp32 dequantize, product in x's dtype)."""
+    if bits == 16:
+        return F.linear(x, weight, bias)
+    k = x.shape[-1]
+    if bits == 8:
+        q = weight.to(torch.int32)
+    else:
+        shifts = torch.arange(0, 32, 4, device=weight.device, dtype=torch.int32)
+        q = ((weight.to(torch.int32)[:, :, None] >> shifts) & 0xF).reshape(weight.shape[0], k)
+    group = k if group_size == -1 else group_size
+    g = torch.arange(k, device=weight.device) // group
+    z = (1 << (bits - 1)) if zeros is None else zeros.to(torch.int32)[:, g]
+    w = (q - z).to(torch.float32) * scales.to(torch.float32)[:, g]
+    return F.linear(x, w.to(x.dtype), bias)

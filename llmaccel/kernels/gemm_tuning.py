@@ -1,0 +1,104 @@
+"""Per-GPU tuning tables for `kernels/gemm.py`, written by `benchmarks/tune_gemm.py`.
+
+A table maps (bits, M bucket, N, K) to the fastest measured tile config and, for dense bf16/fp16
+weights, to whether the Triton kernel beat cuBLAS at all (dense layers use cuBLAS unless the
+table says otherwise: no measured win, no switch). Tables live in `kernels/configs/` named after
+`torch.cuda.get_device_name()` (vLLM keeps its fused-MoE configs the same way), or in the file
+named by LLMACCEL_GEMM_CONFIGS. Shapes missing from the table fall back to
+`gemm.pick_config` for quantized weights and to cuBLAS for dense ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmaccel.kernels.gemm import GemmConfig, pick_config
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def m_bucket(m: int) -> int:
+    """The smallest tuned batch size >= m (rows beyond the largest bucket use the largest)."""
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def table_key(bits: int, m: int, n: int, k: int) -> str:
+    return f"{bits}:{m_bucket(m)}:{n}:{k}"
+
+
+def device_file_name(device_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    return json.loads(p.read_text()).get("entries", {})
+
+
+def table_path(device: torch.device | None = None) -> Path | None:
+    env = os.environ.get("LLMACCEL_GEMM_CONFIGS")
+    if env:
+        return Path(env)
+    if not torch.cuda.is_available():
+        return None
+    index = device.index if device is not None and device.index is not None else \
+        torch.cuda.current_device()
+    return CONFIG_DIR / device_file_name(_device_name(index))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def lookup(bits: int, m: int, n: int, k: int,
+           device: torch.device | None = None) -> tuple[str, GemmConfig] | None:
+    """("triton" | "cublas", config) for the smallest tuned batch bucket >= m (the largest
+    tuned one beyond it), or None when the table has no entry for (bits, N, K)."""
+    path = table_path(device)
+    return None if path is None else _lookup(str(path), bits, m_bucket(m), n, k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(path: str, bits: int, bucket: int, n: int, k: int
+            ) -> tuple[str, GemmConfig] | None:
+    entries = _load(path)
+    tuned = [b for b in M_BUCKETS if f"{bits}:{b}:{n}:{k}" in entries]
+    if not tuned:
+        return None
+    b = next((t for t in tuned if t >= bucket), tuned[-1])
+    entry = entries[f"{bits}:{b}:{n}:{k}"]
+    return entry["backend"], GemmConfig(**entry["config"])
+
+
+def dense_config(m: int, n: int, k: int, device: torch.device | None = None
+                 ) -> GemmConfig | None:
+    """The Triton config for a dense product where the table measured it faster than cuBLAS,
+    else None (use cuBLAS)."""
+    hit = lookup(16, m, n, k, device)
+    return hit[1] if hit is not None and hit[0] == "triton" else None
+
+
+def packed_config(m: int, n: int, k: int, bits: int, group: int,
+                  device: torch.device | None = None) -> GemmConfig:
+    hit = lookup(bits, m, n, k, device)
+    return hit[1] if hit is not None else pick_config(m, n, k, bits, group)
+
+
+def clear_cache() -> None:
+    _load.cache_clear()
+    _lookup.cache_clear()

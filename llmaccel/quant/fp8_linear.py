@@ -1,0 +1,175 @@
+"""FP8 W8A8 linear layers: E4M3 weights with per-channel scales, activations quantized per token.
+
+`Fp8LinearMethod` registers the checkpoint's own tensors, `weight` (float8_e4m3fn [out, in]) and
+`weight_scale` (fp32 [out, 1]); fused q/k/v and gate/up shards load into their rows, and a
+per-tensor scale (vLLM fp8 checkpoints) is spread over its shard's rows, so one per-channel
+layout serves both kinds of checkpoint.
+
+`fp8_linear` computes, with x_q, s_x from `quantize_fp8_per_token`:
+
+    y = (x_q @ W_q^T) * s_x * s_w^T  (+ bias)
+
+On CUDA with compute capability 8.9 or newer (Ada, Hopper) the product is one
+`torch._scaled_mm` with row-wise scales (fp8 tensor cores, fp32 accumulation, scales applied in
+the epilogue). Elsewhere the reference path evaluates the same expression in fp32: products of
+two e4m3 values are exact in fp32, so the two paths differ only in summation order and in the
+output's rounding, which is what the GPU test bounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from llmaccel.errors import CorruptCheckpointError
+from llmaccel.models.layers.quantization import LinearMethodBase
+from llmaccel.quant.fp8 import FP8_DTYPE, quantize_fp8_per_token
+
+# cuBLASLt's fp8 GEMM wants K and N (the weight's dims) in multiples of 16; a layer that is not
+# runs the reference path.
+SCALED_MM_ALIGN = 16
+SCALED_MM_MIN_CAPABILITY = (8, 9)
+
+
+@lru_cache(maxsize=None)
+def _capability_ok(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= SCALED_MM_MIN_CAPABILITY
+
+
+def supports_scaled_mm(device: torch.device | str) -> bool:
+    """Whether `torch._scaled_mm` runs E4M3 products on this device (CUDA, sm_89 or newer)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability_ok(index)
+
+
+def _scaled_mm_rowwise(x_q: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
+                       w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    # mat2 must be column-major: the row-major weight [N, K] transposed is exactly that, so no
+    # copy. Row-wise scales: scale_a [M, 1], scale_b [1, N], both fp32.
+    return torch._scaled_mm(x_q, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, -1),
+                            out_dtype=out_dtype)
+
+
+def _reference_product(x_q: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
+                       w_scale: torch.Tensor) -> torch.Tensor:
+    acc = x_q.to(torch.float32) @ w_fp8.to(torch.float32).t()
+    return acc * x_scale * w_scale.reshape(1, -1).to(torch.float32)
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, use_scaled_mm: bool | None = None
+               ) -> torch.Tensor:
+    """y = x W^T (+ bias) for W = w_fp8 [N, K] * w_scale [N, 1], with x [..., K] quantized to
+    e4m3 per token. `use_scaled_mm` None picks `torch._scaled_mm` where the device supports it,
+    False forces the fp32 reference, True forces `_scaled_mm` (the GPU test compares the two).
+    The output has x's dtype; bias is added after the cast, in that dtype, on both paths."""
+    if use_scaled_mm is None:
+        use_scaled_mm = supports_scaled_mm(x.device) and _aligned(w_fp8)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x_q, x_scale = quantize_fp8_per_token(x.reshape(-1, k))
+    if use_scaled_mm:
+        y = _scaled_mm_rowwise(x_q, x_scale, w_fp8, w_scale, x.dtype)
+    else:
+        y = _reference_product(x_q, x_scale, w_fp8, w_scale).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, w_fp8.shape[0])
+
+
+def _aligned(w_fp8: torch.Tensor) -> bool:
+    return w_fp8.shape[0] % SCALED_MM_ALIGN == 0 and w_fp8.shape[1] % SCALED_MM_ALIGN == 0
+
+
+def _shard_rows(param: nn.Parameter, output_sizes: list[int], shard_id: int | None
+                ) -> torch.Tensor:
+    if shard_id is None:
+        return param.data
+    return param.data.narrow(0, sum(output_sizes[:shard_id]), output_sizes[shard_id])
+
+
+def _weight_loader(output_sizes: list[int]) -> Callable[..., None]:
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        # Linear.weight_loader's own copy_ would convert any float or int tensor into e4m3
+        # without a word; a bf16 or int8 `weight` here means the file is not what its config
+        # says.
+        if loaded.dtype != FP8_DTYPE:
+            raise ValueError(f"fp8 weight must be {FP8_DTYPE}, got {loaded.dtype}")
+        rows = _shard_rows(param, output_sizes, shard_id)
+        if tuple(rows.shape) != tuple(loaded.shape):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(rows.shape)}")
+        rows.copy_(loaded)
+
+    return load
+
+
+def _scale_loader(output_sizes: list[int], strategy: str) -> Callable[..., None]:
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        if not loaded.is_floating_point() or loaded.element_size() == 1:
+            raise ValueError(f"weight_scale must be fp32/bf16/fp16, got {loaded.dtype}")
+        rows = _shard_rows(param, output_sizes, shard_id)
+        if strategy == "tensor":
+            if loaded.numel() != 1 or loaded.dim() > 2:
+                raise ValueError(f"per-tensor weight_scale must hold one value, got shape "
+                                 f"{tuple(loaded.shape)}")
+            # one scale per shard, spread over its rows: fused q/k/v keep their own scales
+            rows.copy_(loaded.reshape(1, 1).expand_as(rows))
+            return
+        if tuple(loaded.shape) != tuple(rows.shape):
+            raise ValueError(f"per-channel weight_scale shape {tuple(loaded.shape)} does not "
+                             f"fit {tuple(rows.shape)} (out, 1)")
+        rows.copy_(loaded)
+
+    return load
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype,
+           loader: Callable[..., None]) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.output_dim = 0
+    p.weight_loader = loader
+    return p
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """weight float8_e4m3fn [out, in], weight_scale fp32 [out, 1]; dynamic per-token x."""
+
+    def __init__(self, weight_strategy: str = "channel") -> None:
+        self.weight_strategy = weight_strategy  # the checkpoint's: "channel" or "tensor"
+        self.use_scaled_mm: bool | None = None  # decided once the weights are on their device
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        out = sum(output_sizes)
+        layer.register_parameter("weight", _param((out, input_size), FP8_DTYPE,
+                                                  _weight_loader(output_sizes)))
+        layer.register_parameter("weight_scale", _param(
+            (out, 1), torch.float32, _scale_loader(output_sizes, self.weight_strategy)))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # 0x7F / 0xFF are e4m3's NaNs: checked on the raw bytes, without a float copy
+        nan = (layer.weight.data.view(torch.uint8) & 0x7F) == 0x7F
+        if bool(nan.any()):
+            raise CorruptCheckpointError(f"{layer.prefix}.weight holds e4m3 NaN codes")
+        scale = layer.weight_scale.data
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise CorruptCheckpointError(f"{layer.prefix}.weight_scale must be finite and "
+                                         "non-negative")
+        self.use_scaled_mm = supports_scaled_mm(layer.weight.device) and _aligned(layer.weight)
+
+    def apply(self, layer, x, bias=None):
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.use_scaled_mm)
+
+    def describe(self, layer: nn.Module | None = None) -> str:
+        use_mm = self.use_scaled_mm
+        if use_mm is None and layer is not None:
+            use_mm = supports_scaled_mm(layer.weight.device) and _aligned(layer.weight)
+        kernel = "torch._scaled_mm" if use_mm else "reference"
+        return f"fp8 W8A8 per-{self.weight_strategy}/per-token ({kernel})"
+
+
+__all__ = ["Fp8LinearMethod", "fp8_linear", "supports_scaled_mm"]
