@@ -47,10 +47,12 @@ def linear_shapes(names: list[str]) -> dict[tuple[int, int], list[str]]:
 
 
 def configs(bits: int, m: int) -> list[GemmConfig]:
-    if m == 1:  # broadcast multiply-and-sum: no tensor-core layout for one row
+    if m == 1:  # broadcast multiply-and-sum (no tensor-core layout), and a few dot tiles
         return [GemmConfig(1, bn, bk, False, w, s)
-                for bn, bk, (w, s) in itertools.product((8, 16, 32), (128, 256, 512),
-                                                        ((4, 3), (4, 5), (8, 4)))]
+                for bn, bk, (w, s) in itertools.product((4, 8, 16), (256, 512, 1024),
+                                                        ((4, 3), (4, 5), (8, 4)))] + \
+            [GemmConfig(16, bn, bk, True, 4, 4) for bn, bk in itertools.product((16, 32),
+                                                                                 (128, 256))]
     if m <= 16:
         return [GemmConfig(16, bn, bk, True, w, 4)
                 for bn, bk, w in itertools.product((16, 32, 64), (64, 128, 256), (4, 8))]

@@ -62,10 +62,14 @@ def _linear_kernel(
                 q = tl.load(W + rn64[:, None] * stride_wn + rk[None, :], mask=wmask, other=0)
                 q = q.to(tl.int32)
             else:
-                # Each int32 word is loaded once per code it holds; the repeats hit L1.
-                word = tl.load(W + rn64[:, None] * stride_wn + (rk // 8)[None, :],
-                               mask=wmask, other=0)
-                q = (word >> ((rk % 8) * 4)[None, :]) & 0xF
+                # Load each int32 word once ([BLOCK_N, BLOCK_K/8], contiguous along K), split
+                # it into its eight nibbles on a new last axis and flatten: k = 8 * word + i.
+                rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                word = tl.load(W + rn64[:, None] * stride_wn + rw[None, :],
+                               mask=mask_n[:, None] & (rw < K // 8)[None, :], other=0)
+                shifts = tl.arange(0, 8) * 4
+                q = (word[:, :, None] >> shifts[None, None, :]) & 0xF
+                q = tl.reshape(q, (BLOCK_N, BLOCK_K))
             if BLOCK_K <= GROUP:
                 # the whole tile lies in one group (GROUP is a multiple of BLOCK_K)
                 g = k0 // GROUP
@@ -123,7 +127,7 @@ def pick_config(m: int, n: int, k: int, bits: int, group: int) -> GemmConfig:
     """Tile sizes per shape. Decode rows (m <= 16) stream the weight: narrow BLOCK_N keeps
     enough programs for every SM even on 2048-wide outputs, wide BLOCK_K keeps bytes in
     flight. Larger m reuses each dequantized tile across a 64-row block with tensor cores."""
-    block_k = 128 if bits == 16 else min(128, _pow2_floor(group))
+    block_k = 128 if bits == 16 else max(16, min(128, _pow2_floor(group)))
     if m <= 2:
         return GemmConfig(block_m=max(1, triton.next_power_of_2(m)), block_n=16,
                           block_k=min(256, block_k * 2) if bits == 16 else block_k,
