@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import logging
 import shlex
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=None,
                    help="our engine's attention backend (default: the engine's)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", type=_csv(None), default=["bf16"],
+                   help="our engine in each scheme (llmaccel.quant.presets names, dummy codes; "
+                        "bf16 = unquantized); HF baselines run once, with the first")
     p.add_argument("--engine-kw", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="extra EngineConfig keywords for our engine")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
@@ -157,16 +161,21 @@ def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list, list]
                               engine_kwargs=parse_engine_kw(args.engine_kw),
                               repeats=args.repeats)
     outcome = Outcome()
-    for model in args.shapes:
+    for model, quant, (workload, backend) in itertools.product(
+            args.shapes, args.quantization, _plan(args.workloads, args.backends)):
+        if backend != "llmaccel" and quant != args.quantization[0]:
+            continue  # the baselines do not change with our quantization
+        run_settings = dataclasses.replace(settings,
+                                           quantization=None if quant == "bf16" else quant)
         specs = _model_specs(model, args.quick)
-        for workload, backend in _plan(args.workloads, args.backends):
-            for fn in _runner(workload, backend, model, specs, settings, meta, copy,
-                              args.hf_cb_repeats):
-                free = hw.free_memory_gib(device)
-                logger.info("running %s %s on %s%s", backend, workload, model,
-                            "" if free is None else f" ({free:.1f} GiB of GPU memory free)")
-                outcome.extend(guarded(fn, workload, model, backend))
-                hw.release_memory()
+        for fn in _runner(workload, backend, model, specs, run_settings, meta, copy,
+                          args.hf_cb_repeats):
+            free = hw.free_memory_gib(device)
+            logger.info("running %s%s %s on %s%s", backend,
+                        "" if quant == "bf16" else f" [{quant}]", workload, model,
+                        "" if free is None else f" ({free:.1f} GiB of GPU memory free)")
+            outcome.extend(guarded(fn, workload, model, backend))
+            hw.release_memory()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{datetime.date.today().isoformat()}-gpu-speed"
     jsonl, md = args.out / f"{stem}.jsonl", args.out / f"{stem}.md"

@@ -46,13 +46,17 @@ def linear_shapes(names: list[str]) -> dict[tuple[int, int], list[str]]:
     return out
 
 
-def configs(bits: int, m: int) -> list[GemmConfig]:
+def configs(bits: int, m: int, group: int) -> list[GemmConfig]:
+    ws = ((4, 3), (4, 5), (8, 4))
     if m == 1:  # broadcast multiply-and-sum (no tensor-core layout), and a few dot tiles
-        return [GemmConfig(1, bn, bk, False, w, s)
-                for bn, bk, (w, s) in itertools.product((4, 8, 16), (256, 512, 1024),
-                                                        ((4, 3), (4, 5), (8, 4)))] + \
+        if bits == 16:
+            fma = itertools.product((2, 4, 8), (512, 1024, 2048), ws)
+        else:  # tiles within one group take the cheap scale-after-product path
+            ks = [bk for bk in (64, 128, 256, 512) if group == -1 or bk <= group]
+            fma = itertools.product((4, 8, 16, 32), ks, ws)
+        return [GemmConfig(1, bn, bk, False, w, s) for bn, bk, (w, s) in fma] + \
             [GemmConfig(16, bn, bk, True, 4, 4) for bn, bk in itertools.product((16, 32),
-                                                                                 (128, 256))]
+                                                                                 (64, 128))]
     if m <= 16:
         return [GemmConfig(16, bn, bk, True, w, 4)
                 for bn, bk, w in itertools.product((16, 32, 64), (64, 128, 256), (4, 8))]
@@ -136,7 +140,7 @@ def main() -> None:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 cublas_us = time_graph(lambda i: F.linear(x, dense[i][0]), len(dense))
                 best: tuple[float, GemmConfig] | None = None
-                for cfg in configs(bits, m):
+                for cfg in configs(bits, m, group):
                     def call(i, cfg=cfg):
                         w, s, z = ws[i]
                         return triton_linear(x, w, bits, s, z, group, None, cfg)

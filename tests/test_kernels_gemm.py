@@ -226,6 +226,23 @@ def test_packed_checkpoint_through_kernel_matches_plain(case, tmp_path):
     torch.testing.assert_close(_logits(ours, seqs), _logits(ref, seqs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("cfg", [FMA1, DOT, GemmConfig(16, 16, 128, use_dot=True)])
+def test_fp16_codes_enter_the_product_exactly(bits, cfg):
+    """fp16 activations: the codes reach the product through the exponent trick (1024 + q);
+    BLOCK_K 128 > group 64 takes the per-weight dequantization instead. (Triton's interpreter
+    miscomputes bf16 tl.dot, so bf16 is checked on the GPU only.)"""
+    m, n, k, group = 3, 24, 128, 64
+    codes, s, z = _quantized(n, k, bits, group, True, seed=bits)
+    w = codes if bits == 8 else pack_int4_rows(codes)
+    x = torch.randn(m, k, generator=_gen(7)).to(torch.float16)
+    s16 = (s * 0.05).to(torch.float16)
+    got = triton_linear(x.to(DEVICE), w.to(DEVICE), bits, s16.to(DEVICE), z.to(DEVICE), group,
+                        None, cfg).float().cpu()
+    want = linear_ref(x.float(), w, bits, s16.float(), z, group)
+    torch.testing.assert_close(got, want, atol=2e-3 * want.abs().max().item(), rtol=0)
+
+
 # ------------------------------------------------------------------------------------- GPU
 
 GPU_SHAPES = [(1, 3072, 2048), (7, 2048, 8192), (16, 5000, 1536), (200, 1152, 896)]

@@ -40,6 +40,7 @@ class EngineSettings:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # --engine-kw, any EngineConfig
     repeats: int = 3
     w2_warmup_tokens: int = 16
+    quantization: str | None = None  # a llmaccel.quant.presets name (dummy codes); None: bf16
 
 
 def engine_kwargs(settings: EngineSettings, max_model_len: int,
@@ -52,7 +53,17 @@ def engine_kwargs(settings: EngineSettings, max_model_len: int,
                               "enable_prefix_caching": False}
     if settings.attention_backend:
         kwargs["attention_backend"] = settings.attention_backend
+    if settings.quantization:
+        from llmaccel.quant.presets import preset_config
+        kwargs["hf_overrides"] = {"quantization_config": preset_config(settings.quantization)}
     return {**kwargs, **settings.engine_kwargs, **(forced or {})}
+
+
+def quant_facts(settings: EngineSettings) -> dict[str, Any]:
+    """config.quantization (BENCHMARKS.md's names) and the table row variant."""
+    if not settings.quantization:
+        return {"quantization": "bf16" if settings.dtype == "bfloat16" else settings.dtype}
+    return {"quantization": settings.quantization, "variant": settings.quantization}
 
 
 def build_llm(model: str, kwargs: dict[str, Any]):
@@ -128,7 +139,8 @@ def _measure_w1(llm, model: str, spec: W1Spec, settings: EngineSettings, meta: R
             if n > 1 and m.finished_time > m.first_token_time:
                 decode_tok_s.append((n - 1) / (m.finished_time - m.first_token_time))
     config = {"prompt_len": spec.prompt_len, "new_tokens": spec.new_tokens, "batch": 1,
-              "seed": spec.seed, "warmup_runs": W1_WARMUP_RUNS, **_engine_facts(llm, kwargs)}
+              "seed": spec.seed, "warmup_runs": W1_WARMUP_RUNS, **_engine_facts(llm, kwargs),
+              **quant_facts(settings)}
     mc = llm.engine.model_config
     roof = hw.decode_roofline(llm.engine.model, mc.hf_config, mc.dtype, w1_mean_context(spec),
                               statistics.median(tok_s), copy)
@@ -203,7 +215,7 @@ def _measure_w2(llm, model: str, spec: W2Spec, settings: EngineSettings, meta: R
     config = {**w2_config(spec, prompts), "output_tokens": out_tokens,
               "warmup": f"all prompts, {warmup_tokens} new tokens", "preemptions": preemptions,
               "prefix_caching": bool(kwargs.get("enable_prefix_caching")),
-              **_engine_facts(llm, kwargs)}
+              **_engine_facts(llm, kwargs), **quant_facts(settings)}
     records = [make_record(meta, "W2", model, OURS, {**config, "repeats": _r(rates)},
                            "out_tok_s", statistics.median(rates))]
     if cuda:

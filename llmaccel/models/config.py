@@ -125,11 +125,14 @@ def _one_line(e: Exception) -> str:
 
 def make_model_config(model: str | None, *, dtype: str | torch.dtype = "auto",
                       max_model_len: int | None = None, load_format: str = "auto",
-                      device: str | torch.device = "cpu") -> ModelConfig:
+                      device: str | torch.device = "cpu",
+                      hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
     if load_format not in LOAD_FORMATS:
         raise LLMAccelError(f"unknown load_format '{load_format}' (use {', '.join(LOAD_FORMATS)})")
     source = resolve_model_source(model)
     hf_config = load_hf_config(source)
+    for key, value in (hf_overrides or {}).items():  # vLLM's --hf-overrides
+        setattr(hf_config, key, value)
     arch = _architecture_of(hf_config.to_dict())
     resolved_format = {"hf": "safetensors", "gguf": "gguf", "shape": "dummy"}[source.kind]
     if load_format == "dummy":
@@ -146,10 +149,12 @@ def make_model_config(model: str | None, *, dtype: str | torch.dtype = "auto",
 
 
 def _quant_config(hf_config: PretrainedConfig, load_format: str) -> QuantizationConfig | None:
-    # Only safetensors checkpoints hold packed tensors: transformers also sets
-    # quantization_config on GGUF configs, whose tensors arrive already dequantized, and dummy
-    # weights are plain random values.
-    if load_format != "safetensors":
+    # Safetensors checkpoints hold packed tensors; transformers also sets quantization_config on
+    # GGUF configs, whose tensors arrive already dequantized. Dummy weights take a
+    # quantization_config given through hf_overrides (random codes, for speed work, as vLLM's
+    # dummy loader does for quantized layers).
+    if load_format == "gguf" or (load_format == "dummy" and
+                                 not getattr(hf_config, "quantization_config", None)):
         return None
     from llmaccel.quant.quant_configs import quant_config_from_hf
     return quant_config_from_hf(hf_config)

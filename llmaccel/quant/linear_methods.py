@@ -94,6 +94,16 @@ class PackedLinearMethod(LinearMethodBase):
                       hasattr(layer, "kernel_weight") else "reference on the kernel layout")
         return f"{self.format_name} int{self.bits} {group} {kind} ({kernel})"
 
+    def init_dummy_weights(self, layer: nn.Module) -> None:
+        """After random dummy values: the index tensors a real checkpoint would hold (groups in
+        input order, the true shapes), so random codes load like a checkpoint."""
+        if hasattr(layer, "g_idx"):
+            group = self._group_len(layer.input_size, layer.prefix)
+            layer.g_idx.data.copy_(torch.arange(layer.input_size) // group)
+        if hasattr(layer, "weight_shape"):
+            for row, size in zip(layer.weight_shape.data, layer.output_sizes):
+                row.copy_(torch.tensor([size, layer.input_size]))
+
     def _group_len(self, input_size: int, prefix: str) -> int:
         group = input_size if self.group_size == -1 else self.group_size
         if input_size % group:
@@ -142,10 +152,11 @@ class PackedLinearMethod(LinearMethodBase):
             return
         for name in ("codes", "scales", "zeros", "g_idx"):
             delattr(layer, name)
-        layer.register_buffer("kernel_weight", pw.weight)
-        layer.register_buffer("kernel_scales", pw.scales)
-        layer.register_buffer("kernel_zeros", pw.zeros)
-        layer.register_buffer("kernel_perm", pw.perm)
+        # parameters, like the checkpoint tensors they replace (weight-byte counts see them)
+        for name, t in (("kernel_weight", pw.weight), ("kernel_scales", pw.scales),
+                        ("kernel_zeros", pw.zeros), ("kernel_perm", pw.perm)):
+            layer.register_parameter(name, None if t is None else
+                                     nn.Parameter(t, requires_grad=False))
         layer.kernel_group_size = pw.group_size
 
     def _unpack(self, layer: nn.Module) -> None:
