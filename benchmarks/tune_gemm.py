@@ -170,7 +170,7 @@ def main() -> None:
                 print(f"{bits:>2}b m={m:<4} n={n:<6} k={k:<5} triton {us:8.2f} us "
                       f"({gbps:6.0f} GB/s, {cfg.describe()})  cuBLAS bf16 {cublas_us:8.2f} us  "
                       f"x{cublas_us / us:5.2f}", flush=True)
-            del ws, dense
+            ws = dense = []  # free the copies before the next shape
             torch.cuda.empty_cache()
     out_table = (CONFIG_DIR / device_file_name(gpu) if args.out_table == "auto"
                  else Path(args.out_table))

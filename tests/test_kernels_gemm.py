@@ -228,10 +228,10 @@ def test_packed_checkpoint_through_kernel_matches_plain(case, tmp_path):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("cfg", [FMA1, DOT, GemmConfig(16, 16, 128, use_dot=True)])
-def test_fp16_codes_enter_the_product_exactly(bits, cfg):
-    """fp16 activations: the codes reach the product through the exponent trick (1024 + q);
-    BLOCK_K 128 > group 64 takes the per-weight dequantization instead. (Triton's interpreter
-    miscomputes bf16 tl.dot, so bf16 is checked on the GPU only.)"""
+def test_fp16_activations(bits, cfg):
+    """fp16 activations and scales, tiles within one group and (BLOCK_K 128 > group 64)
+    spanning two. (Triton's interpreter miscomputes bf16 tl.dot, so bf16 is checked on the
+    GPU only.)"""
     m, n, k, group = 3, 24, 128, 64
     codes, s, z = _quantized(n, k, bits, group, True, seed=bits)
     w = codes if bits == 8 else pack_int4_rows(codes)

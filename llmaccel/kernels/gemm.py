@@ -32,22 +32,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _codes_to_float(q, DTYPE: tl.constexpr, BITS: tl.constexpr):
-    """Unsigned integer codes -> the same small integers as DTYPE, by placing them in the
-    mantissa of a power of two and subtracting it (two cheap integer/float ops instead of the
-    slow integer-to-float conversion instruction, which would cap a W4A16 GEMV well below
-    memory bandwidth). fp16 holds 1024 + q exactly for q < 1024; bf16 only 128 + q for q < 128,
-    so bf16 takes the fp32 route for 8-bit codes."""
-    if DTYPE == tl.float16:
-        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-    elif DTYPE == tl.bfloat16 and BITS == 4:
-        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
-    else:
-        f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        return f.to(DTYPE)
-
-
-@triton.jit
 def _linear_kernel(
     X, W, Scales, Zeros, Bias, Y,
     M, N, K,
@@ -73,7 +57,6 @@ def _linear_kernel(
         wmask = mask_n[:, None] & mask_k[None, :]
         if BITS == 16:
             w = tl.load(W + rn64[:, None] * stride_wn + rk[None, :], mask=wmask, other=0.0)
-            acc += _tile_product(x, w, USE_DOT, IEEE)
         else:
             if BITS == 8:
                 q = tl.load(W + rn64[:, None] * stride_wn + rk[None, :], mask=wmask, other=0)
@@ -88,22 +71,16 @@ def _linear_kernel(
                 q = (word[:, :, None] >> shifts[None, None, :]) & 0xF
                 q = tl.reshape(q, (BLOCK_N, BLOCK_K))
             if BLOCK_K <= GROUP:
-                # The tile lies in one group (GROUP is a multiple of BLOCK_K), so scale after
-                # the product: sum_k x (q - z) s = s * (sum_k x q - z * sum_k x). The codes
-                # enter the product as exact small integers; no per-weight scaling work.
+                # the whole tile lies in one group (GROUP is a multiple of BLOCK_K)
                 g = k0 // GROUP
                 s = tl.load(Scales + rn64 * stride_sn + g, mask=mask_n, other=0.0)
+                s = s.to(tl.float32)[:, None]
                 if HAS_ZEROS:
                     z = tl.load(Zeros + rn64 * stride_zn + g, mask=mask_n, other=0)
-                    z = z.to(tl.float32)
+                    z = z.to(tl.int32)[:, None]
                 else:
-                    z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
-                qx = _codes_to_float(q, X.dtype.element_ty if USE_DOT else tl.float32, BITS)
-                d = _tile_product(x, qx, USE_DOT, IEEE)
-                xs = tl.sum(x.to(tl.float32), axis=1)
-                acc += s.to(tl.float32)[None, :] * (d - z[None, :] * xs[:, None])
+                    z = 1 << (BITS - 1)
             else:
-                # The tile spans several groups: dequantize each weight with its own group.
                 g = rk // GROUP
                 s = tl.load(Scales + rn64[:, None] * stride_sn + g[None, :], mask=wmask,
                             other=0.0).to(tl.float32)
@@ -112,25 +89,20 @@ def _linear_kernel(
                                 other=0).to(tl.int32)
                 else:
                     z = 1 << (BITS - 1)
-                w = ((q - z).to(tl.float32) * s).to(X.dtype.element_ty)
-                acc += _tile_product(x, w, USE_DOT, IEEE)
+            # (q - z) is a small exact integer; one rounding, in the product with the scale
+            w = ((q - z).to(tl.float32) * s).to(X.dtype.element_ty)
+        if USE_DOT:
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        else:
+            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, axis=2)
     if HAS_BIAS:
         acc += tl.load(Bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + rm64[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _tile_product(x, w, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
-    """x [BM, BK] . w [BN, BK]^T -> fp32 [BM, BN]: tensor cores, or a broadcast
-    multiply-and-sum that needs no tensor-core operand layout (one or two rows)."""
-    if USE_DOT:
-        if IEEE:
-            return tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
-        else:
-            return tl.dot(x, tl.trans(w.to(x.dtype)))
-    else:
-        return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 PER_CHANNEL_GROUP = 1 << 30

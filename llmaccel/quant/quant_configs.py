@@ -29,7 +29,6 @@ from llmaccel.quant.linear_methods import (
     AWQLinearMethod,
     CompressedTensorsLinearMethod,
     GPTQLinearMethod,
-    PackedLinearMethod,
 )
 from llmaccel.quant.rtn import SUPPORTED_BITS
 
@@ -230,6 +229,10 @@ def quant_config_from_hf(hf_config: Any) -> QuantizationConfig | None:
         from llmaccel.quant.fp8_config import fp8_config_from_hf  # W8A8: its own module
 
         return fp8_config_from_hf(raw)
+    if method == "bitsandbytes":
+        from llmaccel.quant.bnb_linear import BitsAndBytesConfig  # NF4: its own module
+
+        return BitsAndBytesConfig.from_hf(raw)
     if method not in _CONFIGS:
         raise QuantizationError(f"quantization_config.quant_method={raw.get('quant_method')!r} "
                                 f"is not supported (supported: {', '.join(_CONFIGS)})")
