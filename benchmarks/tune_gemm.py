@@ -105,16 +105,42 @@ def time_graph(fn, copies: int) -> float:
     return start.elapsed_time(end) * 1000 / (reps * CALLS)
 
 
+def summarize(jsonl: Path) -> str:
+    """A markdown table of a tuning run's records: per shape, bits and M, the best Triton
+    time against cuBLAS bf16 on the same shape (ratio computed here from the records)."""
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    first = rows[0] if rows else {}
+    out = [f"# Triton linear kernel vs cuBLAS bf16 ({first.get('device')}, torch "
+           f"{first.get('torch')}, commit `{first.get('commit')}`)", "",
+           f"Command: `python benchmarks/tune_gemm.py`; summary: `python benchmarks/tune_gemm.py "
+           f"--summarize {jsonl.name}`. One call = one layer inside a CUDA graph, weights "
+           "cycled past L2. Ratio > 1: the Triton kernel on the quantized (or bf16) weight is "
+           "faster than cuBLAS on the bf16 weight.", "",
+           "| layers | bits | M | N | K | triton us | GB/s | cuBLAS bf16 us | ratio | tile |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["config"]
+        out.append(f"| {r['model']} | {c['bits']} | {c['m']} | {c['n']} | {c['k']} | "
+                   f"{r['value']:.2f} | {r['gbps']:,.0f} | {r['cublas_bf16_us']:.2f} | "
+                   f"{r['cublas_bf16_us'] / r['value']:.2f} | {c['kernel']} |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--summarize", type=Path, default=None,
+                    help="print the markdown summary of a results .jsonl and exit")
     ap.add_argument("--models", default="llama-3.2-1b,llama-3.2-3b,qwen2.5-1.5b")
     ap.add_argument("--bits", default="16,4,8")
     ap.add_argument("--ms", default="1,16,128")
     ap.add_argument("--out-table", default="auto",
                     help="'auto': llmaccel/kernels/configs/<this GPU>.json")
-    ap.add_argument("--out-jsonl", required=True)
+    ap.add_argument("--out-jsonl", default="gemm.jsonl")
     ap.add_argument("--budget-s", type=float, default=480)
     args = ap.parse_args()
+    if args.summarize:
+        print(summarize(args.summarize), end="")
+        return
     dev = torch.device("cuda")
     t0 = time.time()
     gpu = torch.cuda.get_device_name()
