@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from llmaccel.errors import LLMAccelError
 
+# vLLM's --kv-cache-dtype values: "auto" stores K/V in the model dtype; "fp8" and "fp8_e4m3"
+# store float8_e4m3fn with per-tensor scales, halving the KV bytes per token.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -13,6 +17,7 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     load_format: str = "auto"
+    hf_overrides: dict | None = None           # set on the HF config (e.g. quantization_config)
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     device: str | None = None
@@ -21,6 +26,7 @@ class EngineConfig:
     enforce_eager: bool = False                # no CUDA graphs
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: default_capture_sizes
     block_size: int = 16
+    kv_cache_dtype: str = "auto"               # auto (model dtype) | fp8 | fp8_e4m3
     num_gpu_blocks: int | None = None          # fixes the KV pool size, overriding the budget
     gpu_memory_utilization: float = 0.9        # fraction of GPU memory for weights + KV + work
     cpu_kv_cache_gib: float = 1.0              # KV budget on CPU
@@ -32,6 +38,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise LLMAccelError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise LLMAccelError(f"unknown kv_cache_dtype '{self.kv_cache_dtype}' "
+                                f"(allowed: {', '.join(KV_CACHE_DTYPES)})")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise LLMAccelError("gpu_memory_utilization must be in (0, 1], got "
                                 f"{self.gpu_memory_utilization}")

@@ -11,7 +11,8 @@ import torch
 from llmaccel.engine.block_manager import BlockManager
 from llmaccel.engine.config import EngineConfig
 from llmaccel.engine.cuda_graph import default_capture_sizes
-from llmaccel.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from llmaccel.engine.kv_cache import (allocate_kv_caches, num_blocks_for_budget,
+                                      resolve_kv_cache_dtype)
 from llmaccel.engine.model_runner import ModelRunner
 from llmaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_generator,
@@ -51,7 +52,7 @@ class LLMEngine:
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_config = mc = make_model_config(
             config.model, dtype=config.dtype, max_model_len=config.max_model_len,
-            load_format=config.load_format, device=device)
+            load_format=config.load_format, device=device, hf_overrides=config.hf_overrides)
         self.device, self.max_model_len = device, mc.max_model_len
         self.model = get_model(mc, device, attention_backend=config.attention_backend,
                                seed=config.seed)
@@ -64,6 +65,8 @@ class LLMEngine:
             raise LLMAccelError(f"without chunked prefill, max_num_batched_tokens "
                                 f"({self.max_num_batched_tokens}) must cover max_model_len "
                                 f"({mc.max_model_len})")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, mc.dtype, device, self.model.attention_backend.name)
         bs = config.block_size
         num_blocks = config.num_gpu_blocks or self._profile_num_blocks()
         if num_blocks * bs < mc.max_model_len:
@@ -74,14 +77,15 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, allocate_kv_caches(
-            self.model, num_blocks, bs, mc.dtype, device), bs, mc.max_model_len,
+            self.model, num_blocks, bs, self.kv_cache_dtype, device), bs, mc.max_model_len,
             self._capture_sizes())
         self.stop_checker = StopChecker(eos_token_ids(mc, self.tokenizer), mc.max_model_len,
                                         self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._deferred: list[Sequence] = []  # sampled last step, outputs not yet built
         self.stats = EngineStats(num_blocks=num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, bs, num_blocks * bs)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, bs,
+                    num_blocks * bs, str(self.kv_cache_dtype).removeprefix("torch."))
 
     def _capture_sizes(self) -> list[int] | None:
         c = self.config
@@ -107,7 +111,7 @@ class LLMEngine:
                 self.model.compute_logits(hidden[-min(n, c.max_num_seqs):])
             torch.cuda.synchronize(self.device)
         useful = c.max_num_seqs * -(-mc.max_model_len // c.block_size)
-        return num_blocks_for_budget(self.model, c.block_size, mc.dtype, self.device,
+        return num_blocks_for_budget(self.model, c.block_size, self.kv_cache_dtype, self.device,
                                      c.gpu_memory_utilization, c.cpu_kv_cache_gib, useful)
 
     # -- requests ------------------------------------------------------------------------------

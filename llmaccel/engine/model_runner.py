@@ -25,6 +25,9 @@ class ModelRunner:
                  cudagraph_capture_sizes: list[int] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        # Copy-on-write moves FP8 blocks as bytes: torch's float8 indexing is patchy by device.
+        self._copy_views = [c.view(torch.uint8) if c.element_size() == 1 else c
+                            for c in kv_caches]
         self.block_size = block_size
         self.device = next(model.parameters()).device
         model.bind_kv_caches(kv_caches)
@@ -44,7 +47,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv_caches:
+        for cache in self._copy_views:
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()

@@ -14,6 +14,10 @@ num_splits == 1 is the single-pass path (no workspace, no second kernel).
 
 Head dims that are not powers of two (e.g. 24, 80) are padded to the next power of two (at least
 16, for tl.dot) and masked. Reference: `attention_ref.paged_decode_attention_ref`.
+
+FP8 (e4m3) caches: tiles are loaded as fp8 (half the bytes of bf16, which is the point) and cast
+to the query dtype, which holds every e4m3 value exactly. The per-tensor scales cost nothing per
+element: k_scale is folded into the softmax scale, v_scale multiplies the normalised output.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from llmaccel.kernels.attention_ref import is_fp8
 
 __all__ = ["choose_num_splits", "paged_decode_attention"]
 
@@ -35,12 +41,12 @@ MIN_TOKENS_PER_SPLIT = 256
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, K, V, BlockTables, SeqLens, Out, PartOut, PartLse, qk_scale,
+    Q, K, V, BlockTables, SeqLens, Out, PartOut, PartLse, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -81,6 +87,8 @@ def _paged_decode_kernel(
         m_i = m_new
     # l_i >= 1 whenever a key was seen; 0 only for an empty range (or seq_len 0): output 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * v_scale  # the cache holds V / v_scale (a split's share scales the same way)
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -159,13 +167,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len_hint: int | 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """q [B, H, d]; kv_cache [2, num_blocks, block_size, kv_heads, d]; block_tables
     [B, max_blocks] int32; seq_lens [B] int32 -> [B, H, d].
 
     num_splits None picks `choose_num_splits(B, kv_heads, device=q.device)` (no length hint, so
     graph-safe); 1 is the single-pass kernel. A sequence with seq_len 0 gets zeros. block_n:
-    cached tokens per tile (None: 32, or 16 for fp32, whose wider tiles spill registers)."""
+    cached tokens per tile (None: 32; 16 for fp32 q, whose wider tiles spill registers; 128, or
+    64 with splits, for an fp8 cache).
+    k_scale/v_scale: per-tensor scales of an FP8 cache (ignored otherwise)."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -178,11 +189,19 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if num_seqs == 0:
         return out
     key, value = kv_cache[0], kv_cache[1]
+    kv_fp8 = is_fp8(kv_cache.dtype)
     # tl.dot needs every dimension >= 16.
     group_pad = max(16, triton.next_power_of_2(group))
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     if block_n is None:
-        block_n = 16 if q.dtype == torch.float32 else 32
+        if q.dtype == torch.float32:
+            block_n = 16
+        elif kv_fp8:
+            # fp8 tiles carry half the bytes: longer ones keep as many loads in flight. H100,
+            # bf16 q, d 64/128: 128 was fastest single-pass (1.2-1.6x bf16), 64 with splits.
+            block_n = 128 if num_splits == 1 else 64
+        else:
+            block_n = 32
     block_n = max(16, triton.next_power_of_2(block_n))
     if num_splits == 1:
         # Never read: the single-pass kernel stores straight into `out`.
@@ -195,13 +214,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                                device=q.device)
         part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, key, value, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
+        q, key, value, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *part_strides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         # fp32 models get full-precision dots (the default would round inputs to TF32).
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](

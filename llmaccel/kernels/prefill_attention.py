@@ -19,6 +19,8 @@ diagonal are masked, and tiles wholly above the block's last query are never vis
 (late) query blocks are launched first so they do not trail at the end of the grid.
 
 Head dims that are not powers of two are padded (to >= 16, for tl.dot) and masked.
+An FP8 (e4m3) cache is read as fp8 and cast to the query dtype (exact); k_scale is folded into
+the softmax scale and v_scale multiplies the normalised output, so scales cost no per-element work.
 References: `attention_ref.paged_attention_ref`, `attention_ref.varlen_attention_ref`.
 """
 
@@ -27,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from llmaccel.kernels.attention_ref import is_fp8
 
 __all__ = ["paged_prefill_attention", "varlen_prefill_attention"]
 
@@ -87,12 +91,13 @@ def _attend_tile(
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, Out, BlockTables, QueryStartLoc, SeqLens, qk_scale,
+    Q, K, V, Out, BlockTables, QueryStartLoc, SeqLens, qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)  # late (heavy) query blocks first
     kv_head = tl.program_id(1)
@@ -141,6 +146,8 @@ def _prefill_kernel(
             kv_head, d, d_mask, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
             stride_vh, qk_scale, True, PAGED, EVEN_D, BLOCK_SIZE, BLOCK_N, PRECISION)
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * v_scale  # the cache holds V / v_scale
     o_off = (q_start + q_idx).to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(Out + o_off[:, None] + d[None, :], out.to(Out.dtype.element_ty), mask=io_mask)
 
@@ -174,9 +181,9 @@ def _tile_config(group: int, dim_pad: int, max_query_len: int, on_gpu: bool,
 def _launch(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             block_tables: torch.Tensor | None, query_start_loc: torch.Tensor,
             seq_lens: torch.Tensor | None, scale: float, max_query_len: int,
-            paged: bool) -> torch.Tensor:
+            paged: bool, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Shared host side. key/value: cache halves [num_blocks, block_size, kv_heads, d] when
-    paged, else flat [T, kv_heads, d]."""
+    paged, else flat [T, kv_heads, d]. k_scale/v_scale: scales of an FP8 cache."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key.shape[-2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -202,15 +209,17 @@ def _launch(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         k_strides = (key.stride(0), 0, key.stride(1))
         v_strides = (value.stride(0), 0, value.stride(1))
         block_tables, seq_lens, bt_stride = query_start_loc, query_start_loc, 0  # never read
+    kv_fp8 = is_fp8(key.dtype)
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
-        q, key, value, out, block_tables, query_start_loc, seq_lens, scale * LOG2E,
+        q, key, value, out, block_tables, query_start_loc, seq_lens,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_strides, *v_strides,
         bt_stride,
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, EVEN_D=head_dim == dim_pad,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size, PAGED=paged,
         # fp32 models get full-precision dots (the default would round inputs to TF32).
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         num_warps=warps,
     )
     return out
@@ -218,13 +227,15 @@ def _launch(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            max_query_len: int) -> torch.Tensor:
+                            max_query_len: int, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """q [T, H, d] flat new tokens; kv_cache [2, num_blocks, block_size, kv_heads, d] already
     holding this step's K/V; block_tables [B, max_blocks] int32 (-1 pads); query_start_loc
     [B+1] int32; seq_lens [B] int32 (context incl. the new tokens); max_query_len: host int
-    >= every q_len (sets the grid) -> [T, H, d]."""
+    >= every q_len (sets the grid) -> [T, H, d]. k_scale/v_scale: per-tensor scales of an FP8
+    cache (ignored otherwise)."""
     return _launch(q, kv_cache[0], kv_cache[1], block_tables, query_start_loc, seq_lens, scale,
-                   max_query_len, paged=True)
+                   max_query_len, paged=True, k_scale=k_scale, v_scale=v_scale)
 
 
 def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -48,6 +48,10 @@ class Attention(nn.Module):
         self.rotary_emb = rotary_emb  # one cos/sin cache shared by all layers
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # bound by the engine (bind_kv_caches)
+        # Per-tensor scales of an FP8 KV cache (vLLM's k_scale/v_scale): 1.0 until calibrated
+        # scales are loaded from a checkpoint; other cache dtypes ignore them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -56,7 +60,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.k_scale,
+                                   self.v_scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

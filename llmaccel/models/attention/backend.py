@@ -26,9 +26,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """q [T, H, d], k/v [T, kv_heads, d] -> [T, H, d]; writes k/v into kv_cache first."""
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """q [T, H, d], k/v [T, kv_heads, d] -> [T, H, d]; writes k/v into kv_cache first.
+        An FP8 kv_cache (float8_e4m3fn) stores k / k_scale and v / v_scale (see
+        kernels/attention_ref.py); other cache dtypes ignore the scales."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -36,15 +38,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         if kv_cache is None or not meta.uses_kv_cache:
             return varlen_attention_ref(q, k, v, meta.query_start_loc_cpu, scale)
-        reshape_and_cache_ref(k, v, kv_cache, meta.slot_mapping)
+        reshape_and_cache_ref(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.is_pure_decode:  # one padded call, no Python loop
             return paged_decode_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens,
-                                              scale)
+                                              scale, k_scale, v_scale)
         return paged_attention_ref(q, kv_cache, meta.block_tables, meta.query_start_loc_cpu,
-                                   meta.seq_lens_cpu, scale)
+                                   meta.seq_lens_cpu, scale, k_scale, v_scale)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -54,21 +56,22 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         from llmaccel.kernels import prefill_attention as pf
         from llmaccel.kernels.cache import reshape_and_cache
         from llmaccel.kernels.paged_attention import choose_num_splits, paged_decode_attention
         if kv_cache is None or not meta.uses_kv_cache:
             return pf.varlen_prefill_attention(q, k, v, meta.query_start_loc, scale,
                                                meta.max_query_len)
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.is_pure_decode:
             splits = choose_num_splits(meta.num_seqs, kv_cache.shape[3], meta.max_seq_len,
                                        q.device)
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                          num_splits=splits)
+                                          num_splits=splits, k_scale=k_scale, v_scale=v_scale)
         return pf.paged_prefill_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
-                                          meta.seq_lens, scale, meta.max_query_len)
+                                          meta.seq_lens, scale, meta.max_query_len,
+                                          k_scale=k_scale, v_scale=v_scale)
 
 
 def _flex() -> type[AttentionBackend]:

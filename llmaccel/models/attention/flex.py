@@ -22,6 +22,10 @@ total context (the mask discards the cross terms, but they are computed).
 Per step, the index tensors, gather slots and BlockMask depend only on the metadata, so they
 are built once (on the first layer) and reused by the other layers.
 
+An FP8 (e4m3) cache is gathered as bytes and cast to the query dtype (exact) before the call:
+FlexAttention itself sees ordinary tensors; k_scale joins the softmax scale and v_scale
+multiplies the output.
+
 Compilation: on CUDA `flex_attention` goes through one module-level `torch.compile` (dynamic
 shapes, so new batch shapes do not recompile), which generates the fused block-sparse Triton
 kernel. On CPU it runs eagerly: in torch 2.13 the compiled CPU path works for a fixed shape but
@@ -42,7 +46,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from llmaccel.errors import LLMAccelError
-from llmaccel.kernels.attention_ref import reshape_and_cache_ref
+from llmaccel.kernels.attention_ref import is_fp8, reshape_and_cache_ref
 from llmaccel.models.attention.backend import AttentionBackend
 from llmaccel.models.attention.metadata import AttentionMetadata
 
@@ -152,18 +156,19 @@ class FlexAttentionBackend(AttentionBackend):
         return _compiled_flex_attention()
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> None:
+                     slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
         if kv_cache.device.type == "cuda":
-            from llmaccel.kernels import triton_available
-            if triton_available():
+            from llmaccel.kernels import triton_available, triton_supports_fp8
+            if triton_available() and (not is_fp8(kv_cache.dtype)
+                                       or triton_supports_fp8(kv_cache.device)):
                 from llmaccel.kernels.cache import reshape_and_cache
-                reshape_and_cache(k, v, kv_cache, slot_mapping)
+                reshape_and_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale)
                 return
-        reshape_and_cache_ref(k, v, kv_cache, slot_mapping)
+        reshape_and_cache_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         num_rows = q.shape[0]
         if num_rows == 0 or meta.num_seqs == 0:
             return torch.zeros_like(q)
@@ -174,12 +179,20 @@ class FlexAttentionBackend(AttentionBackend):
             self._plan = _build_plan(meta, paged, num_rows, block_size, q.device)
         plan = self._plan
 
+        out_scale = 1.0
         if paged:
-            self._write_cache(k, v, kv_cache, meta.slot_mapping)
+            self._write_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
             # One gather for K and V together: [2, total_kv, kv_heads, d] (the copy the
             # module docstring talks about).
             flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
-            kv = flat.index_select(1, plan.kv_slots).to(q.dtype)
+            if is_fp8(kv_cache.dtype):
+                # Gathered as bytes (torch's float8 indexing is patchy across devices), cast
+                # exactly to q's dtype; k_scale joins the softmax scale, v_scale the output.
+                kv = flat.view(torch.uint8).index_select(1, plan.kv_slots)
+                kv = kv.view(kv_cache.dtype).to(q.dtype)
+                scale, out_scale = scale * k_scale, v_scale
+            else:
+                kv = flat.index_select(1, plan.kv_slots).to(q.dtype)
             keys, values = kv[0], kv[1]
         else:
             keys, values = k.to(q.dtype), v.to(q.dtype)
@@ -188,4 +201,6 @@ class FlexAttentionBackend(AttentionBackend):
         out = attend(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                      values.transpose(0, 1).unsqueeze(0), block_mask=plan.block_mask,
                      scale=scale, enable_gqa=True)
+        if out_scale != 1.0:
+            out = out * out_scale
         return out[0].transpose(0, 1).contiguous()
