@@ -201,6 +201,8 @@ def main() -> None:
     out_table = (CONFIG_DIR / device_file_name(gpu) if args.out_table == "auto"
                  else Path(args.out_table))
     out_table.parent.mkdir(parents=True, exist_ok=True)
+    if out_table.is_file():  # keep the entries of bits/shapes this run did not tune
+        entries = {**json.loads(out_table.read_text()).get("entries", {}), **entries}
     out_table.write_text(json.dumps(
         {"device": gpu, "torch": torch.__version__, "commit": commit,
          "file": device_file_name(gpu), "entries": entries}, indent=1) + "\n")
