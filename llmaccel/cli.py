@@ -107,6 +107,9 @@ def generate(
     attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, torch on CPU), "
                                           "triton, flex or torch."),
     enforce_eager: bool = typer.Option(False, help="Never use CUDA graphs."),
+    kv_cache_dtype: str = typer.Option("auto", help="auto (the model dtype), fp8 or fp8_e4m3 "
+                                       "(float8 e4m3 K/V, scale 1.0: twice the cached tokens "
+                                       "of bf16; triton backend: compute capability >= 8.9)."),
     cudagraph_capture_sizes: Optional[str] = typer.Option(
         None, help="Decode batch sizes to capture, comma-separated (default 1,2,4,8,16,32,…"
         " up to max_num_seqs); fewer saves memory and start-up time."),
@@ -127,6 +130,7 @@ def generate(
                   max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks=num_gpu_blocks,
                   gpu_memory_utilization=gpu_memory_utilization,
                   attention_backend=attention_backend, enforce_eager=enforce_eager,
+                  kv_cache_dtype=kv_cache_dtype,
                   cudagraph_capture_sizes=parse_int_list(cudagraph_capture_sizes,
                                                          "--cudagraph-capture-sizes"))
     load_s = time.perf_counter() - start
@@ -155,15 +159,23 @@ def generate(
 @app.command()
 def quantize(
     model: str = typer.Argument(..., help="A local HF directory or a hub id (org/name)."),
-    method: str = typer.Option("gptq", help="rtn, gptq or awq."),
-    bits: int = typer.Option(4, help="4 or 8 (AWQ checkpoints: 4 only)."),
-    group_size: int = typer.Option(128, help="Input channels per scale: 32, 64, 128, or -1 "
-                                   "for one per output channel."),
+    method: str = typer.Option("gptq", help="rtn, gptq, awq, fp8 (W8A8: E4M3 weights, "
+                               "per-token activation scales; no calibration), nf4 "
+                               "(bitsandbytes 4-bit NormalFloat; no calibration) or hqq "
+                               "(half-quadratic zero points; no calibration)."),
+    bits: Optional[int] = typer.Option(None, help="4 or 8 (default 4; AWQ checkpoints: 4 "
+                                       "only; fp8: 8)."),
+    group_size: Optional[int] = typer.Option(None, help="Input channels per scale: 32, 64, "
+                                             "128, or -1 for one per output channel "
+                                             "(default 128; hqq: 64; nf4: the bitsandbytes "
+                                             "blocksize, default 64; fp8: always per "
+                                             "channel)."),
     sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric codes (default "
                                        "for rtn and gptq) or zero points (default for awq)."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="gptq, awq or compressed-tensors "
-                                      "(default: gptq for gptq, awq for awq, compressed-tensors "
-                                      "for rtn)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="gptq, awq, compressed-tensors "
+                                      "or bitsandbytes (default: gptq for gptq, awq for awq, "
+                                      "bitsandbytes for nf4, compressed-tensors for rtn, hqq "
+                                      "and fp8)."),
     calib: str = typer.Option("wikitext2", help="wikitext2, tinyshakespeare, a text file or "
                               "an HF dataset name (name or name:config; needs `datasets`)."),
     n_samples: int = typer.Option(128, min=1, help="Calibration sequences."),
@@ -173,7 +185,8 @@ def quantize(
     out: str = typer.Option(..., "--out", help="Output directory."),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
 ) -> None:
-    """Quantize a model's linears (RTN, GPTQ, AWQ) into a checkpoint vLLM/transformers load."""
+    """Quantize a model's linears (RTN, GPTQ, AWQ, FP8, NF4, HQQ) into a checkpoint
+    vLLM/transformers load."""
     from llmaccel.quant.calibration import CalibConfig
     from llmaccel.quant.driver import quantize_model
 
@@ -185,7 +198,8 @@ def quantize(
     if errs and report.layer_error_rtn:
         summary = (f" · mean layer error {sum(errs) / len(errs):.3g} "
                    f"(RTN {sum(report.layer_error_rtn) / len(errs):.3g})")
-    console.print(f"wrote {report.format} int{bits} checkpoint to {out} in "
+    scheme = {"fp8": "fp8 W8A8", "nf4": "nf4"}.get(report.method, f"int{report.bits}")
+    console.print(f"wrote {report.format} {scheme} checkpoint to {out} in "
                   f"{report.seconds:.1f}s{summary}", highlight=False)
 
 

@@ -52,6 +52,8 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
         weights = (safetensors_weights(model_config.source.path, device)
                    if model_config.load_format == "safetensors"
                    else gguf_weights(model_config, device))
+        if quant_config is not None:
+            weights = quant_config.checkpoint_weights(weights)
         if progress:
             weights = _with_progress(weights, _checkpoint_tensor_count(model),
                                      f"loading {model_config.name}")
@@ -174,6 +176,10 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float | None 
             param.uniform_(-bound, bound, generator=gen)
         else:  # packed integer weights of quantized layers
             param.random_(0, 256, generator=gen)
+    for module in model.modules():  # index tensors (g_idx, shapes) that random values break
+        hook = getattr(getattr(module, "quant_method", None), "init_dummy_weights", None)
+        if hook is not None:
+            hook(module)
 
 
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto",

@@ -18,17 +18,19 @@ from torch import nn
 
 from llmaccel.errors import QuantizationError
 from llmaccel.quant.formats.awq import awq_quantization_config, check_awq_settings, pack_awq
+from llmaccel.quant.formats.bitsandbytes import bnb_quantization_config, pack_bnb_nf4
 from llmaccel.quant.formats.compressed_tensors import (
     check_ct_settings,
     compressed_tensors_quantization_config,
     pack_compressed_tensors,
 )
 from llmaccel.quant.formats.gptq import gptq_quantization_config, pack_factor, pack_gptq
+from llmaccel.quant.nf4 import check_blocksize
 
 if TYPE_CHECKING:
     from llmaccel.quant.layerwise import LinearQuant, QuantSpec
 
-FORMATS = ("gptq", "awq", "compressed-tensors")
+FORMATS = ("gptq", "awq", "compressed-tensors", "bitsandbytes")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -42,6 +44,11 @@ def check_format_settings(fmt: str, bits: int, group_size: int, sym: bool) -> No
         check_awq_settings(bits, group_size)
     elif fmt == "compressed-tensors":
         check_ct_settings(bits, group_size)
+    elif fmt == "bitsandbytes":  # NF4; group_size is the blocksize
+        if bits != 4:
+            raise QuantizationError(f"the bitsandbytes format holds 4-bit NF4 codes, got "
+                                    f"bits={bits}")
+        check_blocksize(group_size)
     else:
         raise QuantizationError(f"format must be one of {FORMATS}, got {fmt!r}")
 
@@ -59,11 +66,18 @@ def source_dtype(src: Path) -> torch.dtype:
 def format_scale_dtype(fmt: str, src: Path) -> torch.dtype:
     # GPTQ and AWQ store fp16 scales; llm-compressor stores the model's dtype. Quantizing with
     # the stored dtype makes the written scales exactly the ones the quantizer used.
-    return source_dtype(src) if fmt == "compressed-tensors" else torch.float16
+    # bitsandbytes keeps fp32 absmax and records the model's dtype for readers to cast to.
+    return source_dtype(src) if fmt in ("compressed-tensors", "bitsandbytes") else torch.float16
 
 
 def pack_linear(lq: LinearQuant, fmt: str, spec: QuantSpec) -> dict[str, torch.Tensor]:
     qw = lq.qweight
+    if spec.method == "fp8":  # compressed-tensors float-quantized: weight e4m3 + weight_scale
+        from llmaccel.quant.formats.fp8 import pack_fp8
+
+        return pack_fp8(qw)
+    if spec.method == "nf4":  # weight (uint8 nibbles), weight.absmax, .quant_map, .quant_state
+        return pack_bnb_nf4(qw, spec.scale_dtype)
     if fmt == "gptq":
         tensors = pack_gptq(qw, "gptq")
         if lq.g_idx is not None:
@@ -77,6 +91,12 @@ def pack_linear(lq: LinearQuant, fmt: str, spec: QuantSpec) -> dict[str, torch.T
 
 
 def quantization_config(fmt: str, spec: QuantSpec) -> dict[str, Any]:
+    if spec.method == "fp8":
+        from llmaccel.quant.formats.fp8 import fp8_quantization_config
+
+        return fp8_quantization_config()
+    if spec.method == "nf4":
+        return bnb_quantization_config(spec.scale_dtype)
     if fmt == "gptq":
         return gptq_quantization_config(spec.bits, spec.group_size, spec.sym,
                                         desc_act=spec.act_order)

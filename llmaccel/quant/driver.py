@@ -30,6 +30,8 @@ from llmaccel.quant.checkpoint import (
     quantization_config,
     write_checkpoint,
 )
+from llmaccel.quant.fp8 import check_fp8_settings
+from llmaccel.quant.hqq import check_hqq_settings
 from llmaccel.quant.layerwise import (
     LINEARS,
     LinearQuant,
@@ -37,10 +39,15 @@ from llmaccel.quant.layerwise import (
     quantize_layer,
     run_layer,
 )
+from llmaccel.quant.nf4 import check_nf4_settings
 from llmaccel.quant.rtn import check_group_size
 
-METHODS = ("rtn", "gptq", "awq")
-DEFAULT_FORMAT = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq"}
+METHODS = ("rtn", "gptq", "awq", "fp8", "nf4", "hqq")
+DEFAULT_FORMAT = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq",
+                  "fp8": "compressed-tensors",  # fp8: float-quantized (FP8_DYNAMIC)
+                  "nf4": "bitsandbytes", "hqq": "compressed-tensors"}
+# group_size None: 128, or the method's own default (bitsandbytes' blocksize, HQQ's group)
+DEFAULT_GROUP_SIZE = {"nf4": 64, "hqq": 64}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -147,7 +154,8 @@ def _rel_error(ys: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
     return num / den if den > 0 else 0.0
 
 
-def quantize_model(model: str | Path, method: str = "gptq", bits: int = 4, group_size: int = 128,
+def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = None,
+                   group_size: int | None = None,
                    sym: bool | None = None, out_dir: str | Path = "quantized",
                    calib: CalibConfig | None = None, format: str | None = None,
                    device: str | None = None, calib_token_ids: torch.Tensor | None = None,
@@ -156,10 +164,24 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int = 4, group
     """Quantize `model` (local HF directory or hub id) and write a checkpoint to `out_dir`.
 
     `calib_token_ids` [n_samples, seq_len] replaces tokenizing `calib` (tests; models without
-    a tokenizer). RTN needs no calibration: without a tokenizer or ids it skips the
-    per-layer error report. Returns the report that is also saved as quantize_report.json.
+    a tokenizer). RTN and FP8 need no calibration: without a tokenizer or ids they skip the
+    per-layer error report. `bits` None means 4, or 8 for fp8 (which also ignores
+    `group_size`: one scale per output channel). NF4 and HQQ need no calibration either;
+    for nf4 `group_size` is the bitsandbytes blocksize. `group_size` None means 128, or 64 for
+    nf4 and hqq. Returns the report that is also saved as quantize_report.json.
     """
     start = time.perf_counter()
+    if method == "fp8":  # E4M3, one scale per output channel: no bits / group size to choose
+        format, bits, group_size, sym = check_fp8_settings(format, bits, sym), 8, -1, True
+    if group_size is None:
+        group_size = DEFAULT_GROUP_SIZE.get(method, 128)
+    if method == "nf4":  # 4-bit NormalFloat, absmax per block: no zero points
+        format, bits, sym = check_nf4_settings(format, bits, sym, group_size), 4, True
+    elif method == "hqq":
+        sym = check_hqq_settings(sym)
+    elif format == "bitsandbytes":
+        raise QuantizationError("the bitsandbytes format holds NF4 weights: use method nf4")
+    bits = 4 if bits is None else bits
     fmt, sym = _settings(method, format, sym, bits, group_size, act_order)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     calib = calib or CalibConfig()
@@ -168,7 +190,7 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int = 4, group
         check_group_size(hf.model.layers[0].get_submodule(name).in_features, group_size)
     if calib_token_ids is None and tokenizer is not None:
         calib_token_ids = calibration_batches(tokenizer, calib)
-    if calib_token_ids is None and method != "rtn":
+    if calib_token_ids is None and method not in ("rtn", "fp8", "nf4", "hqq"):
         raise LLMAccelError(f"{src} has no tokenizer to tokenize the calibration text")
     ids = calib_token_ids if calib_token_ids is not None else torch.empty(0, 0, dtype=torch.long)
     report = QuantizeReport(method, fmt, bits, group_size, sym, ids.shape[0], ids.shape[1])

@@ -19,7 +19,7 @@ output's rounding, which is what the GPU test bounds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch import nn
@@ -28,24 +28,47 @@ from llmaccel.errors import CorruptCheckpointError
 from llmaccel.models.layers.quantization import LinearMethodBase
 from llmaccel.quant.fp8 import FP8_DTYPE, quantize_fp8_per_token
 
-# cuBLASLt's fp8 GEMM wants K and N (the weight's dims) in multiples of 16; a layer that is not
-# runs the reference path.
+# torch._scaled_mm checks that K and N (the weight's dims) are multiples of 16; M may be
+# anything. A layer whose weight is not aligned runs the reference path.
 SCALED_MM_ALIGN = 16
 SCALED_MM_MIN_CAPABILITY = (8, 9)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@lru_cache(maxsize=None)
-def _capability_ok(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= SCALED_MM_MIN_CAPABILITY
+@cache
+def _scaled_mm_out_dtypes(device_index: int) -> frozenset[torch.dtype]:
+    """Output dtypes `torch._scaled_mm` accepts with row-wise scales on this GPU: some torch
+    builds take bf16 only. Found once per device by trying a 16x16 product, at load time (the
+    first call must not happen inside CUDA-graph capture)."""
+    if torch.cuda.get_device_capability(device_index) < SCALED_MM_MIN_CAPABILITY:
+        return frozenset()
+    dev = torch.device("cuda", device_index)
+    a = torch.zeros(16, 16, device=dev, dtype=FP8_DTYPE)
+    ones_a, ones_b = torch.ones(16, 1, device=dev), torch.ones(1, 16, device=dev)
+    ok = set()
+    for dtype in _OUT_DTYPES:
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=ones_a, scale_b=ones_b, out_dtype=dtype)
+            ok.add(dtype)
+        except (RuntimeError, NotImplementedError):
+            pass
+    return frozenset(ok)
 
 
-def supports_scaled_mm(device: torch.device | str) -> bool:
-    """Whether `torch._scaled_mm` runs E4M3 products on this device (CUDA, sm_89 or newer)."""
+def scaled_mm_dtypes(device: torch.device | str) -> frozenset[torch.dtype]:
+    """Activation dtypes for which `torch._scaled_mm` runs the E4M3 product on `device`
+    (CUDA, compute capability 8.9 or newer); empty elsewhere."""
     device = torch.device(device)
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        return False
+        return frozenset()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability_ok(index)
+    return _scaled_mm_out_dtypes(index)
+
+
+def supports_scaled_mm(device: torch.device | str, dtype: torch.dtype = torch.bfloat16
+                       ) -> bool:
+    """Whether `torch._scaled_mm` runs E4M3 products with `dtype` output on this device."""
+    return dtype in scaled_mm_dtypes(device)
 
 
 def _scaled_mm_rowwise(x_q: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
@@ -70,7 +93,7 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     False forces the fp32 reference, True forces `_scaled_mm` (the GPU test compares the two).
     The output has x's dtype; bias is added after the cast, in that dtype, on both paths."""
     if use_scaled_mm is None:
-        use_scaled_mm = supports_scaled_mm(x.device) and _aligned(w_fp8)
+        use_scaled_mm = supports_scaled_mm(x.device, x.dtype) and _aligned(w_fp8)
     lead, k = x.shape[:-1], x.shape[-1]
     x_q, x_scale = quantize_fp8_per_token(x.reshape(-1, k))
     if use_scaled_mm:
@@ -141,7 +164,8 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def __init__(self, weight_strategy: str = "channel") -> None:
         self.weight_strategy = weight_strategy  # the checkpoint's: "channel" or "tensor"
-        self.use_scaled_mm: bool | None = None  # decided once the weights are on their device
+        # activation dtypes that take _scaled_mm; set once the weights are on their device
+        self.mm_dtypes: frozenset[torch.dtype] = frozenset()
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         out = sum(output_sizes)
@@ -159,17 +183,21 @@ class Fp8LinearMethod(LinearMethodBase):
         if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
             raise CorruptCheckpointError(f"{layer.prefix}.weight_scale must be finite and "
                                          "non-negative")
-        self.use_scaled_mm = supports_scaled_mm(layer.weight.device) and _aligned(layer.weight)
+        if _aligned(layer.weight):
+            self.mm_dtypes = scaled_mm_dtypes(layer.weight.device)
 
     def apply(self, layer, x, bias=None):
-        return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.use_scaled_mm)
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, x.dtype in self.mm_dtypes)
 
     def describe(self, layer: nn.Module | None = None) -> str:
-        use_mm = self.use_scaled_mm
-        if use_mm is None and layer is not None:
-            use_mm = supports_scaled_mm(layer.weight.device) and _aligned(layer.weight)
-        kernel = "torch._scaled_mm" if use_mm else "reference"
+        if not self.mm_dtypes:
+            kernel = "reference"
+        elif self.mm_dtypes == frozenset(_OUT_DTYPES):
+            kernel = "torch._scaled_mm"
+        else:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.mm_dtypes))
+            kernel = f"torch._scaled_mm for {names}; reference otherwise"
         return f"fp8 W8A8 per-{self.weight_strategy}/per-token ({kernel})"
 
 
-__all__ = ["Fp8LinearMethod", "fp8_linear", "supports_scaled_mm"]
+__all__ = ["Fp8LinearMethod", "fp8_linear", "scaled_mm_dtypes", "supports_scaled_mm"]

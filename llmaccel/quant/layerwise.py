@@ -37,7 +37,7 @@ SEQUENTIAL_GROUPS = (QKV, (O_PROJ,), GATE_UP, (DOWN,))
 
 @dataclass(frozen=True)
 class QuantSpec:
-    method: str  # rtn | gptq | awq
+    method: str  # rtn | gptq | awq | hqq | nf4 | fp8 (fp8 ignores bits, group_size, scale_dtype)
     bits: int
     group_size: int
     sym: bool
@@ -196,6 +196,20 @@ def quantize_layer(layer: nn.Module, inputs: list[torch.Tensor], kwargs: dict[st
     """Quantize the layer's seven linears in place; returns their codes for packing."""
     if spec.method == "rtn":
         return quantize_layer_rtn(layer, spec)
+    if spec.method == "fp8":  # no calibration: E4M3 weights, activation scales at run time
+        from llmaccel.quant.fp8 import quantize_linears_fp8
+
+        return quantize_linears_fp8(layer, LINEARS)  # type: ignore[return-value]
+    if spec.method == "nf4":  # no calibration: bitsandbytes NF4, group_size is the blocksize
+        from llmaccel.quant.nf4 import quantize_linears_nf4
+
+        return quantize_linears_nf4(layer, LINEARS, spec.group_size)  # type: ignore[return-value]
+    if spec.method == "hqq":  # no calibration: half-quadratic zero points, integer-snapped
+        from llmaccel.quant.hqq import quantize_hqq
+
+        return {n: _store(layer, n, LinearQuant(quantize_hqq(
+            _linear(layer, n).weight.data, spec.bits, spec.group_size, spec.scale_dtype)))
+            for n in LINEARS}
     if not inputs:
         raise QuantizationError(f"{spec.method} needs calibration data")
     if spec.method == "gptq":

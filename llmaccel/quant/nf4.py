@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from llmaccel.errors import QuantizationError
 
@@ -49,10 +50,14 @@ def normal_float_code(bits: int = 4) -> torch.Tensor:
     """
     levels = 2**bits
     delta = 0.5 * (1 / (2 * (levels - 1)) + 1 / (2 * levels))
-    half = levels // 2
-    probs = torch.linspace(1 - delta, 0.5, half + 1, dtype=torch.float64)
-    positive = torch.special.ndtri(probs[:-1])  # half values; 0.5 would be the zero
-    negative = -torch.special.ndtri(torch.linspace(1 - delta, 0.5, half, dtype=torch.float64)[:-1])
+
+    def quantiles(count: int) -> torch.Tensor:
+        # `count` evenly spaced probabilities from 1 - delta down to (not including) 1/2
+        probs = torch.linspace(1 - delta, 0.5, count + 1, dtype=torch.float64)[:-1]
+        return torch.special.ndtri(probs)
+
+    # one more positive value than negative ones, so that 0 is exactly representable
+    positive, negative = quantiles(levels // 2), -quantiles(levels // 2 - 1)
     values = torch.cat([negative, torch.zeros(1, dtype=torch.float64), positive]).sort().values
     return values / values.max()
 
@@ -125,5 +130,47 @@ def dequantize_nf4(qw: NF4Weight, dtype: torch.dtype = torch.float32) -> torch.T
     return flat.reshape(qw.shape).to(dtype)
 
 
-__all__ = ["NF4_CODE", "NF4_BLOCKSIZES", "DEFAULT_BLOCKSIZE", "NF4Weight", "normal_float_code",
-           "quantize_nf4", "dequantize_nf4", "dequantize_nf4_flat", "check_blocksize"]
+@dataclass(frozen=True)
+class NF4LinearQuant:
+    """What `quantize_linears_nf4` hands the checkpoint writer for one Linear."""
+
+    qweight: NF4Weight
+    g_idx: None = None  # the interface of layerwise.LinearQuant; NF4 has no act-order
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_nf4(self.qweight)
+
+
+@torch.no_grad()
+def quantize_linears_nf4(layer: nn.Module, names: tuple[str, ...],
+                         blocksize: int = DEFAULT_BLOCKSIZE) -> dict[str, NF4LinearQuant]:
+    """NF4 on the named linears of an HF decoder layer, in place: each weight becomes its
+    dequantized NF4 value, so the layer's forward is what a reader of the checkpoint computes.
+    Each weight is blocked on its own, as bitsandbytes quantizes q, k and v separately."""
+    out: dict[str, NF4LinearQuant] = {}
+    for name in names:
+        lin = layer.get_submodule(name)
+        qw = quantize_nf4(lin.weight.data, blocksize)
+        lin.weight.data.copy_(dequantize_nf4(qw, lin.weight.dtype))
+        out[name] = NF4LinearQuant(qw)
+    return out
+
+
+def check_nf4_settings(fmt: str | None, bits: int | None, sym: bool | None,
+                       blocksize: int) -> str:
+    """The checkpoint format for `quantize --method nf4`; refuses flags that contradict it."""
+    if bits is not None and bits != 4:
+        raise QuantizationError(f"nf4 stores 4-bit codes: leave --bits out or pass 4, got {bits}")
+    if sym is False:
+        raise QuantizationError("nf4 scales each block by its absmax (no zero points): --asym "
+                                "does not apply")
+    if fmt not in (None, "bitsandbytes"):
+        raise QuantizationError(f"nf4 checkpoints are written in the bitsandbytes format, got "
+                                f"format {fmt!r}")
+    check_blocksize(blocksize)
+    return "bitsandbytes"
+
+
+__all__ = ["DEFAULT_BLOCKSIZE", "NF4_BLOCKSIZES", "NF4_CODE", "NF4LinearQuant", "NF4Weight",
+           "check_blocksize", "check_nf4_settings", "dequantize_nf4", "dequantize_nf4_flat",
+           "normal_float_code", "quantize_linears_nf4", "quantize_nf4"]

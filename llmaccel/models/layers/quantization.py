@@ -8,6 +8,7 @@ the product (`apply`). The model definition stays the same for bf16, int8, int4 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -67,3 +68,9 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
         ...
+
+    def checkpoint_weights(self, weights: Iterator[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's (name, tensor) pairs under the names our parameters have. Most
+        formats need no renaming; bitsandbytes' dotted side tensors ("weight.absmax") do."""
+        return weights
