@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "bf16 = unquantized); HF baselines run once, with the first")
     p.add_argument("--engine-kw", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="extra EngineConfig keywords for our engine")
+    p.add_argument("--variant", default=None,
+                   help="a label for our engine's rows (e.g. the LLMACCEL_* kernel settings "
+                        "this process runs with), to compare runs appended to one file")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     p.add_argument("--hf-cb-repeats", type=int, default=None,
                    help="timed repeats of hf-cb alone (default --repeats); its runs take "
@@ -159,7 +162,7 @@ def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list, list]
     logger.info("%s: copy bandwidth %.1f GB/s (%s)", meta.device, copy.gbps, copy.method)
     settings = EngineSettings(dtype=args.dtype, attention_backend=args.attention_backend,
                               engine_kwargs=parse_engine_kw(args.engine_kw),
-                              repeats=args.repeats)
+                              repeats=args.repeats, variant=args.variant)
     outcome = Outcome()
     for model, quant, (workload, backend) in itertools.product(
             args.shapes, args.quantization, _plan(args.workloads, args.backends)):

@@ -41,6 +41,7 @@ class EngineSettings:
     repeats: int = 3
     w2_warmup_tokens: int = 16
     quantization: str | None = None  # a llmaccel.quant.presets name (dummy codes); None: bf16
+    variant: str | None = None  # a label for the table row (e.g. the kernels' settings)
 
 
 def engine_kwargs(settings: EngineSettings, max_model_len: int,
@@ -61,9 +62,12 @@ def engine_kwargs(settings: EngineSettings, max_model_len: int,
 
 def quant_facts(settings: EngineSettings) -> dict[str, Any]:
     """config.quantization (BENCHMARKS.md's names) and the table row variant."""
-    if not settings.quantization:
-        return {"quantization": "bf16" if settings.dtype == "bfloat16" else settings.dtype}
-    return {"quantization": settings.quantization, "variant": settings.quantization}
+    labels = [v for v in (settings.quantization, settings.variant) if v]
+    facts: dict[str, Any] = {"quantization": settings.quantization or (
+        "bf16" if settings.dtype == "bfloat16" else settings.dtype)}
+    if labels:
+        facts["variant"] = ", ".join(labels)
+    return facts
 
 
 def build_llm(model: str, kwargs: dict[str, Any]):
@@ -101,6 +105,11 @@ def _engine_facts(llm, kwargs: dict[str, Any]) -> dict[str, Any]:
     facts["attention_backend"] = getattr(layers[0].backend, "name", None) if layers else None
     graphs = engine.runner.graphs
     facts["cuda_graphs"] = graphs.sizes if graphs is not None else None
+    facts["fused_decode"] = bool(getattr(engine.model.model.layers[0], "fuse_decode", False))
+    from llmaccel.kernels import triton_available
+    if triton_available():
+        from llmaccel.kernels import pdl
+        facts["pdl"] = pdl.enabled()
     facts["kv_pool_tokens"] = llm.get_stats().num_blocks * engine.config.block_size
     return facts
 

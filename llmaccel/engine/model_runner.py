@@ -32,6 +32,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         model.bind_kv_caches(kv_caches)
         self.graphs: CUDAGraphRunner | None = None
+        if self.device.type == "cuda" and getattr(model.model.norm, "use_triton", False):
+            from llmaccel.kernels import pdl
+            pdl.configure(self.device)  # before capture: graphs keep the launch attributes
         if cudagraph_capture_sizes and self.device.type == "cuda":
             if not model.attention_backend.supports_cuda_graphs:
                 logger.warning("attention backend '%s' cannot be captured in CUDA graphs; "

@@ -13,9 +13,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from llmaccel.kernels import pdl
+from llmaccel.kernels.pdl import pdl_enter
+
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -38,7 +43,8 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
         return out
     block = min(block, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
-        rows, o2, rows.stride(0), o2.stride(0), n, BLOCK=block, num_warps=4)
+        rows, o2, rows.stride(0), o2.stride(0), n, BLOCK=block, USE_PDL=pdl.enabled(),
+        num_warps=4, **pdl.launch_kwargs())
     return out
 
 

@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from llmaccel.kernels import pdl
+from llmaccel.kernels.pdl import pdl_enter
+
 from llmaccel.kernels.attention_ref import FP8_E4M3_MAX, is_fp8, reshape_and_cache_ref
 
 __all__ = ["reshape_and_cache", "reshape_and_cache_ref"]
@@ -55,8 +58,9 @@ def _reshape_and_cache_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
     num_kv_heads, head_dim, block_size,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, FP8: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
     h = tl.arange(0, HEADS_PAD)
@@ -98,5 +102,5 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim), FP8=fp8,
         SOFT_ROUND=fp8 and kv_cache.device.type != "cuda",  # the interpreter (see above)
-        num_warps=4,
+        USE_PDL=pdl.enabled(), num_warps=4, **pdl.launch_kwargs(),
     )

@@ -30,15 +30,113 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from llmaccel.kernels import pdl
+from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
+
+
+@triton.jit
+def _weight_tile(W, Scales, Zeros, rn64, mask_n, k0, K, stride_wn, stride_sn, stride_zn,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at k0: the stored values (BITS 16) or the
+    dequantized codes in fp32."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    mask_k = rk < K
+    wmask = mask_n[:, None] & mask_k[None, :]
+    if BITS == 16:
+        w = tl.load(W + rn64[:, None] * stride_wn + rk[None, :], mask=wmask, other=0.0)
+    else:
+        if BITS == 8:
+            q = tl.load(W + rn64[:, None] * stride_wn + rk[None, :], mask=wmask, other=0)
+            q = q.to(tl.int32)
+        else:
+            # Load each int32 word once ([BLOCK_N, BLOCK_K/8], contiguous along K), split
+            # it into its eight nibbles on a new last axis and flatten: k = 8 * word + i.
+            rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            word = tl.load(W + rn64[:, None] * stride_wn + rw[None, :],
+                           mask=mask_n[:, None] & (rw < K // 8)[None, :], other=0)
+            shifts = tl.arange(0, 8) * 4
+            q = (word[:, :, None] >> shifts[None, None, :]) & 0xF
+            q = tl.reshape(q, (BLOCK_N, BLOCK_K))
+        # Codes to exact fp32 integers without the slow int-to-float instruction: OR them
+        # into the mantissa of 2^23 and subtract 2^23 + zero in one step (exact: < 2^24).
+        qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
+        if BLOCK_K <= GROUP:
+            # the whole tile lies in one group (GROUP is a multiple of BLOCK_K)
+            g = k0 // GROUP
+            s = tl.load(Scales + rn64 * stride_sn + g, mask=mask_n, other=0.0)
+            if HAS_ZEROS:
+                z = tl.load(Zeros + rn64 * stride_zn + g, mask=mask_n, other=0)
+                z = z.to(tl.float32) + 8388608.0
+            else:
+                z = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
+            w = (qf - z[:, None]) * s.to(tl.float32)[:, None]
+        else:
+            # The tile spans BLOCK_K // GROUP groups: one scale (and zero) per row and
+            # group, broadcast over the group's codes.
+            gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            smask = mask_n[:, None] & (gi * GROUP < K)[None, :]
+            s = tl.load(Scales + rn64[:, None] * stride_sn + gi[None, :], mask=smask,
+                        other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(Zeros + rn64[:, None] * stride_zn + gi[None, :], mask=smask,
+                            other=0).to(tl.float32) + 8388608.0
+            else:
+                z = tl.full((BLOCK_N, BLOCK_K // GROUP), 8388608.0 + (1 << (BITS - 1)),
+                            tl.float32)
+            qf3 = tl.reshape(qf, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+            w = tl.reshape((qf3 - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_K))
+        # (the broadcast product takes w in fp32: no rounding to the activation dtype and
+        # back, a little more exact than the dequantize-then-matmul reference)
+    return w
+
+
+@triton.jit
+def _input_tile(X, NormW, rm64, mask_m, k0, K, stride_xm, rstd,
+                PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] input tile at k0, after the fused prologue:
+    0 none; 1 RMSNorm (x * rstd rounded, times the norm weight, rounded: RMSNorm's steps);
+    2 SiLU-and-mul (X rows hold [gate | up], 2K wide: silu(gate) rounded, times up, rounded)."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    mask = mask_m[:, None] & (rk < K)[None, :]
+    ptr = X + rm64[:, None] * stride_xm + rk[None, :]
+    dt = X.dtype.element_ty
+    if PROLOGUE == 2:
+        gate = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptr + K, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        x = (act * up).to(dt)
+    else:
+        x = tl.load(ptr, mask=mask, other=0.0)
+        if PROLOGUE == 1:
+            nw = tl.load(NormW + rk, mask=rk < K, other=0.0).to(tl.float32)
+            normed = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+            x = (nw[None, :] * normed).to(dt)
+    return x
+
+
+@triton.jit
+def _tile_product(acc, x, w, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+    if USE_DOT:
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    else:
+        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc += tl.sum(prod, axis=2)
+    return acc
+
 
 @triton.jit
 def _linear_kernel(
-    X, W, Scales, Zeros, Bias, Y,
-    M, N, K,
+    X, W, Scales, Zeros, Bias, Y, NormW,
+    M, N, K, eps,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+    PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -49,68 +147,46 @@ def _linear_kernel(
     rm64 = rm.to(tl.int64)
     rn64 = rn.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        mask_k = rk < K
-        x = tl.load(X + rm64[:, None] * stride_xm + rk[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        wmask = mask_n[:, None] & mask_k[None, :]
-        if BITS == 16:
-            w = tl.load(W + rn64[:, None] * stride_wn + rk[None, :], mask=wmask, other=0.0)
-        else:
-            if BITS == 8:
-                q = tl.load(W + rn64[:, None] * stride_wn + rk[None, :], mask=wmask, other=0)
-                q = q.to(tl.int32)
-            else:
-                # Load each int32 word once ([BLOCK_N, BLOCK_K/8], contiguous along K), split
-                # it into its eight nibbles on a new last axis and flatten: k = 8 * word + i.
-                rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                word = tl.load(W + rn64[:, None] * stride_wn + rw[None, :],
-                               mask=mask_n[:, None] & (rw < K // 8)[None, :], other=0)
-                shifts = tl.arange(0, 8) * 4
-                q = (word[:, :, None] >> shifts[None, None, :]) & 0xF
-                q = tl.reshape(q, (BLOCK_N, BLOCK_K))
-            # Codes to exact fp32 integers without the slow int-to-float instruction: OR them
-            # into the mantissa of 2^23 and subtract 2^23 + zero in one step (exact: < 2^24).
-            qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
-            if BLOCK_K <= GROUP:
-                # the whole tile lies in one group (GROUP is a multiple of BLOCK_K)
-                g = k0 // GROUP
-                s = tl.load(Scales + rn64 * stride_sn + g, mask=mask_n, other=0.0)
-                if HAS_ZEROS:
-                    z = tl.load(Zeros + rn64 * stride_zn + g, mask=mask_n, other=0)
-                    z = z.to(tl.float32) + 8388608.0
-                else:
-                    z = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
-                w = (qf - z[:, None]) * s.to(tl.float32)[:, None]
-            else:
-                # The tile spans BLOCK_K // GROUP groups: one scale (and zero) per row and
-                # group, broadcast over the group's codes.
-                gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                smask = mask_n[:, None] & (gi * GROUP < K)[None, :]
-                s = tl.load(Scales + rn64[:, None] * stride_sn + gi[None, :], mask=smask,
-                            other=0.0).to(tl.float32)
-                if HAS_ZEROS:
-                    z = tl.load(Zeros + rn64[:, None] * stride_zn + gi[None, :], mask=smask,
-                                other=0).to(tl.float32) + 8388608.0
-                else:
-                    z = tl.full((BLOCK_N, BLOCK_K // GROUP), 8388608.0 + (1 << (BITS - 1)), tl.float32)
-                qf3 = tl.reshape(qf, (BLOCK_N, BLOCK_K // GROUP, GROUP))
-                w = tl.reshape((qf3 - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_K))
-            # (the broadcast product below takes w in fp32: no rounding to the activation
-            # dtype and back, a little more exact than the dequantize-then-matmul reference)
-        if USE_DOT:
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)))
-        else:
-            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
+    if USE_PDL:
+        # Weights are read-only during a step: start streaming the first tile while the
+        # previous kernel (which produces X) finishes.
+        w_first = _weight_tile(W, Scales, Zeros, rn64, mask_n, 0, K, stride_wn, stride_sn,
+                               stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:
+        # RMSNorm of whole rows before the first tile: one pass over each row of X (it is a
+        # hidden-size vector per row, read from L2 by every program).
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(X + rm64[:, None] * stride_xm + rk[None, :],
+                         mask=mask_m[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+            sq += tl.sum(xs * xs, axis=1)
+        rstd = tl.rsqrt(sq / K + eps)
+    k_start = 0
+    if USE_PDL:
+        x = _input_tile(X, NormW, rm64, mask_m, 0, K, stride_xm, rstd, PROLOGUE, BLOCK_K)
+        acc = _tile_product(acc, x, w_first, USE_DOT, IEEE)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        w = _weight_tile(W, Scales, Zeros, rn64, mask_n, k0, K, stride_wn, stride_sn,
+                         stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
+        x = _input_tile(X, NormW, rm64, mask_m, k0, K, stride_xm, rstd, PROLOGUE, BLOCK_K)
+        acc = _tile_product(acc, x, w, USE_DOT, IEEE)
     if HAS_BIAS:
         acc += tl.load(Bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rm64[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    out_ptr = Y + rm64[:, None] * stride_ym + rn[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if RESIDUAL:
+        # Y holds the residual stream: Y += x @ W^T, rounded as the unfused layers round
+        # (the product to the activation dtype, then the sum).
+        res = tl.load(out_ptr, mask=out_mask, other=0.0).to(tl.float32)
+        out = acc.to(Y.dtype.element_ty).to(tl.float32) + res
+        tl.store(out_ptr, out.to(Y.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr, acc.to(Y.dtype.element_ty), mask=out_mask)
 
 
 PER_CHANNEL_GROUP = 1 << 30
@@ -154,14 +230,24 @@ def _pow2_floor(v: int) -> int:
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bits: int = 16,
                   scales: torch.Tensor | None = None, zeros: torch.Tensor | None = None,
                   group_size: int = -1, bias: torch.Tensor | None = None,
-                  config: GemmConfig | None = None) -> torch.Tensor:
+                  config: GemmConfig | None = None, *, norm_weight: torch.Tensor | None = None,
+                  eps: float = 0.0, silu: bool = False,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N]. `weight` in the BITS layout of the module docstring; `scales`
-    [N, G] and optional `zeros` [N, G] for bits 8/4; group_size -1 means one group per row."""
+    [N, G] and optional `zeros` [N, G] for bits 8/4; group_size -1 means one group per row.
+
+    Fused decode variants (the layer's neighbours folded into the product, saving launches):
+    - `norm_weight`: the input is RMSNorm(x) * norm_weight with `eps` (x is the residual stream);
+    - `silu`: x is [..., 2K] = [gate | up] and the input is silu(gate) * up;
+    - `residual` [..., N]: returns `residual` updated in place to residual + product.
+    Each rounds as the separate layers do (`fused_linear_ref`)."""
     if bits not in (4, 8, 16):
         raise ValueError(f"bits must be 4, 8 or 16, got {bits}")
+    if silu and norm_weight is not None:
+        raise ValueError("one prologue at a time: silu or norm_weight")
     lead = x.shape[:-1]
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    k = x.shape[-1] // 2 if silu else x.shape[-1]
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -175,7 +261,16 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bits: int = 16,
             raise ValueError("scales must be [N, K // group_size]")
         if zeros is not None and zeros.shape != scales.shape:
             raise ValueError("zeros must have the shape of scales")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight must be [{k}]")
+    if residual is not None:
+        if residual.shape != (*lead, n) or residual.dtype != x.dtype:
+            raise ValueError(f"residual must be {(*lead, n)} in {x.dtype}")
+        y = residual.view(-1, n)
+        if y.stride(-1) != 1:
+            raise ValueError("residual must have a contiguous last dim")
+    else:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
     cfg = config or pick_config(m, n, k, bits, group)
@@ -188,7 +283,8 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bits: int = 16,
         scales if scales is not None else dummy,
         zeros if zeros is not None else dummy,
         bias if bias is not None else dummy, y,
-        m, n, k,
+        norm_weight if norm_weight is not None else dummy,
+        m, n, k, eps,
         x2.stride(0), weight.stride(0),
         scales.stride(0) if scales is not None else 0,
         zeros.stride(0) if zeros is not None else 0,
@@ -196,9 +292,32 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bits: int = 16,
         BITS=bits, GROUP=group_const, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, IEEE=x.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PROLOGUE=1 if norm_weight is not None else (2 if silu else 0),
+        RESIDUAL=residual is not None, USE_PDL=pdl.enabled(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y.reshape(*lead, n)
+
+
+def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                     silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of the fused variants of `triton_linear` on a dense weight: the
+    separate layers' ops in order (RMSNorm / SiLU-and-mul, F.linear, residual add in place)."""
+    from llmaccel.kernels.activation import silu_and_mul_ref
+    from llmaccel.kernels.rmsnorm import rms_norm_ref
+
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    if silu:
+        x = silu_and_mul_ref(x)
+    # The product accumulates in fp32 and is rounded once, as cuBLAS does on the GPU (CPU
+    # bf16 matmuls round differently).
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    if residual is None:
+        return y
+    residual.copy_(y + residual)
+    return residual
 
 
 # --------------------------------------------------------------------------- weight layout

@@ -13,10 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from llmaccel.kernels import pdl
+from llmaccel.kernels.pdl import pdl_enter
+
 
 @triton.jit
 def _chunk_kernel(Logits, Max, Arg, Sum, stride_l, vocab, num_chunks,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     idx = c * CHUNK + tl.arange(0, CHUNK)
@@ -32,7 +36,9 @@ def _chunk_kernel(Logits, Max, Arg, Sum, stride_l, vocab, num_chunks,
 
 
 @triton.jit
-def _merge_kernel(Max, Arg, Sum, Out, num_chunks, num_rows, CHUNKS_PAD: tl.constexpr):
+def _merge_kernel(Max, Arg, Sum, Out, num_chunks, num_rows, CHUNKS_PAD: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS_PAD)
     mask = c < num_chunks
@@ -63,7 +69,9 @@ def greedy_sample(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     if rows == 0:
         return out
     _chunk_kernel[(rows, num_chunks)](logits, maxes, args, sums, logits.stride(0), vocab,
-                                      num_chunks, CHUNK=chunk, num_warps=8)
+                                      num_chunks, CHUNK=chunk, USE_PDL=pdl.enabled(),
+                                      num_warps=8, **pdl.launch_kwargs())
     _merge_kernel[(rows,)](maxes, args, sums, out, num_chunks, rows,
-                           CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)))
+                           CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
+                           USE_PDL=pdl.enabled(), **pdl.launch_kwargs())
     return out

@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from llmaccel.kernels import pdl
+from llmaccel.kernels.pdl import pdl_enter
+
 from llmaccel.kernels.attention_ref import is_fp8
 
 __all__ = ["choose_num_splits", "paged_decode_attention"]
@@ -47,7 +50,9 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -107,8 +112,9 @@ def _combine_splits_kernel(
     PartOut, PartLse, Out,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -222,11 +228,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         # fp32 models get full-precision dots (the default would round inputs to TF32).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
+        USE_PDL=pdl.enabled(), **pdl.launch_kwargs(),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, *part_strides, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=triton.next_power_of_2(num_splits), USE_PDL=pdl.enabled(),
+            **pdl.launch_kwargs(),
         )
     return out

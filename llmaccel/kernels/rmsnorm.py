@@ -16,12 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
+from llmaccel.kernels import pdl
+from llmaccel.kernels.pdl import pdl_enter
+
 
 @triton.jit
 def _rms_norm_kernel(
     X, Res, W, Out, stride_x, stride_r, stride_o, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -59,7 +63,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(max(block // 256, 1), 16),
+        USE_PDL=pdl.enabled(), num_warps=min(max(block // 256, 1), 16), **pdl.launch_kwargs(),
     )
     return out
 

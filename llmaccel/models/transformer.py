@@ -7,6 +7,7 @@ checkpoints map one-to-one, except that q/k/v and gate/up are fused (see `load_w
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -18,7 +19,11 @@ from llmaccel.models.layers.activation import SiluAndMul
 from llmaccel.models.layers.embedding import VocabEmbedding
 from llmaccel.models.layers.linear import Linear
 from llmaccel.models.layers.norm import RMSNorm
-from llmaccel.models.layers.quantization import QuantizationConfig, dense_linear
+from llmaccel.models.layers.quantization import (
+    QuantizationConfig,
+    dense_linear,
+    fused_gemv_config,
+)
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
 
 # checkpoint name -> (our fused parameter, shard index)
@@ -55,14 +60,18 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x), meta))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """The qkv projection's output [T, q + 2 kv] -> attention output [T, q_size]."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.k_scale,
-                                   self.v_scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.backend.forward_with_rope(positions, self.rotary_emb, q, k, v, self.kv_cache,
+                                             meta, self.scale, self.k_scale, self.v_scale)
+        return out.reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -93,8 +102,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fuse_decode = False  # set by TransformerForCausalLM.set_fused_kernels
 
     def forward(self, positions, x, residual, meta):
+        """(x, residual) -> (x, residual): the sub-layer output and the residual stream it is
+        still to be added to. The fused path returns x None: already added."""
+        if self.fuse_decode:
+            configs = self._fused_configs((x if x is not None else residual).shape[0])
+            if configs is not None:
+                return self.forward_fused(positions, x, residual, meta, configs)
+        if x is None:  # the previous layer ran fused: its output is in the residual
+            x, residual = residual, None
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -102,6 +120,35 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _fused_configs(self, rows: int):
+        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
+                   self.mlp.down_proj)
+        configs = [fused_gemv_config(lin, rows) for lin in linears]
+        return None if any(c is None for c in configs) else configs
+
+    def forward_fused(self, positions, x, residual, meta, configs):
+        """A decode-size step in four Triton GEMVs (plus rope + cache write and attention):
+        the input norms run in the qkv and gate_up products' prologues, SiLU-and-mul in the
+        down product's, and both residual adds in the o and down products' epilogues, in
+        place on the residual stream. Rounds as the unfused path does (kernels/gemm.py)."""
+        from llmaccel.kernels.gemm import triton_linear
+        if residual is None:
+            residual = x  # the embedding output (a fresh tensor): the stream starts here
+        elif x is not None:
+            residual = residual + x
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = triton_linear(residual, attn.qkv_proj.weight, bias=attn.qkv_proj.bias,
+                            config=configs[0], norm_weight=ln1.weight, eps=ln1.eps)
+        out = attn.attend(positions, qkv, meta)
+        triton_linear(out, attn.o_proj.weight, bias=attn.o_proj.bias, config=configs[1],
+                      residual=residual)
+        gate_up = triton_linear(residual, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias,
+                                config=configs[2], norm_weight=ln2.weight, eps=ln2.eps)
+        triton_linear(gate_up, mlp.down_proj.weight, bias=mlp.down_proj.bias, config=configs[3],
+                      silu=True, residual=residual)
+        return None, residual
 
 
 class TransformerModel(nn.Module):
@@ -121,6 +168,8 @@ class TransformerModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
+        if x is None:  # the last layer ran fused: the residual stream is the output
+            return self.norm(residual)
         x, _ = self.norm(x, residual)
         return x
 
@@ -156,13 +205,23 @@ class TransformerForCausalLM(nn.Module):
     def attention_backend(self) -> AttentionBackend:
         return self.model.layers[0].self_attn.backend
 
-    def set_fused_kernels(self, enabled: bool) -> None:
+    def set_fused_kernels(self, enabled: bool, fuse_decode: bool | None = None) -> None:
         """Route RMSNorm, rotary, SiLU-and-mul and the linear layers (where tuned faster, see
         kernels/gemm_tuning.py) through Triton kernels (CUDA) or the PyTorch code (CPU,
-        reference)."""
+        reference). With `fuse_decode` (default: on with the kernels, LLMACCEL_FUSED_DECODE=0
+        turns it off) decode-size steps also fold norms, SiLU-and-mul and residual adds into
+        the dense GEMVs and rope into the K/V cache write (`DecoderLayer.forward_fused`)."""
+        if fuse_decode is None:
+            fuse_decode = os.environ.get("LLMACCEL_FUSED_DECODE", "1") == "1"
+        fuse_decode = enabled and fuse_decode
         for module in self.modules():
             if hasattr(module, "use_triton"):
                 module.use_triton = enabled
+            if isinstance(module, DecoderLayer):
+                module.fuse_decode = fuse_decode
+        backend = self.attention_backend
+        if hasattr(backend, "fuse_rope_cache"):
+            backend.fuse_rope_cache = fuse_decode
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -32,6 +32,14 @@ class AttentionBackend(ABC):
         An FP8 kv_cache (float8_e4m3fn) stores k / k_scale and v / v_scale (see
         kernels/attention_ref.py); other cache dtypes ignore the scales."""
 
+    def forward_with_rope(self, positions: torch.Tensor, rotary_emb, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
+                          meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> torch.Tensor:
+        """Rotary embedding on q and k, then `forward`. A backend may fuse the two."""
+        q, k = rotary_emb(positions, q, k)
+        return self.forward(q, k, v, kv_cache, meta, scale, k_scale, v_scale)
+
 
 class TorchAttentionBackend(AttentionBackend):
     """Plain PyTorch, one sequence at a time: the CPU path and the reference for kernels."""
@@ -55,15 +63,35 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    # Rope and the K/V cache write in one kernel (kernels/rotary.py) when the layer's rotary
+    # runs on Triton; LLMACCEL_FUSED_DECODE=0 (TransformerForCausalLM.set_fused_kernels)
+    # turns it off with the other decode fusions.
+    fuse_rope_cache = True
 
     def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         from llmaccel.kernels import prefill_attention as pf
         from llmaccel.kernels.cache import reshape_and_cache
-        from llmaccel.kernels.paged_attention import choose_num_splits, paged_decode_attention
         if kv_cache is None or not meta.uses_kv_cache:
             return pf.varlen_prefill_attention(q, k, v, meta.query_start_loc, scale,
                                                meta.max_query_len)
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        return self._attend_cached(q, kv_cache, meta, scale, k_scale, v_scale)
+
+    def forward_with_rope(self, positions, rotary_emb, q, k, v, kv_cache, meta, scale,
+                          k_scale=1.0, v_scale=1.0):
+        if not (self.fuse_rope_cache and rotary_emb.use_triton and kv_cache is not None
+                and meta.uses_kv_cache):
+            return super().forward_with_rope(positions, rotary_emb, q, k, v, kv_cache, meta,
+                                             scale, k_scale, v_scale)
+        from llmaccel.kernels.rotary import rotary_and_cache
+        rotary_and_cache(positions, q, k, v, rotary_emb.cos_sin_cache, kv_cache,
+                         meta.slot_mapping, k_scale, v_scale)
+        return self._attend_cached(q, kv_cache, meta, scale, k_scale, v_scale)
+
+    def _attend_cached(self, q, kv_cache, meta, scale, k_scale, v_scale):
+        """Attention of q over the paged cache, which already holds this step's K/V."""
+        from llmaccel.kernels import prefill_attention as pf
+        from llmaccel.kernels.paged_attention import choose_num_splits, paged_decode_attention
         if meta.is_pure_decode:
             splits = choose_num_splits(meta.num_seqs, kv_cache.shape[3], meta.max_seq_len,
                                        q.device)

@@ -60,6 +60,27 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
+# Rows up to which a decoder layer may run fused (norm and SiLU folded into its GEMVs, the
+# residual add into their epilogues; `DecoderLayer.forward_fused`).
+FUSED_DECODE_MAX_ROWS = 16
+
+
+def fused_gemv_config(layer: nn.Module, m: int):
+    """The Triton GEMV config for `m` rows of a dense Linear in a fused decode layer, or None
+    when the layer cannot take the fused kernel (quantized, Triton off, too many rows). The
+    tuning table's best Triton tile is used even where cuBLAS alone was a little faster: the
+    fused kernel also saves the launches of the norm, activation and residual add."""
+    if (m > FUSED_DECODE_MAX_ROWS or not getattr(layer, "use_triton", False)
+            or not isinstance(layer.quant_method, UnquantizedLinearMethod)):
+        return None
+    from llmaccel.kernels.gemm import pick_config
+    from llmaccel.kernels.gemm_tuning import lookup
+
+    n, k = layer.weight.shape
+    hit = lookup(16, m, n, k, layer.weight.device) if layer.weight.is_cuda else None
+    return hit[1] if hit is not None else pick_config(m, n, k, 16, -1)
+
+
 class QuantizationConfig(ABC):
     """Names a quantization scheme and hands out a linear method per layer prefix."""
 
