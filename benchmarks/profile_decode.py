@@ -23,7 +23,8 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="print a per-kernel GPU profile")
     args = ap.parse_args()
     llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=2048,
-              skip_tokenizer_init=True, enable_prefix_caching=False)
+              skip_tokenizer_init=True, enable_prefix_caching=False,
+              cudagraph_capture_sizes=[args.batch])  # the one graph profiled: quick start
     eng = llm.engine
     runner = eng.runner
     # GPU time of one replay, back to back.
