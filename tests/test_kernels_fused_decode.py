@@ -233,3 +233,48 @@ def test_pdl_kernels_compile_for_hopper_and_wait_before_touching_data():
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
     assert all(r["loads_before_wait"] > 0 for r in results if r["kernel"].startswith("linear"))
+
+
+def test_fused_table_entries_come_first_at_batch_one(tmp_path, monkeypatch):
+    """A batch-1 fused entry (tune_fused_decode.py) is used for m == 1 of its kind only; other
+    row counts and kinds fall back to the dense entry's tile."""
+    import json
+
+    from llmaccel.kernels import gemm_tuning
+
+    dense = GemmConfig(1, 4, 1024, False, 4, 5)
+    fused = GemmConfig(1, 8, 2048, False, 8, 4)
+    table = {"entries": {
+        "16:1:3072:2048": {"backend": "triton", "config": dense.__dict__},
+        gemm_tuning.fused_key("norm", 3072, 2048): {"backend": "triton",
+                                                    "config": fused.__dict__}}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("LLMACCEL_GEMM_CONFIGS", str(path))
+    gemm_tuning.clear_cache()
+    try:
+        assert gemm_tuning.fused_key("norm", 3072, 2048) == "16norm:1:3072:2048"
+        assert gemm_tuning.fused_config("norm", 1, 3072, 2048) == fused
+        assert gemm_tuning.fused_config("res", 1, 3072, 2048) == dense
+        assert gemm_tuning.fused_config("norm", 4, 3072, 2048) == dense
+        assert gemm_tuning.fused_config("norm", 1, 2048, 2048) is None
+        with pytest.raises(ValueError, match="fused kind"):
+            gemm_tuning.fused_key("gelu", 1, 1)
+    finally:
+        gemm_tuning.clear_cache()
+
+
+def test_fused_tuner_candidates_fit_in_registers():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tune_fused_decode.py"
+    spec = importlib.util.spec_from_file_location("tune_fused_decode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.role_shapes("llama-3.2-1b") == {"qkv": (3072, 2048), "o": (2048, 2048),
+                                               "gate_up": (16384, 2048), "down": (2048, 8192)}
+    cands = mod.candidates(2048, 8192)
+    assert any(c.block_k == 8192 for c in cands)  # the whole row in one tile is tried
+    assert all(c.block_n * c.block_k <= 128 * 32 * c.num_warps for c in cands)
+    assert {c.block_k for c in mod.candidates(3072, 2048)} == {1024, 2048}

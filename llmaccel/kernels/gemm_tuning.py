@@ -85,6 +85,33 @@ def _lookup(path: str, bits: int, bucket: int, n: int, k: int
     return entry["backend"], GemmConfig(**entry["config"])
 
 
+FUSED_KINDS = ("norm", "res", "silu")
+
+
+def fused_key(kind: str, n: int, k: int) -> str:
+    """The table key of a batch-1 fused decode GEMV (benchmarks/tune_fused_decode.py): kind
+    "norm" (RMSNorm prologue), "res" (residual epilogue) or "silu" (SiLU-and-mul prologue and
+    residual epilogue, the down projection)."""
+    if kind not in FUSED_KINDS:
+        raise ValueError(f"fused kind must be one of {FUSED_KINDS}, got {kind!r}")
+    return f"16{kind}:1:{n}:{k}"
+
+
+def fused_config(kind: str, m: int, n: int, k: int, device: torch.device | None = None
+                 ) -> GemmConfig | None:
+    """The tuned tile of a fused decode GEMV with m rows: the batch-1 fused entry for m == 1,
+    else (or without one) the dense entry's Triton tile, else None."""
+    path = table_path(device)
+    if path is None:
+        return None
+    if m == 1:
+        entry = _load(str(path)).get(fused_key(kind, n, k))
+        if entry is not None:
+            return GemmConfig(**entry["config"])
+    hit = _lookup(str(path), 16, m_bucket(m), n, k)
+    return hit[1] if hit is not None else None
+
+
 def dense_config(m: int, n: int, k: int, device: torch.device | None = None
                  ) -> GemmConfig | None:
     """The Triton config for a dense product where the table measured it faster than cuBLAS,

@@ -122,9 +122,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def _fused_configs(self, rows: int):
-        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
-                   self.mlp.down_proj)
-        configs = [fused_gemv_config(lin, rows) for lin in linears]
+        linears = ((self.self_attn.qkv_proj, "norm"), (self.self_attn.o_proj, "res"),
+                   (self.mlp.gate_up_proj, "norm"), (self.mlp.down_proj, "silu"))
+        configs = [fused_gemv_config(lin, rows, kind) for lin, kind in linears]
         return None if any(c is None for c in configs) else configs
 
     def forward_fused(self, positions, x, residual, meta, configs):

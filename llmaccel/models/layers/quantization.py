@@ -65,20 +65,22 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 FUSED_DECODE_MAX_ROWS = 16
 
 
-def fused_gemv_config(layer: nn.Module, m: int):
+def fused_gemv_config(layer: nn.Module, m: int, kind: str):
     """The Triton GEMV config for `m` rows of a dense Linear in a fused decode layer, or None
-    when the layer cannot take the fused kernel (quantized, Triton off, too many rows). The
-    tuning table's best Triton tile is used even where cuBLAS alone was a little faster: the
-    fused kernel also saves the launches of the norm, activation and residual add."""
+    when the layer cannot take the fused kernel (quantized, Triton off, too many rows). `kind`
+    names the fusion ("norm", "res", "silu"; see kernels/gemm_tuning.fused_key): a batch-1
+    entry tuned for it in the chain (benchmarks/tune_fused_decode.py) comes first, then the
+    dense table's best Triton tile, even where cuBLAS alone was a little faster (the fused
+    kernel also saves the launches of the norm, activation and residual add)."""
     if (m > FUSED_DECODE_MAX_ROWS or not getattr(layer, "use_triton", False)
             or not isinstance(layer.quant_method, UnquantizedLinearMethod)):
         return None
     from llmaccel.kernels.gemm import pick_config
-    from llmaccel.kernels.gemm_tuning import lookup
+    from llmaccel.kernels.gemm_tuning import fused_config
 
     n, k = layer.weight.shape
-    hit = lookup(16, m, n, k, layer.weight.device) if layer.weight.is_cuda else None
-    return hit[1] if hit is not None else pick_config(m, n, k, 16, -1)
+    cfg = fused_config(kind, m, n, k, layer.weight.device) if layer.weight.is_cuda else None
+    return cfg if cfg is not None else pick_config(m, n, k, 16, -1)
 
 
 class QuantizationConfig(ABC):
