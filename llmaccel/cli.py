@@ -113,6 +113,8 @@ def generate(
     cudagraph_capture_sizes: Optional[str] = typer.Option(
         None, help="Decode batch sizes to capture, comma-separated (default 1,2,4,8,16,32,…"
         " up to max_num_seqs); fewer saves memory and start-up time."),
+    async_scheduling: bool = typer.Option(False, help="Launch each greedy decode step before "
+                                          "the previous one's tokens reach the host."),
 ) -> None:
     """Generate text for one or more prompts on the engine."""
     from llmaccel.engine import SamplingParams
@@ -130,7 +132,7 @@ def generate(
                   max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks=num_gpu_blocks,
                   gpu_memory_utilization=gpu_memory_utilization,
                   attention_backend=attention_backend, enforce_eager=enforce_eager,
-                  kv_cache_dtype=kv_cache_dtype,
+                  kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling,
                   cudagraph_capture_sizes=parse_int_list(cudagraph_capture_sizes,
                                                          "--cudagraph-capture-sizes"))
     load_s = time.perf_counter() - start

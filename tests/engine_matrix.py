@@ -17,6 +17,10 @@ MODES = {
     "preemption": dict(enable_prefix_caching=False, num_gpu_blocks=24, max_model_len=384),
     "all-three": dict(enable_prefix_caching=True, max_num_batched_tokens=7, num_gpu_blocks=24,
                       max_model_len=384),
+    # async scheduling (next decode step launched before this one's tokens are on the host)
+    "async-prefix-caching": dict(enable_prefix_caching=True, async_scheduling=True),
+    "async-all-three": dict(enable_prefix_caching=True, max_num_batched_tokens=7,
+                            num_gpu_blocks=24, max_model_len=384, async_scheduling=True),
 }
 
 
@@ -57,9 +61,14 @@ def check_mode(llm: LLM, mode: str) -> None:
     stats = llm.get_stats()
     assert llm.engine.block_manager.num_used_blocks == 0 and stats.kv_usage == 0
     assert stats.num_running == 0 and stats.num_waiting == 0
-    if "prefix" in mode or mode == "all-three":
+    if "prefix" in mode or mode.endswith("all-three"):
         assert stats.prefix_hit_rate > 0
-    if mode in ("preemption", "all-three"):
+    if mode == "preemption" or mode.endswith("all-three"):
         assert stats.num_preemptions > 0
-    if mode in ("chunked-prefill", "all-three"):
+    if mode == "chunked-prefill" or mode.endswith("all-three"):
         assert llm.engine.max_num_batched_tokens <= 16
+    if mode.startswith("async"):  # decode steps were launched ahead (with a 7-token budget
+        # and preemptions, requests wait most of the time, and waiting ones block it)
+        share = 0.25 if mode == "async-prefix-caching" else 0.02
+        assert stats.num_async_steps > share * stats.num_steps, (stats.num_async_steps,
+                                                                 stats.num_steps)

@@ -194,11 +194,11 @@ def test_failed_step_fails_streams_and_keeps_serving(model_dir, monkeypatch):
     calls = {"n": 0}
     real_execute = llm.engine.runner.execute
 
-    def flaky(step):
+    def flaky(step, *args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated kernel failure")
-        return real_execute(step)
+        return real_execute(step, *args)
 
     monkeypatch.setattr(llm.engine.runner, "execute", flaky)
 

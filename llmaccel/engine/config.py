@@ -34,6 +34,11 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # per-step token budget (default 8192)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Launch the next decode step before this one's tokens reach the host (its input ids come
+    # from this step's greedy output on the device), so the GPU never waits on the scheduler:
+    # vLLM's --async-scheduling. Applies to greedy steps of an unchanged running set; other
+    # steps run as usual. Off by default until measured on a GPU.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -97,9 +97,12 @@ class CUDAGraphRunner:
         return num_seqs <= self.max_bs
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
-            seq_lens: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            seq_lens: list[int], tables: list[list[int]],
+            device_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for len(ids) sequences -> (logits [n, vocab], greedy [2, n]) (see
-        `greedy_with_logprobs`): views of the graph's outputs, valid until the next replay."""
+        `greedy_with_logprobs`): views of the graph's outputs, valid until the next replay.
+        `device_ids` [n] (on the device) replaces `ids`: the previous step's argmax, copied
+        into the static input in stream order, before the replay overwrites it."""
         n = len(ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         inp = self.np_inputs
@@ -119,6 +122,8 @@ class CUDAGraphRunner:
         self.inputs.copy_(self.h_inputs, non_blocking=True)
         self.seq_lens.copy_(self.h_seq_lens, non_blocking=True)
         self.block_tables[:bs].copy_(self.h_tables[:bs], non_blocking=True)
+        if device_ids is not None:
+            self.inputs[0, :n].copy_(device_ids)  # float64 argmax ids -> int64, exact
         self.graphs[bs].replay()
         logits, greedy = self.outputs[bs]
         return logits[:n], greedy[:, :n]

@@ -18,7 +18,7 @@ from llmaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_generator,
                                      sample_with_logprobs)
 from llmaccel.engine.sampling_params import SamplingParams
-from llmaccel.engine.scheduler import Scheduler
+from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
 from llmaccel.engine.sequence import Sequence, SequenceStatus
 from llmaccel.engine.stats import EngineStats
 from llmaccel.engine.stop_checker import StopChecker
@@ -29,6 +29,19 @@ from llmaccel.models.loader import get_model
 from llmaccel.models.tokenizer import eos_token_ids, get_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Stands for a token still being computed on the device (async scheduling); never a real id.
+PLACEHOLDER_TOKEN = -1
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step whose forward pass is on the device and whose tokens are not yet on the host."""
+    sched: SchedulerOutput
+    sampling: list[Sequence]          # sequences that sample a token this step, row order
+    logits: torch.Tensor
+    greedy: torch.Tensor | None       # [2, rows] argmax ids and logprobs, on the device
+    greedy_host: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # copied early
 
 
 @dataclass(eq=False)
@@ -83,6 +96,8 @@ class LLMEngine:
                                         self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._deferred: list[Sequence] = []  # sampled last step, outputs not yet built
+        self._ahead: _Launched | None = None  # async scheduling: the next step, launched early
+        self._greedy_host: torch.Tensor | None = None  # pinned staging for early token copies
         self.stats = EngineStats(num_blocks=num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, bs,
                     num_blocks * bs, str(self.kv_cache_dtype).removeprefix("torch."))
@@ -167,33 +182,109 @@ class LLMEngine:
         checks that decide whether a sequence takes part in the next step (EOS, stop ids,
         max_tokens) run right after sampling; only a stop string is noticed one step late, and
         the token computed meanwhile for that sequence is dropped, so outputs are unchanged.
+
+        With `async_scheduling`, a greedy step of an unchanged running set also launches the
+        next step before sampling (its input ids are this step's argmax, still on the device):
+        that step is the one the next call samples. A sequence that stops meanwhile (EOS, stop
+        id) has its extra token dropped the same way.
         """
-        sched = self.scheduler.schedule()
-        if not sched:
-            outputs = self._process_outputs()
-            # Config checks guarantee any single request fits; an empty step with work
-            # waiting would loop forever, so it is a bug worth a loud error.
-            if not outputs and self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("the scheduler could not admit the next waiting request")
-            return outputs
+        launched, self._ahead = self._ahead, None
+        if launched is None:
+            sched = self.scheduler.schedule()
+            if not sched:
+                outputs = self._process_outputs()
+                # Config checks guarantee any single request fits; an empty step with work
+                # waiting would loop forever, so it is a bug worth a loud error.
+                if not outputs and self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError("the scheduler could not admit the next waiting request")
+                return outputs
+            launched = self._launch(sched)
+        outputs = self._process_outputs()  # overlaps the GPU
+        if self.config.async_scheduling:
+            self._ahead = self._launch_ahead(launched)
+        self._complete(launched)
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput,
+                input_ids: torch.Tensor | None = None) -> _Launched:
         try:
             self.runner.copy_blocks(self.block_manager.take_pending_copies())
-            sampling, logits, greedy = self.runner.execute(sched)
+            sampling, logits, greedy = self.runner.execute(sched, input_ids)
         except Exception:
             # Blocks published for this step were never written: fail every request, drop
             # the prefix cache, and let the caller report the error.
             self._deferred = []
+            self._ahead = None
             for request_id in list(self.requests):
                 self.abort_request(request_id)
             self.block_manager.reset_prefix_cache()
             raise
-        outputs = self._process_outputs()  # overlaps the GPU
         for seq, n in sched.scheduled:
             if not seq.is_finished:
                 seq.num_computed_tokens += n
+        if (greedy is None and sampling and self.config.async_scheduling
+                and self._plain(sampling)):
+            greedy = greedy_with_logprobs(logits)  # eager steps: argmax on the device too
+        return _Launched(sched, sampling, logits, greedy)
+
+    def _plain(self, seqs: list[Sequence]) -> bool:
+        """Greedy, no logprobs, nothing banned: the token is the argmax."""
+        return all(s.params.greedy and s.params.logprobs is None
+                   and not self.stop_checker.banned_tokens(s) for s in seqs)
+
+    def _launch_ahead(self, launched: _Launched) -> _Launched | None:
+        """Launch the step after `launched` now, with its argmax as input ids, if every one of
+        its rows goes on decoding greedily: the same running set in the same order, no one at
+        its last token, no request waiting for admission, no fork pending, KV blocks free."""
+        seqs = launched.sampling
+        if (launched.greedy is None or not seqs or self.scheduler.waiting
+                or len(seqs) != len(launched.sched.scheduled) or seqs != self.scheduler.running
+                or not self._plain(seqs)):
+            return None
+        for seq in seqs:
+            req = self.requests.get(seq.request_id)
+            last = seq.params.max_tokens
+            if (req is None or req.pending_forks or seq.is_finished
+                    or (last is not None and len(seq.output_token_ids) + 1 >= last)
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                return None
+        for seq in seqs:
+            seq.output_token_ids.append(PLACEHOLDER_TOKEN)
+        sched = self.scheduler.schedule_decode_ahead(seqs)
+        if sched is None:
+            for seq in seqs:
+                seq.output_token_ids.pop()
+            return None
+        # The next launch may overwrite the device buffer these tokens are in (a CUDA graph
+        # reuses its outputs): copy them out first, in stream order, without waiting.
+        launched.greedy_host = self._copy_to_host(launched.greedy)
+        ahead = self._launch(sched, launched.greedy[0, :len(seqs)])
+        self.stats.num_async_steps += 1
+        return ahead
+
+    def _copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if not t.is_cuda:
+            return t.clone(), None
+        numel = t.numel()
+        buf = self._greedy_host
+        if buf is None or buf.numel() < numel or buf.dtype != t.dtype:
+            size = max(numel, t.shape[0] * self.config.max_num_seqs)
+            buf = self._greedy_host = torch.empty(size, dtype=t.dtype, pin_memory=True)
+        out = buf[:numel].view(t.shape)  # contiguous, so the copy stays asynchronous
+        out.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return out, event
+
+    def _complete(self, launched: _Launched) -> None:
+        """Sample the launched step's tokens (the one host sync), apply them and the checks
+        that decide the next step (EOS, stop ids, max_tokens)."""
+        sched, sampling = launched.sched, launched.sampling
         rows, seqs = [], []
         for i, seq in enumerate(sampling):
             if seq.is_finished:  # a stop string found just now, or aborted
+                if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER_TOKEN:
+                    seq.output_token_ids.pop()
                 continue
             rows.append(i)
             seqs.append(seq)
@@ -205,10 +296,15 @@ class LLMEngine:
                 rows.append(i)
                 seqs.append(child)
             req.pending_forks = []
-        results = self._sample(seqs, rows, len(sampling), logits, greedy)
+        results = self._sample(seqs, rows, len(sampling), launched.logits, launched.greedy,
+                               launched.greedy_host)
         now = time.monotonic()
         for seq, r in zip(seqs, results):
-            seq.output_token_ids.append(r.token)
+            tokens = seq.output_token_ids
+            if tokens and tokens[-1] == PLACEHOLDER_TOKEN:
+                tokens[-1] = r.token  # the next step was launched with it already
+            else:
+                tokens.append(r.token)
             seq.cumulative_logprob += r.logprob
             if r.top_logprobs is not None:
                 seq.output_logprobs.append(r.top_logprobs)
@@ -217,12 +313,21 @@ class LLMEngine:
                 self.scheduler.finish(seq, seq.finish_reason)
         self.stats.record_step(sched.num_tokens, len(seqs), len(sched.preempted))
         self._deferred = seqs
-        return outputs
 
     def _sample(self, seqs: list[Sequence], rows: list[int], num_rows: int,
-                logits: torch.Tensor, greedy: torch.Tensor | None) -> list[SampleResult]:
+                logits: torch.Tensor, greedy: torch.Tensor | None,
+                greedy_host: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+                ) -> list[SampleResult]:
         if not seqs:
             return []
+        if greedy_host is not None:
+            # Copied before the next step was launched (which may have overwritten the
+            # device buffers): these rows were checked greedy and unbanned at that launch.
+            host, event = greedy_host
+            if event is not None:
+                event.synchronize()
+            tokens, logprobs = host.tolist()
+            return [SampleResult(int(tokens[r]), logprobs[r], None) for r in rows]
         banned = [self.stop_checker.banned_tokens(s) for s in seqs]
         plain = (len(rows) == num_rows and not any(banned)
                  and all(s.params.greedy and s.params.logprobs is None for s in seqs))

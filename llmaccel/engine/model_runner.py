@@ -54,11 +54,14 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput
+    def execute(self, step: SchedulerOutput, input_ids: torch.Tensor | None = None
                 ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
         """Launch the step (no host sync); returns the sequences that reached their last token
         (and so sample now), their next-token logits [len, vocab] and, from a CUDA graph, the
-        greedy tokens and logprobs [2, len] computed inside it (else None)."""
+        greedy tokens and logprobs [2, len] computed inside it (else None).
+
+        `input_ids` (on the device, any numeric dtype) replaces the ids of a decode step whose
+        tokens the host does not know yet (async scheduling): one per scheduled sequence."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -81,12 +84,16 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 sampling.append(seq)
                 rows.append(len(ids) - 1)
+        if input_ids is not None and input_ids.shape[0] != len(ids):
+            raise ValueError(f"input_ids has {input_ids.shape[0]} ids for {len(ids)} tokens")
         if (self.graphs is not None and len(ids) == len(query_lens)
                 and self.graphs.can_run(len(ids))):
-            return sampling, *self.graphs.run(ids, positions, slots, seq_lens, tables)
+            return sampling, *self.graphs.run(ids, positions, slots, seq_lens, tables,
+                                              input_ids)
         meta = AttentionMetadata.build(query_lens, seq_lens, self.device, slots, tables)
-        hidden = self.model(torch.tensor(ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta)
+        ids_t = (torch.tensor(ids, device=self.device) if input_ids is None
+                 else input_ids.to(device=self.device, dtype=torch.long))
+        hidden = self.model(ids_t, torch.tensor(positions, device=self.device), meta)
         if not rows:
             return [], hidden.new_empty(0, 0), None
         if len(rows) < len(ids):

@@ -88,6 +88,26 @@ class Scheduler:
             budget -= n
         return out
 
+    def schedule_decode_ahead(self, seqs: list[Sequence]) -> SchedulerOutput | None:
+        """One decode token for each of `seqs` (the whole running set, in order), each already
+        holding a placeholder for the token still being computed, or None (nothing allocated)
+        if that needs more blocks than are free: the caller then waits and schedules as usual.
+        Only blocks of tokens already known are published in the prefix cache: the
+        placeholder's block is published by a later step, once its token is real."""
+        if seqs != self.running or any(s.num_uncomputed_tokens != 1 for s in seqs):
+            return None
+        if len(seqs) > self.max_num_batched_tokens:
+            return None
+        if sum(self.bm.blocks_needed(s, 1) for s in seqs) > self.bm.num_available_blocks:
+            return None
+        out = SchedulerOutput()
+        for seq in seqs:
+            ok = self.bm.allocate_slots(seq, 1)
+            assert ok, "blocks were counted above"
+            self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
+            out.scheduled.append((seq, 1))
+        return out
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.bm.free(seq)

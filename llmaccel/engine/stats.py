@@ -16,6 +16,7 @@ class EngineStats:
     num_steps: int = 0
     num_batched_tokens: int = 0      # tokens run through the model, all steps
     num_generated_tokens: int = 0
+    num_async_steps: int = 0         # steps launched before the previous one's tokens arrived
 
     def record_step(self, tokens: int, sampled: int, preempted: int) -> None:
         self.num_steps += 1
