@@ -205,6 +205,42 @@ def quantize(
                   f"{report.seconds:.1f}s{summary}", highlight=False)
 
 
+eval_app = typer.Typer(help="Measure model quality (perplexity).", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
+    data: str = typer.Option("wikitext2", help="wikitext2 (the test split) or a text file."),
+    join: str = typer.Option("hf", help="WikiText rows: hf (joined with a blank line, the "
+                             "usual recipe) or raw (the file as is)."),
+    context: int = typer.Option(2048, min=2, help="Tokens per window."),
+    stride: Optional[int] = typer.Option(None, min=1, help="Tokens between window starts "
+                                         "(default: the context, no overlap)."),
+    limit: Optional[int] = typer.Option(None, min=1, help="At most this many windows (a "
+                                        "quick partial figure)."),
+    dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32."),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer path or hub id."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Perplexity by the sliding-window method, through our engine's model: any checkpoint
+    format the engine loads (GPTQ, AWQ, compressed-tensors, NF4, FP8) or a plain model."""
+    from llmaccel.eval.perplexity import evaluate_perplexity
+
+    res = evaluate_perplexity(model, data=data, joining=join, context=context, stride=stride,
+                              limit=limit, dtype=dtype, device=device, tokenizer=tokenizer,
+                              progress=not as_json)
+    if as_json:
+        print(json.dumps({"model": model, **res.to_dict()}))
+        return
+    console.print(f"perplexity {res.ppl:.4f} (nll {res.nll:.4f}) over {res.scored_tokens:,} "
+                  f"scored of {res.total_tokens:,} tokens; {res.windows} windows, context "
+                  f"{res.context}, stride {res.stride}, data {res.data} (rows joined: "
+                  f"{res.joining}); {res.seconds:.1f}s", highlight=False)
+
+
 def main() -> None:
     """Entry point: user errors print one line and exit 1, without a traceback."""
     try:

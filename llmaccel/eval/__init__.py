@@ -1,0 +1,1 @@
+"""Measurement of model quality: perplexity (BENCHMARKS.md W6)."""

@@ -1,0 +1,182 @@
+"""Perplexity by the standard sliding-window method (BENCHMARKS.md W6), through our engine's
+model, so every checkpoint format the engine loads (bf16, GPTQ, AWQ, compressed-tensors,
+bitsandbytes NF4, FP8) is measured the same way.
+
+The evaluation text is tokenized once as one stream. Windows of `context` tokens start every
+`stride` tokens (the last one is cut at the end of the stream); each window's logits score
+only the tokens no earlier window scored, so with stride == context every token except the
+first of each window is scored once, and with stride < context each scored token has at least
+context - stride tokens of history. This is the method of the Hugging Face "perplexity of
+fixed-length models" guide, with the loss averaged over scored tokens (not over windows).
+PPL = exp(sum of token NLLs / number of scored tokens).
+
+WikiText-2 rows: `joining="hf"` joins the rows of the `datasets` split with "\\n\\n" (the usual
+recipe: each non-blank line of wiki.test.raw is a row keeping its "\\n", a blank line is the
+row ""); `joining="raw"` is the file's text as is. Results state context, stride and joining.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmaccel.errors import LLMAccelError
+from llmaccel.models.attention import AttentionMetadata
+
+JOININGS = ("hf", "raw")
+_DATA_FILES = {"wikitext2": Path("wikitext-2-raw") / "wiki.test.raw"}
+LOGITS_CHUNK = 512  # rows of logits in memory at once (a 152k vocabulary: 300 MB in fp32)
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float
+    nll: float              # mean negative log-likelihood per scored token (nats)
+    scored_tokens: int
+    total_tokens: int       # tokens in the evaluated stream
+    windows: int
+    context: int
+    stride: int
+    data: str
+    joining: str
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def join_rows(raw: str, joining: str) -> str:
+    """The evaluated text of a WikiText raw file (see the module docstring)."""
+    if joining == "raw":
+        return raw
+    if joining != "hf":
+        raise LLMAccelError(f"joining must be one of {JOININGS}, got {joining!r}")
+    rows = ["" if line.strip() == "" else line for line in raw.splitlines(keepends=True)]
+    return "\n\n".join(rows)
+
+
+def load_eval_text(data: str, joining: str = "hf") -> str:
+    """`wikitext2` (the test split from ../shared/data, or $LLMACCEL_DATA_DIR) or a UTF-8
+    text file (used as is, whatever `joining` says)."""
+    from llmaccel.quant.calibration import shared_data_dir
+
+    if data in _DATA_FILES:
+        path = shared_data_dir() / _DATA_FILES[data]
+        if not path.is_file():
+            raise LLMAccelError(f"evaluation data {data!r} not found at {path}; set "
+                                "LLMACCEL_DATA_DIR or pass a text file with --data")
+        return join_rows(path.read_text(encoding="utf-8"), joining)
+    path = Path(data).expanduser()
+    if not path.is_file():
+        raise LLMAccelError(f"evaluation data {data!r} is neither 'wikitext2' nor a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise LLMAccelError(f"evaluation file {path} is not UTF-8 text") from None
+
+
+def windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored index) of each window over a stream of num_tokens tokens.
+    Token t is scored from the logits at t - 1, inside the window; indices are absolute."""
+    if context < 2:
+        raise LLMAccelError(f"context must be at least 2 tokens, got {context}")
+    if not 1 <= stride <= context:
+        raise LLMAccelError(f"stride must be in 1..context ({context}), got {stride}")
+    if num_tokens < 2:
+        raise LLMAccelError(f"the text has {num_tokens} token(s); perplexity needs at least 2")
+    out, scored_until = [], 0
+    for begin in range(0, num_tokens, stride):
+        end = min(begin + context, num_tokens)
+        first = max(begin + 1, scored_until)
+        if first < end:
+            out.append((begin, end, first))
+        scored_until = end
+        if end == num_tokens:
+            break
+    return out
+
+
+@torch.inference_mode()
+def window_nll(model, ids: torch.Tensor, first: int) -> tuple[float, int]:
+    """Sum of NLLs (nats, fp64) of ids[first:] given their prefix in the window, and how many:
+    one forward pass of our model over the window (no KV cache)."""
+    n = ids.shape[0]
+    meta = AttentionMetadata.for_prefill([n], ids.device)
+    hidden = model(ids, torch.arange(n, device=ids.device), meta)
+    total = 0.0
+    for start in range(first - 1, n - 1, LOGITS_CHUNK):
+        stop = min(start + LOGITS_CHUNK, n - 1)
+        logits = model.compute_logits(hidden[start:stop]).float()
+        targets = ids[start + 1:stop + 1]
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(1, targets[:, None])[:, 0]
+        total += float((lse - picked).double().sum())
+    return total, n - first
+
+
+def perplexity(model, token_ids: list[int] | torch.Tensor, context: int, stride: int | None = None,
+               limit: int | None = None, data: str = "", joining: str = "",
+               progress: bool = False) -> PerplexityResult:
+    """Perplexity of `model` (our TransformerForCausalLM) on a token stream. `limit`: at most
+    this many windows (a quick, partial figure: the result's scored_tokens says how much)."""
+    start_time = time.perf_counter()
+    stride = context if stride is None else stride
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    spans = windows(ids.shape[0], context, stride)
+    if limit is not None:
+        if limit < 1:
+            raise LLMAccelError(f"limit must be at least 1 window, got {limit}")
+        spans = spans[:limit]
+    total, count = 0.0, 0
+    bar = None
+    if progress:
+        from rich.progress import Progress
+        bar = Progress(transient=True)
+        bar.start()
+        task = bar.add_task("perplexity", total=len(spans))
+    try:
+        for begin, end, first in spans:
+            nll, n = window_nll(model, ids[begin:end], first - begin)
+            total += nll
+            count += n
+            if bar is not None:
+                bar.update(task, advance=1,
+                           description=f"perplexity {math.exp(total / count):.3f}")
+    finally:
+        if bar is not None:
+            bar.stop()
+    mean = total / count
+    return PerplexityResult(ppl=math.exp(mean), nll=mean, scored_tokens=count,
+                            total_tokens=int(ids.shape[0]), windows=len(spans), context=context,
+                            stride=stride, data=data, joining=joining,
+                            seconds=time.perf_counter() - start_time)
+
+
+def evaluate_perplexity(model: str, *, data: str = "wikitext2", joining: str = "hf",
+                        context: int = 2048, stride: int | None = None, limit: int | None = None,
+                        dtype: str = "auto", device: str | None = None,
+                        tokenizer: str | None = None, progress: bool = False
+                        ) -> PerplexityResult:
+    """Load `model` (any source and checkpoint format the engine reads) and measure it."""
+    from llmaccel.models.loader import load_model
+    from llmaccel.models.tokenizer import get_tokenizer
+
+    text = load_eval_text(data, joining)
+    mc, net = load_model(model, dtype=dtype, device=device, max_model_len=context,
+                         progress=progress)
+    if context > mc.max_model_len:
+        raise LLMAccelError(f"context {context} exceeds the model's {mc.max_model_len} positions")
+    tok = get_tokenizer(mc, tokenizer)
+    token_ids = tok(text).input_ids
+    return perplexity(net, token_ids, context, stride, limit, data=data,
+                      joining=joining if data in _DATA_FILES else "file", progress=progress)
+
+
+__all__ = ["JOININGS", "PerplexityResult", "evaluate_perplexity", "join_rows",
+           "load_eval_text", "perplexity", "window_nll", "windows"]
