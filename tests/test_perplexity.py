@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from llmaccel.errors import LLMAccelError
 from llmaccel.eval.perplexity import join_rows, perplexity, windows
