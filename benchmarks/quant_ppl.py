@@ -117,13 +117,17 @@ def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list[dict]]
                         else torch.empty(0, 0, dtype=torch.long))
             report = quantize_model(src, method=method, bits=bits, group_size=group_used,
                                     out_dir=path, calib=calib, device=device,
-                                    calib_token_ids=no_calib, show_progress=False)
+                                    calib_token_ids=no_calib,
+                                    act_order=args.act_order and method == "gptq",
+                                    show_progress=False)
             config.update({"method": method, "bits": report.bits,
                            "group_size": report.group_size, "sym": report.sym,
                            "format": report.format, "quantize_s": round(report.seconds, 1)})
             if method in ("gptq", "awq"):
                 config["calibration"] = {"data": "wikitext2 valid", "n_samples": args.n_samples,
                                          "seq_len": args.seq_len}
+            if method == "gptq":
+                config["act_order"] = args.act_order
             if group is not None and group_used != group:
                 config["note"] = f"group {group} does not tile this model; used {group_used}"
         res = evaluate_perplexity(str(path), context=args.context, limit=args.limit,
@@ -183,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="windows per format (partial)")
     ap.add_argument("--n-samples", type=int, default=128, help="GPTQ/AWQ calibration sequences")
     ap.add_argument("--seq-len", type=int, default=2048, help="calibration sequence length")
+    ap.add_argument("--act-order", action="store_true", help="GPTQ with act-order (desc_act)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--work", default="runs/quant_ppl", help="converted and quantized models")
