@@ -47,23 +47,9 @@ def hf_source(model: str, work: Path) -> Path:
     out = work / (path.stem + "-hf")
     if (out / "config.json").is_file():
         return out
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from llmaccel.models.convert import gguf_to_hf_dir
 
-    kw = {"gguf_file": path.name}
-    # transformers keeps GGUF weights packed and will not save such a model: write its
-    # (dequantized) state dict and config ourselves, in bf16.
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
-    tied = bool(getattr(hf.config, "tie_word_embeddings", False))
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in hf.state_dict().items()
-             if not (tied and k == "lm_head.weight")}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"))
-    config = hf.config.to_dict()
-    config.pop("quantization_config", None)  # transformers marks GGUF-loaded models quantized
-    config["torch_dtype"] = config["dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(config))
-    AutoTokenizer.from_pretrained(str(path.parent), **kw).save_pretrained(out)
+    gguf_to_hf_dir(path, out, torch.bfloat16)
     return out
 
 

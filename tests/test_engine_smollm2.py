@@ -1,14 +1,11 @@
 """The engine on the real SmolLM2-135M-Instruct equals transformers' greedy generate, in every
 mode of the matrix (prompts are slices of real text, so the distributions are realistic)."""
 
-import json
 import random
 
 import pytest
-import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
 
+from llmaccel.models.convert import gguf_to_hf_dir
 from engine_matrix import LONG_GENERATION, MODES, check_mode, hf_greedy, run_engine
 
 TEXT = """The history of computing is the story of machines that grew faster and smaller at
@@ -30,21 +27,11 @@ large model verifies in a single pass."""
 
 @pytest.fixture(scope="module")
 def workload(smollm2_gguf, tmp_path_factory):
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent),
-                                              gguf_file=smollm2_gguf.name,
-                                              dtype=torch.float32).eval()
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
-    ids = tok(TEXT + "\n\n" + TEXT).input_ids  # long enough for 300-token prompts
-    # The same weights as an HF safetensors directory: each mode's engine then loads in a
-    # second instead of re-reading the GGUF (the GGUF path is covered by test_smollm2.py).
+    # The weights as an HF safetensors directory: each mode's engine then loads in a second
+    # instead of re-reading the GGUF (the GGUF path is covered by test_smollm2.py).
     model_dir = tmp_path_factory.mktemp("smollm2-hf")
-    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, model_dir / "model.safetensors")  # tied head: the embedding serves
-    config = hf.config.to_dict()
-    config.pop("quantization_config", None)  # transformers marks GGUF-loaded models quantized
-    (model_dir / "config.json").write_text(json.dumps(config))
-    tok.save_pretrained(model_dir)
+    hf, tok = gguf_to_hf_dir(smollm2_gguf, model_dir)
+    ids = tok(TEXT + "\n\n" + TEXT).input_ids  # long enough for 300-token prompts
     rng = random.Random(0)
     # Every prompt but the 1-token one is longer than the chunked modes' 16-token budget.
     lengths = [1, 300] + [rng.randint(17, 300) for _ in range(14)]

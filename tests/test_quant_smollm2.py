@@ -5,14 +5,14 @@ the same weights dequantized by a decoder written here from the GPTQ format's de
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from llmaccel import LLM, SamplingParams
+from llmaccel.models.convert import gguf_to_hf_dir
 from llmaccel.quant.calibration import CalibConfig
 from llmaccel.quant.driver import quantize_model
 
@@ -37,17 +37,8 @@ def decode_gptq_v1(t: dict[str, torch.Tensor], prefix: str, bits: int = 4) -> to
 
 @pytest.fixture(scope="module")
 def smollm2_dirs(smollm2_gguf, tmp_path_factory):
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent),
-                                              gguf_file=smollm2_gguf.name,
-                                              dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
     src = tmp_path_factory.mktemp("smollm2-hf")
-    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, src / "model.safetensors")
-    config = hf.config.to_dict()
-    config.pop("quantization_config", None)  # transformers marks GGUF-loaded models quantized
-    (src / "config.json").write_text(json.dumps(config))
-    tok.save_pretrained(src)
+    _, tok = gguf_to_hf_dir(smollm2_gguf, src)
     out = tmp_path_factory.mktemp("smollm2-gptq")
     report = quantize_model(src, method="gptq", bits=4, group_size=64, out_dir=out,
                             calib=CalibConfig("wikitext2", n_samples=8, seq_len=128),
