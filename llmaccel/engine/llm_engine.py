@@ -41,6 +41,7 @@ class _Launched:
     sampling: list[Sequence]          # sequences that sample a token this step, row order
     logits: torch.Tensor
     greedy: torch.Tensor | None       # [2, rows] argmax ids and logprobs, on the device
+    plain: bool = False               # every row greedy, no logprobs, nothing banned (async)
     greedy_host: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # copied early
 
 
@@ -222,10 +223,10 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             if not seq.is_finished:
                 seq.num_computed_tokens += n
-        if (greedy is None and sampling and self.config.async_scheduling
-                and self._plain(sampling)):
+        plain = bool(sampling) and self.config.async_scheduling and self._plain(sampling)
+        if greedy is None and plain:
             greedy = greedy_with_logprobs(logits)  # eager steps: argmax on the device too
-        return _Launched(sched, sampling, logits, greedy)
+        return _Launched(sched, sampling, logits, greedy, plain)
 
     def _plain(self, seqs: list[Sequence]) -> bool:
         """Greedy, no logprobs, nothing banned: the token is the argmax."""
@@ -237,9 +238,8 @@ class LLMEngine:
         its rows goes on decoding greedily: the same running set in the same order, no one at
         its last token, no request waiting for admission, no fork pending, KV blocks free."""
         seqs = launched.sampling
-        if (launched.greedy is None or not seqs or self.scheduler.waiting
-                or len(seqs) != len(launched.sched.scheduled) or seqs != self.scheduler.running
-                or not self._plain(seqs)):
+        if (not launched.plain or launched.greedy is None or self.scheduler.waiting
+                or len(seqs) != len(launched.sched.scheduled) or seqs != self.scheduler.running):
             return None
         for seq in seqs:
             req = self.requests.get(seq.request_id)
