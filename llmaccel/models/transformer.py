@@ -103,6 +103,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fuse_decode = False  # set by TransformerForCausalLM.set_fused_kernels
+        self._fused_by_rows: dict[int, list | None] = {}  # rows -> tiles (None: unfused)
 
     def forward(self, positions, x, residual, meta):
         """(x, residual) -> (x, residual): the sub-layer output and the residual stream it is
@@ -122,10 +123,14 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def _fused_configs(self, rows: int):
-        linears = ((self.self_attn.qkv_proj, "norm"), (self.self_attn.o_proj, "res"),
-                   (self.mlp.gate_up_proj, "norm"), (self.mlp.down_proj, "silu"))
-        configs = [fused_gemv_config(lin, rows, kind) for lin, kind in linears]
-        return None if any(c is None for c in configs) else configs
+        """The four GEMV tiles for `rows` rows, or None; decided once per row count (eager
+        decode steps would otherwise redo the table lookups in every layer, every step)."""
+        if rows not in self._fused_by_rows:
+            linears = ((self.self_attn.qkv_proj, "norm"), (self.self_attn.o_proj, "res"),
+                       (self.mlp.gate_up_proj, "norm"), (self.mlp.down_proj, "silu"))
+            configs = [fused_gemv_config(lin, rows, kind) for lin, kind in linears]
+            self._fused_by_rows[rows] = None if None in configs else configs
+        return self._fused_by_rows[rows]
 
     def forward_fused(self, positions, x, residual, meta, configs):
         """A decode-size step in four Triton GEMVs (plus rope + cache write and attention):
@@ -219,6 +224,7 @@ class TransformerForCausalLM(nn.Module):
                 module.use_triton = enabled
             if isinstance(module, DecoderLayer):
                 module.fuse_decode = fuse_decode
+                module._fused_by_rows.clear()
         backend = self.attention_backend
         if hasattr(backend, "fuse_rope_cache"):
             backend.fuse_rope_cache = fuse_decode
