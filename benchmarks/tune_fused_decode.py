@@ -20,13 +20,12 @@ import itertools
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemm import GemmConfig, pick_config, triton_linear
-from llmaccel.kernels.gemm_tuning import CONFIG_DIR, device_file_name, fused_key, lookup
+from llmaccel.kernels.gemm_tuning import fused_key, lookup, write_table
 from llmaccel.models.shapes import SHAPES
 
 ROLES = ("qkv", "o", "gate_up", "down")
@@ -165,14 +164,7 @@ def main() -> None:
                     "command": "python benchmarks/tune_fused_decode.py --models " + name})
         print(f"{name}: {before:.1f} -> {after:.1f} us per step's GEMV chain "
               f"({total / after / 1e3:,.0f} GB/s)", flush=True)
-    out_table = (CONFIG_DIR / device_file_name(gpu) if args.out_table == "auto"
-                 else Path(args.out_table))
-    table = json.loads(out_table.read_text()) if out_table.is_file() else {}
-    table.setdefault("device", gpu)
-    table.setdefault("file", device_file_name(gpu))
-    table["entries"] = {**table.get("entries", {}), **entries}
-    out_table.parent.mkdir(parents=True, exist_ok=True)
-    out_table.write_text(json.dumps(table, indent=1) + "\n")
+    out_table = write_table(args.out_table, gpu, entries)
     with open(args.out_jsonl, "w") as f:
         for r in out:
             f.write(json.dumps(r) + "\n")

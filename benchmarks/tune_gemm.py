@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.kernels.gemm import GemmConfig, pack_int4_rows, triton_linear
-from llmaccel.kernels.gemm_tuning import CONFIG_DIR, device_file_name
+from llmaccel.kernels.gemm_tuning import write_table
 from llmaccel.models.shapes import SHAPES
 
 CALLS = 24
@@ -198,14 +198,8 @@ def main() -> None:
                       f"x{cublas_us / us:5.2f}", flush=True)
             ws = dense = []  # free the copies before the next shape
             torch.cuda.empty_cache()
-    out_table = (CONFIG_DIR / device_file_name(gpu) if args.out_table == "auto"
-                 else Path(args.out_table))
-    out_table.parent.mkdir(parents=True, exist_ok=True)
-    if out_table.is_file():  # keep the entries of bits/shapes this run did not tune
-        entries = {**json.loads(out_table.read_text()).get("entries", {}), **entries}
-    out_table.write_text(json.dumps(
-        {"device": gpu, "torch": torch.__version__, "commit": commit,
-         "file": device_file_name(gpu), "entries": entries}, indent=1) + "\n")
+    out_table = write_table(args.out_table, gpu, entries, torch=torch.__version__,
+                            commit=commit)
     with open(args.out_jsonl, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")

@@ -278,3 +278,17 @@ def test_fused_tuner_candidates_fit_in_registers():
     assert any(c.block_k == 8192 for c in cands)  # the whole row in one tile is tried
     assert all(c.block_n * c.block_k <= 128 * 32 * c.num_warps for c in cands)
     assert {c.block_k for c in mod.candidates(3072, 2048)} == {1024, 2048}
+
+
+def test_tuning_scripts_merge_into_the_table(tmp_path):
+    """write_table (both tuning scripts' writer) keeps entries a run did not tune."""
+    import json
+
+    from llmaccel.kernels import gemm_tuning
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"torch": "old", "entries": {"16:1:8:8": {"a": 1}}}))
+    out = gemm_tuning.write_table(str(path), "GPU X", {"16norm:1:8:8": {"b": 2}}, commit="c")
+    table = json.loads(out.read_text())
+    assert table["entries"] == {"16:1:8:8": {"a": 1}, "16norm:1:8:8": {"b": 2}}
+    assert (table["device"], table["torch"], table["commit"]) == ("GPU X", "old", "c")

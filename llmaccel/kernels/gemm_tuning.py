@@ -126,6 +126,21 @@ def packed_config(m: int, n: int, k: int, bits: int, group: int,
     return hit[1] if hit is not None else pick_config(m, n, k, bits, group)
 
 
+def write_table(out: str, device_name: str, entries: dict[str, Any],
+                **header: Any) -> Path:
+    """Merge `entries` into the tuning table `out` ("auto": this GPU's file in configs/),
+    keeping the entries this run did not tune; `header` keys replace the table's. Returns
+    the path written (the tuning scripts' shared writer)."""
+    path = CONFIG_DIR / device_file_name(device_name) if out == "auto" else Path(out)
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    table.update({"device": device_name, "file": device_file_name(device_name), **header})
+    table["entries"] = {**table.get("entries", {}), **entries}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    clear_cache()
+    return path
+
+
 def clear_cache() -> None:
     _load.cache_clear()
     _lookup.cache_clear()
