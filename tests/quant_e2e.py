@@ -27,6 +27,18 @@ def make_tiny_llama(directory: Path) -> Path:
     return directory
 
 
+def cli_quantized_tiny_llama(root: Path, method: str) -> tuple[Path, Path]:
+    """(source dir, checkpoint dir): a tiny Llama quantized by `llmaccel quantize --method`
+    on the CPU with the method's defaults."""
+    from tests.cli_helpers import run_llmaccel
+
+    src = make_tiny_llama(root / "src")
+    r = run_llmaccel("quantize", str(src), "--method", method, "--out", str(root / "q"),
+                     "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    return src, root / "q"
+
+
 def reference_greedy(src: Path, weight_fn: Callable[[str, torch.Tensor], torch.Tensor]
                      ) -> list[list[int]]:
     """transformers fp32 greedy tokens after W <- weight_fn(name, W) on each decoder linear."""

@@ -26,9 +26,12 @@ from llmaccel.quant.hqq import (
     shrink_lp,
 )
 from llmaccel.quant.rtn import dequantize, quantize_rtn
-from tests.cli_helpers import run_llmaccel
 from tests.gptq_decoder import decode_gptq
-from tests.quant_e2e import engine_greedy, make_tiny_llama, reference_greedy
+from tests.quant_e2e import (
+    cli_quantized_tiny_llama,
+    engine_greedy,
+    reference_greedy,
+)
 
 P = 0.7  # HQQ's lp norm
 
@@ -135,12 +138,7 @@ def test_sym_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def hqq_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("hqq_e2e")
-    src = make_tiny_llama(root / "src")
-    r = run_llmaccel("quantize", str(src), "--method", "hqq", "--out", str(root / "q"),
-                     "--device", "cpu")
-    assert r.returncode == 0, r.stderr
-    return src, root / "q"
+    return cli_quantized_tiny_llama(tmp_path_factory.mktemp("hqq_e2e"), "hqq")
 
 
 def test_cli_hqq_writes_asym_compressed_tensors(hqq_checkpoint):

@@ -28,8 +28,11 @@ from llmaccel.quant.nf4 import (
 )
 from llmaccel.quant.quant_configs import quant_config_from_hf
 from llmaccel.quant.rtn import dequantize, quantize_rtn
-from tests.cli_helpers import run_llmaccel
-from tests.quant_e2e import engine_greedy, make_tiny_llama, reference_greedy
+from tests.quant_e2e import (
+    cli_quantized_tiny_llama,
+    engine_greedy,
+    reference_greedy,
+)
 from tests.tiny_models import make_tiny_model, tiny_configs
 
 STATE_KEY = "weight.quant_state.bitsandbytes__nf4"
@@ -189,12 +192,7 @@ def test_loader_runs_bnb_checkpoint_like_its_dequantized_weights(tmp_path):
 
 @pytest.fixture(scope="module")
 def nf4_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("nf4_e2e")
-    src = make_tiny_llama(root / "src")
-    r = run_llmaccel("quantize", str(src), "--method", "nf4", "--out", str(root / "q"),
-                     "--device", "cpu")
-    assert r.returncode == 0, r.stderr
-    return src, root / "q"
+    return cli_quantized_tiny_llama(tmp_path_factory.mktemp("nf4_e2e"), "nf4")
 
 
 def test_cli_nf4_checkpoint_layout(nf4_checkpoint):
