@@ -32,6 +32,9 @@ import triton.language as tl
 logger = logging.getLogger(__name__)
 
 PDL_MIN_CAPABILITY = (9, 0)
+# Whether PDL is on (where supported) when neither the caller nor LLMACCEL_PDL says: set from
+# measurement (benchmarks/results/2026-11-22-W1-fusion-h100-summary.md: graph replay -3%).
+DEFAULT_ON = True
 _enabled = False
 
 
@@ -115,10 +118,6 @@ def configure(device: torch.device | str, requested: bool | None = None) -> bool
         logger.info("Triton kernels launch with programmatic dependent launch (PDL)")
     return use
 
-
-# Whether PDL is on when neither the caller nor LLMACCEL_PDL says: set from measurement
-# (benchmarks/results, W1 on an H100).
-DEFAULT_ON = True
 
 __all__ = ["configure", "enabled", "launch_kwargs", "pdl_enter", "pdl_launch_dependents",
            "pdl_wait", "set_enabled", "supported"]
