@@ -21,8 +21,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--kernels", action="store_true", help="print a per-kernel GPU profile")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="launch each step before the previous one's tokens reach the host")
+    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                    help="wait for each step's tokens before launching the next (the engine's "
+                         "default launches each step before the previous one's tokens arrive)")
     args = ap.parse_args()
     llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=2048,
               skip_tokenizer_init=True, enable_prefix_caching=False,

@@ -85,6 +85,10 @@ def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list[dict]]
     src = hf_source(args.model, work)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     records: list[dict] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{datetime.date.today().isoformat()}-W6-quant-{args.name}"
+    jsonl, md = out / f"{stem}.jsonl", out / f"{stem}.md"
     for name in args.methods:
         config = {"quantization": name, "context": args.context, "stride": args.context,
                   "joining": "hf", "data": "wikitext2 test", "dtype": dtype, "source": args.model,
@@ -127,12 +131,9 @@ def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list[dict]]
         records.append(rec)
         print(f"{args.name} {name:>16}: ppl {res.ppl:.4f} ({res.scored_tokens:,} tokens, "
               f"{config['seconds']:.0f}s)", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{datetime.date.today().isoformat()}-W6-quant-{args.name}"
-    jsonl, md = out / f"{stem}.jsonl", out / f"{stem}.md"
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
-    md.write_text(markdown(records, command))
+        # after every format: a run cut short still leaves the formats it finished
+        jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+        md.write_text(markdown(records, command))
     return jsonl, md, records
 
 

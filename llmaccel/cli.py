@@ -113,8 +113,9 @@ def generate(
     cudagraph_capture_sizes: Optional[str] = typer.Option(
         None, help="Decode batch sizes to capture, comma-separated (default 1,2,4,8,16,32,…"
         " up to max_num_seqs); fewer saves memory and start-up time."),
-    async_scheduling: bool = typer.Option(False, help="Launch each greedy decode step before "
-                                          "the previous one's tokens reach the host."),
+    async_scheduling: bool = typer.Option(
+        True, "--async-scheduling/--no-async-scheduling",
+        help="Launch each greedy decode step before the previous one's tokens reach the host."),
 ) -> None:
     """Generate text for one or more prompts on the engine."""
     from llmaccel.engine import SamplingParams

@@ -41,8 +41,8 @@ def workload(smollm2_gguf, tmp_path_factory):
     return str(model_dir), prompts, max_tokens, hf_greedy(hf, prompts, max_tokens)
 
 
-# async-all-three runs on the tiny models only: each real-model mode costs a minute of CI
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "async-all-three"])
+# sync-all-three runs on the tiny models only: each real-model mode costs a minute of CI
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "sync-all-three"])
 def test_smollm2_matches_transformers(workload, mode):
     model, prompts, max_tokens, expected = workload
     llm, got = run_engine(model, mode, prompts, max_tokens, max_num_batched_tokens=16)
