@@ -50,7 +50,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  use_triton: bool = False) -> torch.Tensor:
     """F.linear, except for decode-size products on CUDA whose shape the GPU's tuning table
     (kernels/gemm_tuning.py) measured faster through the Triton kernel than through cuBLAS."""
-    if use_triton and x.is_cuda and x.dim() == 2 and x.shape[0] <= DENSE_GEMV_MAX_ROWS:
+    if (use_triton and x.is_cuda and x.dim() == 2 and x.shape[0] <= DENSE_GEMV_MAX_ROWS
+            and weight.element_size() == 2):  # the table's tiles are sized for 16-bit weights
         from llmaccel.kernels.gemm import triton_linear
         from llmaccel.kernels.gemm_tuning import dense_config
 
@@ -79,7 +80,10 @@ def fused_gemv_config(layer: nn.Module, m: int, kind: str):
     from llmaccel.kernels.gemm_tuning import fused_config
 
     n, k = layer.weight.shape
-    cfg = fused_config(kind, m, n, k, layer.weight.device) if layer.weight.is_cuda else None
+    # The tables were tuned on 16-bit weights: a tile sized for them can need twice the shared
+    # memory the GPU has with fp32 weights (fp32 runs are references, not the fast path).
+    tuned = layer.weight.is_cuda and layer.weight.element_size() == 2
+    cfg = fused_config(kind, m, n, k, layer.weight.device) if tuned else None
     return cfg if cfg is not None else pick_config(m, n, k, 16, -1)
 
 
