@@ -123,3 +123,28 @@ def test_missing_tokenizer_is_named(tmp_path):
         get_tokenizer(make_model_config(str(tmp_path), load_format="dummy"))
     with pytest.raises(LLMAccelError, match="no tokenizer; pass one with --tokenizer"):
         get_tokenizer(make_model_config("llama-3.2-1b"))
+
+
+def test_dummy_weights_in_every_quantization_preset(tmp_path):
+    """Dummy loads (speed runs) work for every preset, float8 weights included (float8 has
+    no uniform_), and FP8's scales are positive with weight * scale in the dummy range."""
+    from llmaccel.quant.presets import PRESETS, preset_config
+
+    cfg = tiny_configs()["llama"]
+    cfg.hidden_size, cfg.intermediate_size = 128, 256  # every linear a multiple of group 128
+    cfg.head_dim = 128 // cfg.num_attention_heads
+    cfg.save_pretrained(tmp_path)
+    for name in PRESETS:
+        llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", device="cpu",
+                  skip_tokenizer_init=True, max_model_len=64,
+                  hf_overrides={"quantization_config": preset_config(name)})
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2,
+                                                       ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2, name
+        if name == "fp8":
+            proj = llm.engine.model.model.layers[0].self_attn.qkv_proj
+            assert proj.weight.dtype == torch.float8_e4m3fn
+            scale = proj.weight_scale
+            assert bool((scale > 0).all())
+            w = proj.weight.float() * scale
+            assert 0.5 * 0.02 * 3 ** 0.5 < w.abs().max().item() <= 0.02 * 3 ** 0.5 * 1.01

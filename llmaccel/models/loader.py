@@ -172,7 +172,12 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float | None 
             continue
         gen = torch.Generator(device=param.device).manual_seed(
             seed * 1_000_003 + zlib.crc32(name.encode()))
-        if param.is_floating_point():
+        if param.is_floating_point() and param.element_size() == 1:
+            # float8 has no uniform_: draw in fp32 and round (methods with a scale tensor
+            # re-draw both in their init_dummy_weights hook)
+            tmp = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            param.copy_(tmp.uniform_(-bound, bound, generator=gen))
+        elif param.is_floating_point():
             param.uniform_(-bound, bound, generator=gen)
         else:  # packed integer weights of quantized layers
             param.random_(0, 256, generator=gen)

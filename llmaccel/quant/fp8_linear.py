@@ -174,6 +174,18 @@ class Fp8LinearMethod(LinearMethodBase):
         layer.register_parameter("weight_scale", _param(
             (out, 1), torch.float32, _scale_loader(output_sizes, self.weight_strategy)))
 
+    @torch.no_grad()
+    def init_dummy_weights(self, layer: nn.Module) -> None:
+        """Dummy weights (speed runs) the shape of real ones: e4m3 codes over most of their
+        range and a positive per-channel scale, so weight * scale has the loader's
+        uniform(-b, b) spread (the generic init draws the scale from +-b, negative too)."""
+        w = layer.weight.data
+        gen = torch.Generator(device=w.device).manual_seed(w.numel())
+        codes = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        w.copy_(codes.uniform_(-448.0, 448.0, generator=gen))
+        bound = float(layer.weight_scale.data.abs().max().clamp_min(1e-3))
+        layer.weight_scale.data.fill_(bound / 448.0)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # 0x7F / 0xFF are e4m3's NaNs: checked on the raw bytes, without a float copy
         nan = (layer.weight.data.view(torch.uint8) & 0x7F) == 0x7F
