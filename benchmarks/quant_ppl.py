@@ -33,6 +33,7 @@ METHODS = {
     "nf4": ("nf4", 4, None),
     "hqq-int4": ("hqq", 4, None),
     "gptq-int4-g128": ("gptq", 4, 128),
+    "gptq-int4-g128-act-order": ("gptq", 4, 128),  # desc_act: columns by decreasing diag(H)
     "awq-int4-g128": ("awq", 4, 128),
     "fp8": ("fp8", 8, None),
 }
@@ -103,12 +104,13 @@ def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list[dict]]
             calib = CalibConfig("wikitext2", args.n_samples, args.seq_len, 0)
             # Methods without calibration get no calibration batches either (they would only
             # feed the driver's per-layer error report).
+            act_order = method == "gptq" and (args.act_order or name.endswith("act-order"))
             no_calib = (None if method in ("gptq", "awq")
                         else torch.empty(0, 0, dtype=torch.long))
             report = quantize_model(src, method=method, bits=bits, group_size=group_used,
                                     out_dir=path, calib=calib, device=device,
                                     calib_token_ids=no_calib,
-                                    act_order=args.act_order and method == "gptq",
+                                    act_order=act_order, sink_weight=args.sink_weight,
                                     show_progress=False)
             config.update({"method": method, "bits": report.bits,
                            "group_size": report.group_size, "sym": report.sym,
@@ -117,7 +119,10 @@ def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list[dict]]
                 config["calibration"] = {"data": "wikitext2 valid", "n_samples": args.n_samples,
                                          "seq_len": args.seq_len}
             if method == "gptq":
-                config["act_order"] = args.act_order
+                from llmaccel.quant.gptq import sink_weight
+
+                config["act_order"] = act_order
+                config["sink_weight"] = sink_weight(args.seq_len, args.sink_weight)
             if group is not None and group_used != group:
                 config["note"] = f"group {group} does not tile this model; used {group_used}"
         res = evaluate_perplexity(str(path), context=args.context, limit=args.limit,
@@ -174,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="windows per format (partial)")
     ap.add_argument("--n-samples", type=int, default=128, help="GPTQ/AWQ calibration sequences")
     ap.add_argument("--seq-len", type=int, default=2048, help="calibration sequence length")
-    ap.add_argument("--act-order", action="store_true", help="GPTQ with act-order (desc_act)")
+    ap.add_argument("--act-order", action="store_true",
+                    help="act-order (desc_act) for the gptq-int4-g128 row too")
+    ap.add_argument("--sink-weight", type=float, default=None,
+                    help="GPTQ: Hessian weight of each calibration sequence's first token "
+                         "(default seq_len / 64; 1 = plain GPTQ)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--work", default="runs/quant_ppl", help="converted and quantized models")

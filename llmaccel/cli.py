@@ -185,6 +185,9 @@ def quantize(
     seq_len: int = typer.Option(512, min=2, help="Tokens per calibration sequence."),
     seed: int = typer.Option(0, help="Seed for picking calibration windows."),
     act_order: bool = typer.Option(False, help="GPTQ act-order (desc_act)."),
+    sink_weight: Optional[float] = typer.Option(
+        None, min=1.0, help="GPTQ: tokens each calibration sequence's first token (the "
+        "attention sink) counts as in the Hessian (default seq_len / 64; 1 = plain GPTQ)."),
     out: str = typer.Option(..., "--out", help="Output directory."),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
 ) -> None:
@@ -195,7 +198,8 @@ def quantize(
 
     report = quantize_model(model, method=method, bits=bits, group_size=group_size, sym=sym,
                             out_dir=out, calib=CalibConfig(calib, n_samples, seq_len, seed),
-                            format=fmt, device=device, act_order=act_order)
+                            format=fmt, device=device, act_order=act_order,
+                            sink_weight=sink_weight)
     errs = report.layer_error
     summary = ""
     if errs and report.layer_error_rtn:

@@ -10,7 +10,12 @@ import torch
 from gptq_decoder import decode_gptq
 
 from llmaccel.errors import QuantizationError
-from llmaccel.quant.gptq import HessianAccumulator, dequantize_with_g_idx, gptq_quantize
+from llmaccel.quant.gptq import (
+    HessianAccumulator,
+    dequantize_with_g_idx,
+    gptq_quantize,
+    sink_weight,
+)
 from llmaccel.quant.rtn import dequantize, quantize_rtn
 
 CASES = [(4, g, sym) for g in (32, 64, -1) for sym in (True, False)]  # (bits, group, sym)
@@ -143,6 +148,29 @@ def test_hessian_accumulator_streaming(calib):
         HessianAccumulator(128).hessian
     with pytest.raises(QuantizationError):
         acc.add(torch.zeros(4, 64))
+
+
+def test_first_row_weight_counts_the_row_that_many_times(calib):
+    """A sequence's first row weighted w equals that row repeated w times (an integer w), and
+    the token count grows by w - 1; the weight applies to each call's first row only."""
+    x = calib[0]
+    seqs = x[:1024].reshape(8, 128, 128)
+    weighted = HessianAccumulator(128)
+    repeated = HessianAccumulator(128)
+    for seq in seqs:
+        weighted.add(seq, first_row_weight=4)
+        repeated.add(torch.cat([seq[:1]] * 4 + [seq[1:]]))
+    assert weighted.n_tokens == repeated.n_tokens == 8 * (128 + 3)
+    torch.testing.assert_close(weighted.hessian, repeated.hessian, rtol=1e-5, atol=1e-6)
+    with pytest.raises(QuantizationError, match="first_row_weight"):
+        weighted.add(seqs[0], first_row_weight=0.5)
+
+
+def test_sink_weight_default_scales_with_the_sequence():
+    assert sink_weight(512) == 8 and sink_weight(2048) == 32 and sink_weight(16) == 1
+    assert sink_weight(2048, 1) == 1 and sink_weight(2048, 5.5) == 5.5
+    with pytest.raises(QuantizationError, match="sink weight"):
+        sink_weight(512, 0.5)
 
 
 def test_bad_arguments(calib):

@@ -146,6 +146,29 @@ def test_cli_quantize(tiny_llama: Path, tmp_path: Path) -> None:
     assert report["method"] == "gptq" and report["format"] == "gptq"
 
 
+@pytest.mark.parametrize("sink_weight,expected", [(None, 2.0), (1.0, 1.0), (5.0, 5.0)])
+def test_gptq_weights_each_sequence_first_token(tiny_llama: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                sink_weight, expected) -> None:
+    """Each Hessian update is one calibration sequence whose first row (the attention sink)
+    carries `sink_weight` (default seq_len / 64: 2 for 128-token sequences)."""
+    from llmaccel.quant import gptq
+
+    seen = []
+    add = gptq.HessianAccumulator.add
+
+    def spy(self, x, first_row_weight=1.0):
+        seen.append((x.reshape(-1, x.shape[-1]).shape[0], first_row_weight))
+        return add(self, x, first_row_weight)
+
+    monkeypatch.setattr(gptq.HessianAccumulator, "add", spy)
+    quantize_model(tiny_llama, method="gptq", bits=4, group_size=128, out_dir=tmp_path / "q",
+                   calib=CalibConfig("wikitext2", n_samples=2, seq_len=128, seed=0),
+                   device="cpu", show_progress=False, compare_rtn=False,
+                   sink_weight=sink_weight)
+    assert seen and set(seen) == {(128, expected)}
+
+
 def test_cli_bad_bits(tiny_llama: Path, tmp_path: Path) -> None:
     r = run_llmaccel("quantize", str(tiny_llama), "--bits", "3", "--out", str(tmp_path / "x"))
     assert "bits" in one_line_error(r)

@@ -160,6 +160,7 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
                    calib: CalibConfig | None = None, format: str | None = None,
                    device: str | None = None, calib_token_ids: torch.Tensor | None = None,
                    act_order: bool = False, damp_percent: float = 0.01,
+                   sink_weight: float | None = None,
                    compare_rtn: bool = True, show_progress: bool = True) -> QuantizeReport:
     """Quantize `model` (local HF directory or hub id) and write a checkpoint to `out_dir`.
 
@@ -168,7 +169,9 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
     per-layer error report. `bits` None means 4, or 8 for fp8 (which also ignores
     `group_size`: one scale per output channel). NF4 and HQQ need no calibration either;
     for nf4 `group_size` is the bitsandbytes blocksize. `group_size` None means 128, or 64 for
-    nf4 and hqq. Returns the report that is also saved as quantize_report.json.
+    nf4 and hqq. `sink_weight` (GPTQ): how many tokens each calibration sequence's first
+    token counts as in the Hessian (None: seq_len / 64; 1: the plain Hessian; see
+    `gptq.sink_weight`). Returns the report that is also saved as quantize_report.json.
     """
     start = time.perf_counter()
     if method == "fp8":  # E4M3, one scale per output channel: no bits / group size to choose
@@ -195,7 +198,7 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
     ids = calib_token_ids if calib_token_ids is not None else torch.empty(0, 0, dtype=torch.long)
     report = QuantizeReport(method, fmt, bits, group_size, sym, ids.shape[0], ids.shape[1])
     spec = QuantSpec(method, bits, group_size, sym, format_scale_dtype(fmt, src),
-                     damp_percent=damp_percent, act_order=act_order)
+                     damp_percent=damp_percent, act_order=act_order, sink_weight=sink_weight)
 
     inputs, kwargs = _layer0_inputs(hf, ids, dev) if len(ids) else ([], {})
     tensors: dict[str, torch.Tensor] = {}

@@ -24,7 +24,12 @@ from llmaccel.quant.awq import (
     fold_scales_into_norm,
     quantize_awq,
 )
-from llmaccel.quant.gptq import HessianAccumulator, dequantize_with_g_idx, gptq_quantize
+from llmaccel.quant.gptq import (
+    HessianAccumulator,
+    dequantize_with_g_idx,
+    gptq_quantize,
+    sink_weight,
+)
 from llmaccel.quant.rtn import QuantizedWeight, dequantize, quantize_rtn
 
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -44,6 +49,7 @@ class QuantSpec:
     scale_dtype: torch.dtype
     damp_percent: float = 0.01
     act_order: bool = False
+    sink_weight: float | None = None  # GPTQ: Hessian weight of each sequence's first token
     awq_n_grid: int = 20
     awq_clip: bool = True
     awq_max_tokens: int = 8192  # rows of x kept for AWQ's searches (stats use every token)
@@ -115,7 +121,10 @@ def quantize_layer_gptq(layer: nn.Module, inputs: list[torch.Tensor], kwargs: di
     for group in SEQUENTIAL_GROUPS:
         dev = _linear(layer, group[0]).weight.device
         hess = {n: HessianAccumulator(_linear(layer, n).in_features, dev) for n in group}
-        capture_inputs(layer, group, inputs, kwargs, lambda n, x: hess[n].add(x))
+        # one call per calibration sequence: its first row is the sequence's first token
+        w0 = sink_weight(inputs[0].shape[-2], spec.sink_weight) if inputs else 1.0
+        capture_inputs(layer, group, inputs, kwargs,
+                       lambda n, x: hess[n].add(x, first_row_weight=w0))
         for n in group:
             res = gptq_quantize(_linear(layer, n).weight.data, hess[n].hessian, spec.bits,
                                 spec.group_size, spec.sym, spec.damp_percent,
