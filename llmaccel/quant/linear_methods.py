@@ -75,6 +75,17 @@ def _dequant_rows(codes, scales, zeros, g_idx) -> torch.Tensor:
     return q.to(torch.float32) * scales[:, g_idx]
 
 
+def _gemv_w4_config(layer: nn.Module, k: int, device: torch.device):
+    """The tuned batch-1 GEMV tile for this layer's shape, or None (no measured entry: the
+    general kernel runs). Only tables that measured the GEMV faster hold entries
+    (benchmarks/bench_w4_gemv.py)."""
+    if not layer.kernel_weight.is_cuda:
+        return None
+    from llmaccel.kernels.gemm_tuning import gemv_w4_config
+
+    return gemv_w4_config(layer.output_size, k, layer.kernel_group_size, device)
+
+
 class PackedLinearMethod(LinearMethodBase):
     """Shared part: the unpacked layout, the reference `apply`, a description for the log."""
 
@@ -89,6 +100,9 @@ class PackedLinearMethod(LinearMethodBase):
         if layer is not None and hasattr(layer, "kernel_weight") and layer.use_triton:
             order = ", act-order permuted" if layer.kernel_perm is not None else ""
             kernel = f"Triton W{self.bits}A16 (kernels/gemm.py{order})"
+            if self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
+                                                  layer.kernel_weight.device) is not None:
+                kernel += "; batch 1: Triton W4A16 GEMV (kernels/gemv_w4.py)"
         else:
             kernel = ("reference: dequantize + F.linear" if layer is None or not
                       hasattr(layer, "kernel_weight") else "reference on the kernel layout")
@@ -181,6 +195,13 @@ class PackedLinearMethod(LinearMethodBase):
             return linear_ref(x, *args)
         x2 = x.reshape(-1, x.shape[-1])
         group = x.shape[-1] if layer.kernel_group_size == -1 else layer.kernel_group_size
+        if self.bits == 4 and x2.shape[0] == 1:
+            gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
+            if gemv is not None:  # batch-1 decode: the dedicated GEMV, where measured faster
+                from llmaccel.kernels.gemv_w4 import w4a16_gemv
+
+                return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales,
+                                  layer.kernel_zeros, layer.kernel_group_size, bias, gemv)
         cfg = packed_config(x2.shape[0], layer.output_size, x.shape[-1], self.bits, group,
                             x.device)
         return triton_linear(x, *args, config=cfg)
