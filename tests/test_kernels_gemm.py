@@ -22,6 +22,7 @@ from llmaccel.kernels.gemm import (  # noqa: E402
     prepare_packed_weight,
     triton_linear,
 )
+from llmaccel.kernels.gemv_w4 import GemvW4Config  # noqa: E402
 from llmaccel.quant.linear_methods import dequantize_unpacked  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,9 +194,18 @@ def test_shipped_tables_parse():
     for path in gemm_tuning.CONFIG_DIR.glob("*.json"):
         entries = json.loads(path.read_text())["entries"]
         for key, entry in entries.items():
-            bits, bucket, n, k = map(int, key.split(":"))
-            assert bits in (4, 8, 16) and bucket in gemm_tuning.M_BUCKETS and n > 0 and k > 0
+            kind, bucket, n, k = key.split(":")
+            bucket, n, k = int(bucket), int(n), int(k)
+            assert bucket in gemm_tuning.M_BUCKETS and n > 0 and k > 0
             assert entry["backend"] in ("triton", "cublas")
+            if kind == "w4gemv":  # the batch-1 W4A16 GEMV (kernels/gemv_w4.py)
+                assert bucket == 1
+                GemvW4Config(**entry["config"])
+                continue
+            if kind.startswith("16") and kind != "16":  # fused decode GEMVs: 16norm/res/silu
+                assert kind[2:] in gemm_tuning.FUSED_KINDS and bucket == 1
+            else:
+                assert int(kind) in (4, 8, 16)
             GemmConfig(**entry["config"])
 
 
@@ -224,6 +234,43 @@ def test_packed_checkpoint_through_kernel_matches_plain(case, tmp_path):
     assert n_kernel > 0
     seqs = [torch.randint(0, 160, (n,), generator=_gen(n)) for n in LENGTHS]
     torch.testing.assert_close(_logits(ours, seqs), _logits(ref, seqs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["gptq-w4-sym", "gptq-w4-asym-v1-actorder", "awq-w4-zp"])
+def test_one_row_takes_the_w4_gemv_where_tuned(case, tmp_path, monkeypatch):
+    """Batch-1 rows of int4 layers go through kernels/gemv_w4.py when the table has an entry
+    for the shape (forced here; on CPU the kernel runs interpreted) and give the plain
+    dequantized checkpoint's logits; the log names the GEMV."""
+    from test_quant_loading import CASES as QCASES
+    from test_quant_loading import write_checkpoints
+
+    from llmaccel.kernels import gemv_w4
+    from llmaccel.models.attention import AttentionMetadata
+    from llmaccel.models.layers.linear import Linear
+    from llmaccel.models.loader import load_model
+    from llmaccel.quant import linear_methods
+
+    monkeypatch.setattr(linear_methods, "_gemv_w4_config",
+                        lambda layer, k, device: gemv_w4.GemvW4Config(8, 32, 2, 2))
+    calls = []
+    real = gemv_w4.w4a16_gemv
+    monkeypatch.setattr(gemv_w4, "w4a16_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    packed_dir, plain_dir = write_checkpoints(QCASES[case], tmp_path, family="llama")
+    _, ours = load_model(str(packed_dir), dtype="float32", device="cpu")
+    _, ref = load_model(str(plain_dir), dtype="float32", device="cpu")
+    for module in ours.modules():
+        if isinstance(module, Linear) and hasattr(module, "codes"):
+            module.quant_method._prepare_kernel(module)
+            module.use_triton = True
+            if hasattr(module, "kernel_weight"):
+                assert "gemv_w4.py" in module.quant_method.describe(module)
+    def logits(model):  # one token: every linear sees one row
+        meta = AttentionMetadata.for_prefill([1], "cpu")
+        with torch.no_grad():
+            return model.compute_logits(model(torch.tensor([7]), torch.tensor([0]), meta))
+
+    torch.testing.assert_close(logits(ours), logits(ref), atol=1e-4, rtol=0)
+    assert calls
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from llmaccel.kernels.gemm import GemmConfig, pick_config
+from llmaccel.kernels.gemv_w4 import GemvW4Config, _valid_block_k
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -110,6 +111,21 @@ def fused_config(kind: str, m: int, n: int, k: int, device: torch.device | None 
             return GemmConfig(**entry["config"])
     hit = _lookup(str(path), 16, m_bucket(m), n, k)
     return hit[1] if hit is not None else None
+
+
+def gemv_w4_config(n: int, k: int, group: int, device: torch.device | None = None
+                   ) -> GemvW4Config | None:
+    """The tuned tile of the batch-1 W4A16 GEMV (`kernels/gemv_w4.py`, entries "w4gemv:1:N:K"
+    from benchmarks/bench_w4_gemv.py), or None when the table has none or it does not fit
+    this group size (group -1: per channel)."""
+    path = table_path(device)
+    if path is None:
+        return None
+    entry = _load(str(path)).get(f"w4gemv:1:{n}:{k}")
+    if entry is None:
+        return None
+    cfg = GemvW4Config(**entry["config"])
+    return cfg if _valid_block_k(cfg.block_k, k, k if group == -1 else group) else None
 
 
 def dense_config(m: int, n: int, k: int, device: torch.device | None = None
