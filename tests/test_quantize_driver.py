@@ -253,3 +253,27 @@ def test_engine_loads_checkpoint_greedy_matches(tiny_llama: Path, results: dict,
     out = llm.generate([{"prompt_token_ids": prompt}],
                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert list(out[0].outputs[0].token_ids) == ref[0, len(prompt):].tolist()
+
+
+def test_transformers_loads_our_pack_quantized_checkpoint(tiny_llama: Path, results: dict
+                                                          ) -> None:
+    """HF transformers (with the compressed-tensors package, as llm-compressor's users run it)
+    loads our RTN int4 pack-quantized checkpoint unchanged: its decompressed weights are the
+    ones our independent unpacker reads, and the logits agree."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    d, _ = results["rtn"]
+    # run_compressed=False: decompress to dense weights (the compressed kernels need a GPU)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        d, dtype=torch.float32,
+        quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    ours = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ours.load_state_dict(_dequantized_state(d, "compressed-tensors"), strict=False)
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        a = theirs.model.layers[1].get_submodule(name).weight.data
+        b = ours.model.layers[1].get_submodule(name).weight.data
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    ids = torch.tensor([list(range(5, 37))])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, rtol=0, atol=1e-4)
