@@ -71,30 +71,6 @@ def candidates(n: int, k: int, group: int, quick: bool = False) -> list:
     return [c for c in seeds + rest if c.block_k <= k and _valid_block_k(c.block_k, k, group)]
 
 
-def time_calls(fn, copies: int, calls: int) -> float:
-    """Microseconds per call of fn(i) inside a captured graph of `calls` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(3):
-            fn(i % copies)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i % copies)
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 10
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * calls)
-
-
 def time_cpu(fn, copies: int, calls: int) -> float:
     """--quick: wall-clock microseconds per call (the interpreter's, meaningless as speed)."""
     t0 = time.perf_counter()
@@ -125,7 +101,7 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
     copies = 2 if quick else max(2, min(MAX_COPIES, -(-MIN_CYCLE_BYTES // q_bytes["sym"])))
     calls = 4 if quick else max(24, copies)
     dense_copies = 2 if quick else max(2, min(MAX_COPIES, -(-MIN_CYCLE_BYTES // dense_bytes)))
-    timer = time_cpu if quick else time_calls
+    timer = time_cpu if quick else tg.time_graph  # tune_gemm's CUDA-graph timer
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     cublas_us = _time_dense(x, n, k, dense_copies, tg, timer, calls if quick else None)
     ws = tg.make_weights(4, n, k, GROUP, copies, dev)

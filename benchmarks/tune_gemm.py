@@ -81,8 +81,8 @@ def make_weights(bits: int, n: int, k: int, group: int, copies: int, dev: torch.
     return out
 
 
-def time_graph(fn, copies: int) -> float:
-    """Microseconds per call of fn(i) inside a captured graph of CALLS calls."""
+def time_graph(fn, copies: int, calls: int = CALLS) -> float:
+    """Microseconds per call of fn(i) inside a captured graph of `calls` calls."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -91,7 +91,7 @@ def time_graph(fn, copies: int) -> float:
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for i in range(CALLS):
+        for i in range(calls):
             fn(i % copies)
     for _ in range(3):
         g.replay()
@@ -102,7 +102,7 @@ def time_graph(fn, copies: int) -> float:
         g.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * CALLS)
+    return start.elapsed_time(end) * 1000 / (reps * calls)
 
 
 def summarize(jsonl: Path) -> str:

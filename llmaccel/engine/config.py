@@ -38,7 +38,7 @@ class EngineConfig:
     # from this step's greedy output on the device), so the GPU never waits on the scheduler:
     # vLLM's --async-scheduling. Applies to greedy steps of an unchanged running set; other
     # steps run as usual. On by default: measured +2-6% W1 tok/s on an H100
-    # (benchmarks/results/2026-11-23-W1-llama-3.2-1b-3b-h100.md).
+    # (benchmarks/results/2026-11-23-W1-h100-summary.md).
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:

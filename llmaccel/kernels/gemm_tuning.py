@@ -119,9 +119,12 @@ def gemv_w4_config(n: int, k: int, group: int, device: torch.device | None = Non
     from benchmarks/bench_w4_gemv.py), or None when the table has none or it does not fit
     this group size (group -1: per channel)."""
     path = table_path(device)
-    if path is None:
-        return None
-    entry = _load(str(path)).get(f"w4gemv:1:{n}:{k}")
+    return None if path is None else _gemv_w4_lookup(str(path), n, k, group)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemv_w4_lookup(path: str, n: int, k: int, group: int) -> GemvW4Config | None:
+    entry = _load(path).get(f"w4gemv:1:{n}:{k}")
     if entry is None:
         return None
     cfg = GemvW4Config(**entry["config"])
@@ -160,3 +163,4 @@ def write_table(out: str, device_name: str, entries: dict[str, Any],
 def clear_cache() -> None:
     _load.cache_clear()
     _lookup.cache_clear()
+    _gemv_w4_lookup.cache_clear()
