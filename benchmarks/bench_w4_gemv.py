@@ -49,7 +49,11 @@ def _tune_gemm():
 # tried first; then the rest of the space, most words per thread first.
 SEEDS = ((16, 512, 2, 3, 2), (16, 256, 1, 3, 2), (8, 256, 1, 3, 2), (16, 1024, 4, 3, 2),
          (8, 512, 4, 3, 4), (4, 512, 4, 3, 2), (8, 1024, 8, 3, 4), (8, 512, 1, 2, 2),
-         (4, 1024, 8, 3, 2), (4, 256, 1, 3, 2))
+         (4, 1024, 8, 3, 2), (4, 256, 1, 3, 2),
+         # a whole row (or half) in one tile: every weight load of a program issued at once,
+         # before the PDL wait, instead of a chain of dependent K iterations
+         (2, 4096, 2, 2, 4), (4, 4096, 4, 2, 4), (2, 8192, 4, 2, 4), (4, 2048, 2, 2, 4),
+         (1, 4096, 1, 2, 4), (8, 4096, 8, 2, 4), (1, 8192, 2, 2, 4), (4, 8192, 8, 2, 4))
 
 
 def candidates(n: int, k: int, group: int, quick: bool = False) -> list:
@@ -62,13 +66,15 @@ def candidates(n: int, k: int, group: int, quick: bool = False) -> list:
         return [GemvW4Config(8, 64, 1, 2, 2), GemvW4Config(16, 128, 2, 3, 2),
                 GemvW4Config(4, 256, 1, 2, 4)]
     space = [GemvW4Config(bn, bk, nw, ns, vec) for bn, bk, nw, ns, vec in itertools.product(
-        (1, 2, 4, 8, 16), (64, 128, 256, 512, 1024), (1, 2, 4, 8), (2, 3, 4), (2, 4))
+        (1, 2, 4, 8, 16), (64, 128, 256, 512, 1024, 2048, 4096, 8192), (1, 2, 4, 8), (2, 3, 4),
+        (2, 4))
         if 2 <= bn * bk / (256 * nw) <= 16 and vec <= bn * bk / (256 * nw)]
     seeds = [GemvW4Config(*t) for t in SEEDS]
     rest = sorted((c for c in space if c not in seeds),
                   key=lambda c: (-c.block_n * c.block_k / c.num_warps, c.num_stages != 3,
                                  c.vec, c.num_warps))
-    return [c for c in seeds + rest if c.block_k <= k and _valid_block_k(c.block_k, k, group)]
+    # a tile may overhang K (masked: 3072 in a 4096 tile is one iteration), but not by 2x
+    return [c for c in seeds + rest if c.block_k < 2 * k and _valid_block_k(c.block_k, k, group)]
 
 
 def time_cpu(fn, copies: int, calls: int) -> float:

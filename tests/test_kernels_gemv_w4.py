@@ -97,6 +97,55 @@ def test_leading_dims_and_default_config():
     assert cfg.block_k % 128 == 0 or 128 % cfg.block_k == 0
 
 
+def _dequant(w, s, z, group, k):
+    """The fp32 weight [N, K] that `linear_ref` multiplies by (its own unpacking)."""
+    return linear_ref(torch.eye(k), w, 4, s.float(), z, group).t().contiguous()
+
+
+FUSED = [  # prologue, residual, dtype, config
+    ("norm", False, torch.float32, GemvW4Config(8, 64, 1, 2, 2)),
+    ("norm", True, torch.bfloat16, GemvW4Config(16, 256, 2, 3, 1)),  # K tail, 2 groups a tile
+    ("silu", True, torch.float32, GemvW4Config(4, 128, 2, 3, 4)),
+    ("silu", False, torch.bfloat16, None),
+    (None, True, torch.float32, GemvW4Config(8, 128, 1, 2, 2)),
+]
+
+
+@pytest.mark.parametrize("prologue,with_residual,dtype,cfg", FUSED)
+def test_fused_decode_variants_match_the_separate_ops(prologue, with_residual, dtype, cfg):
+    """RMSNorm or SiLU-and-mul in the prologue, the residual add in the epilogue: equal to the
+    separate layers' ops (`gemm.fused_linear_ref` on the dequantized weight), which round
+    between steps exactly as the kernel does."""
+    from llmaccel.kernels.gemm import fused_linear_ref
+
+    n, k, group = 40, 384, 128
+    w, s, z, x, b = _case(n, k, group, True, seed=11, bias=True)
+    g = _gen(12)
+    if prologue == "silu":
+        x = torch.randn(1, 2 * k, generator=g)
+    x, b = x.to(dtype), b.to(dtype)
+    kw = {}
+    if prologue == "norm":
+        kw = {"norm_weight": (torch.rand(k, generator=g) + 0.5).to(dtype), "eps": 1e-5}
+    elif prologue == "silu":
+        kw = {"silu": True}
+    res = torch.randn(1, n, generator=g).to(dtype) if with_residual else None
+    want_res = None if res is None else res.clone()
+    want = fused_linear_ref(x, _dequant(w, s, z, group, k), b, residual=want_res, **kw)
+    dev = {key: _to(v)[0] if isinstance(v, torch.Tensor) else v for key, v in kw.items()}
+    got_res = None if res is None else _to(res)[0]
+    got = w4a16_gemv(*_to(x, w, s, z), group, _to(b)[0], cfg, residual=got_res, **dev)
+    if with_residual:
+        assert got.data_ptr() == got_res.data_ptr()  # updated in place
+    tol = 1e-4 if dtype == torch.float32 else 2e-2 * want.float().abs().max().item()
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=tol, rtol=1e-4)
+    # the prologue matters: without it the product is different
+    if prologue is not None:
+        plain = fused_linear_ref(x if prologue == "norm" else x[:, :k],
+                                 _dequant(w, s, z, group, k), b)
+        assert (plain.float() - want.float()).abs().max() > 10 * tol
+
+
 def test_bad_arguments_are_refused():
     w, s, z, x, _ = _case(16, 128, 32, True)
     with pytest.raises(ValueError, match="one row"):
@@ -113,6 +162,12 @@ def test_bad_arguments_are_refused():
         w4a16_gemv(x, w, s, z.to(torch.int32), 32)
     with pytest.raises(ValueError, match="bias"):
         w4a16_gemv(x, w, s, z, 32, torch.zeros(8))
+    with pytest.raises(ValueError, match="one prologue"):
+        w4a16_gemv(x, w, s, z, 32, norm_weight=torch.ones(128), silu=True)
+    with pytest.raises(ValueError, match="norm_weight"):
+        w4a16_gemv(x, w, s, z, 32, norm_weight=torch.ones(64))
+    with pytest.raises(ValueError, match="residual"):
+        w4a16_gemv(x, w, s, z, 32, residual=torch.zeros(1, 8))
     with pytest.raises(ValueError, match="config"):
         w4a16_gemv(x, w, s, z, 32, config=GemvW4Config(8, 48, 1, 2))  # not a power of two
     with pytest.raises(ValueError, match="config"):
@@ -155,6 +210,62 @@ def test_benchmark_quick_run(tmp_path):
     assert set(entries) == faster
     for e in entries.values():
         GemvW4Config(**e["config"])
+
+
+@pytest.mark.parametrize("case", ["gptq-w4-sym", "awq-w4-zp", "gptq-w4-asym-v1-actorder"])
+def test_int4_model_decodes_through_fused_layers(case, tmp_path, monkeypatch):
+    """A packed int4 checkpoint at batch 1 with fused decode layers on: each layer runs as four
+    GEMVs with the norms, SiLU-and-mul and residual adds folded in (interpreted on CPU) and
+    gives the plain dequantized checkpoint's logits. Act-order layers (input channels
+    permuted) keep the unfused path."""
+    from test_quant_loading import CASES as QCASES
+    from test_quant_loading import write_checkpoints
+
+    from llmaccel.kernels import gemv_w4
+    from llmaccel.models.attention import AttentionMetadata
+    from llmaccel.models.layers.linear import Linear
+    from llmaccel.models.loader import load_model
+    from llmaccel.models.transformer import DecoderLayer
+
+    fusions = []
+    real = gemv_w4.w4a16_gemv
+
+    def spy(*a, **kw):
+        fusions.append(tuple(sorted(k for k, v in kw.items() if v is not None and v is not False
+                                    and k not in ("eps",))))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gemv_w4, "w4a16_gemv", spy)
+    packed_dir, plain_dir = write_checkpoints(QCASES[case], tmp_path, family="llama")
+    _, ours = load_model(str(packed_dir), dtype="float32", device="cpu")
+    _, ref = load_model(str(plain_dir), dtype="float32", device="cpu")
+    for module in ours.modules():
+        if isinstance(module, Linear) and hasattr(module, "codes"):
+            module.quant_method._prepare_kernel(module)
+    ours.set_fused_kernels(True, fuse_decode=True)
+    fused_calls = []
+    original = DecoderLayer.forward_fused
+    monkeypatch.setattr(DecoderLayer, "forward_fused",
+                        lambda self, *a: fused_calls.append(1) or original(self, *a))
+
+    def logits(model, token):
+        meta = AttentionMetadata.for_prefill([1], "cpu")
+        with torch.no_grad():
+            return model.compute_logits(model(torch.tensor([token]), torch.tensor([0]), meta))
+
+    for token in (7, 31):
+        torch.testing.assert_close(logits(ours, token), logits(ref, token), atol=1e-4, rtol=0)
+    n_layers = ours.config.num_hidden_layers
+    if "actorder" in case:
+        assert not fused_calls and ("norm_weight",) not in fusions
+    else:
+        assert len(fused_calls) == 2 * n_layers
+        # per layer: qkv (norm), o (residual), gate_up (norm), down (silu + residual)
+        assert fusions == [("norm_weight",), ("residual",), ("norm_weight",),
+                           ("residual", "silu")] * (2 * n_layers)
+        desc = ours.model.layers[0].mlp.down_proj.quant_method.describe(
+            ours.model.layers[0].mlp.down_proj)
+        assert "fused decode layers" in desc
 
 
 # ------------------------------------------------------------------------------------- GPU

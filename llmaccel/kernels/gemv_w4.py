@@ -73,19 +73,45 @@ def _ld(ptr, mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_side(X, Scales, Zeros, s_row, z_row, k0, K, n_groups, GROUP: tl.constexpr,
-               PER_CH: tl.constexpr, HAS_ZEROS: tl.constexpr, EVEN_K: tl.constexpr,
-               GT: tl.constexpr, WG: tl.constexpr):
-    """The rest of the tile at k0: x[k0 + 8w + j] for j = 0..7 in fp32 ([GT, WG] each) and,
-    grouped, the scales and zeros [BLOCK_N, GT] (per channel: dummies)."""
+def _x_at(X, NormW, kx, m, rstd, K, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
+    """The GEMV's input at columns kx in fp32, after the fused prologue (rounded as the
+    separate layers round, see gemm._input_tile): 0 x itself; 1 RMSNorm (round(x * rstd),
+    times the norm weight, rounded); 2 SiLU-and-mul of X = [gate | up] (2K wide)."""
+    dt = X.dtype.element_ty
+    f = tl.float32
+    if PROLOGUE == 2:
+        gate = _ld(X + kx, m, EVEN_K).to(f)
+        up = _ld(X + K + kx, m, EVEN_K).to(f)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(f)
+        v = (act * up).to(dt).to(f)
+    elif PROLOGUE == 1:
+        x = _ld(X + kx, m, EVEN_K).to(f)
+        nw = _ld(NormW + kx, m, EVEN_K).to(f)
+        v = (nw * (x * rstd).to(dt).to(f)).to(dt).to(f)
+    else:
+        v = _ld(X + kx, m, EVEN_K).to(f)
+    return v
+
+
+@triton.jit
+def _load_side(X, NormW, rstd, Scales, Zeros, s_row, z_row, k0, K, n_groups,
+               GROUP: tl.constexpr, PER_CH: tl.constexpr, HAS_ZEROS: tl.constexpr,
+               EVEN_K: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr,
+               PROLOGUE: tl.constexpr):
+    """The rest of the tile at k0: the input at k0 + 8w + j for j = 0..7 in fp32 ([GT, WG]
+    each) and, grouped, the scales and zeros [BLOCK_N, GT] (per channel: dummies)."""
     g = tl.arange(0, GT)
     kx = k0 + 8 * (g[:, None] * WG + tl.arange(0, WG)[None, :])
     m = kx < K
-    f = tl.float32  # carried to the next iteration in fp32
-    x0, x1 = _ld(X + kx, m, EVEN_K).to(f), _ld(X + kx + 1, m, EVEN_K).to(f)
-    x2, x3 = _ld(X + kx + 2, m, EVEN_K).to(f), _ld(X + kx + 3, m, EVEN_K).to(f)
-    x4, x5 = _ld(X + kx + 4, m, EVEN_K).to(f), _ld(X + kx + 5, m, EVEN_K).to(f)
-    x6, x7 = _ld(X + kx + 6, m, EVEN_K).to(f), _ld(X + kx + 7, m, EVEN_K).to(f)
+    # carried to the next iteration in fp32
+    x0 = _x_at(X, NormW, kx, m, rstd, K, PROLOGUE, EVEN_K)
+    x1 = _x_at(X, NormW, kx + 1, m, rstd, K, PROLOGUE, EVEN_K)
+    x2 = _x_at(X, NormW, kx + 2, m, rstd, K, PROLOGUE, EVEN_K)
+    x3 = _x_at(X, NormW, kx + 3, m, rstd, K, PROLOGUE, EVEN_K)
+    x4 = _x_at(X, NormW, kx + 4, m, rstd, K, PROLOGUE, EVEN_K)
+    x5 = _x_at(X, NormW, kx + 5, m, rstd, K, PROLOGUE, EVEN_K)
+    x6 = _x_at(X, NormW, kx + 6, m, rstd, K, PROLOGUE, EVEN_K)
+    x7 = _x_at(X, NormW, kx + 7, m, rstd, K, PROLOGUE, EVEN_K)
     s = 0.0
     z = 0
     if not PER_CH:
@@ -138,11 +164,12 @@ def _accumulate(acc, word, x0, x1, x2, x3, x4, x5, x6, x7, s, z, magic,
 
 @triton.jit
 def _gemv_w4_kernel(
-    X, W, Scales, Zeros, Bias, Y,
-    N, K, n_groups, stride_wn, stride_sn, stride_zn, magic,
+    X, W, Scales, Zeros, Bias, Y, NormW,
+    N, K, n_groups, stride_wn, stride_sn, stride_zn, magic, eps,
     GROUP: tl.constexpr, PER_CH: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PROLOGUE: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     WG: tl.constexpr = (BLOCK_K if PER_CH or BLOCK_K <= GROUP else GROUP) // 8
     GT: tl.constexpr = BLOCK_K // (8 * WG)
@@ -157,23 +184,34 @@ def _gemv_w4_kernel(
         word0 = _load_words(W, w_row, 0, K, EVEN_K, GT, WG, VEC)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
+    rstd = 0.0
+    if PROLOGUE == 1:
+        # RMSNorm needs the whole row's mean square before the first tile: one pass over x
+        # (a hidden-size vector the previous kernel just wrote, so read from L2).
+        sq = tl.zeros((BLOCK_K,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
+            sq += xs * xs
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     z_ch = tl.load(Zeros + z_row)[:, None] if PER_CH and HAS_ZEROS else 0
     x0, x1, x2, x3, x4, x5, x6, x7, s, z = _load_side(
-        X, Scales, Zeros, s_row, z_row, 0, K, n_groups, GROUP, PER_CH, HAS_ZEROS, EVEN_K, GT, WG)
+        X, NormW, rstd, Scales, Zeros, s_row, z_row, 0, K, n_groups, GROUP, PER_CH, HAS_ZEROS,
+        EVEN_K, GT, WG, PROLOGUE)
     k_start = 0
     if USE_PDL:
         k_start = BLOCK_K
         y0, y1, y2, y3, y4, y5, y6, y7, s1, z1 = _load_side(
-            X, Scales, Zeros, s_row, z_row, _next(0, K, BLOCK_K, EVEN_K), K, n_groups, GROUP,
-            PER_CH, HAS_ZEROS, EVEN_K, GT, WG)
+            X, NormW, rstd, Scales, Zeros, s_row, z_row, _next(0, K, BLOCK_K, EVEN_K), K,
+            n_groups, GROUP, PER_CH, HAS_ZEROS, EVEN_K, GT, WG, PROLOGUE)
         acc = _accumulate(acc, word0, x0, x1, x2, x3, x4, x5, x6, x7,
                           s, z_ch if PER_CH else z, magic, PER_CH, HAS_ZEROS)
         x0, x1, x2, x3, x4, x5, x6, x7, s, z = y0, y1, y2, y3, y4, y5, y6, y7, s1, z1
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         word = _load_words(W, w_row, k0, K, EVEN_K, GT, WG, VEC)
         y0, y1, y2, y3, y4, y5, y6, y7, s1, z1 = _load_side(
-            X, Scales, Zeros, s_row, z_row, _next(k0, K, BLOCK_K, EVEN_K), K, n_groups, GROUP,
-            PER_CH, HAS_ZEROS, EVEN_K, GT, WG)
+            X, NormW, rstd, Scales, Zeros, s_row, z_row, _next(k0, K, BLOCK_K, EVEN_K), K,
+            n_groups, GROUP, PER_CH, HAS_ZEROS, EVEN_K, GT, WG, PROLOGUE)
         acc = _accumulate(acc, word, x0, x1, x2, x3, x4, x5, x6, x7,
                           s, z_ch if PER_CH else z, magic, PER_CH, HAS_ZEROS)
         x0, x1, x2, x3, x4, x5, x6, x7, s, z = y0, y1, y2, y3, y4, y5, y6, y7, s1, z1
@@ -182,6 +220,11 @@ def _gemv_w4_kernel(
         y = y * tl.load(Scales + s_row).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        # Y holds the residual stream: Y += product, rounded as the unfused layers round
+        # (the product to the activation dtype, then the sum), as gemm.py's epilogue does.
+        res = tl.load(Y + rn, mask=rn < N, other=0.0).to(tl.float32)
+        y = y.to(Y.dtype.element_ty).to(tl.float32) + res
     tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
 
 
@@ -224,11 +267,20 @@ def _valid_block_k(block_k: int, k: int, group: int) -> bool:
 
 def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,
-               config: GemvW4Config | None = None) -> torch.Tensor:
+               config: GemvW4Config | None = None, *, norm_weight: torch.Tensor | None = None,
+               eps: float = 0.0, silu: bool = False,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] holding exactly one row -> y [..., N] in x's dtype. `weight` int32 [N, K/8],
-    `scales` [N, G], `zeros` uint8 [N, G] or None (zero point 8), group_size -1 per channel."""
-    k = x.shape[-1]
-    if x.numel() != k or k == 0:
+    `scales` [N, G], `zeros` uint8 [N, G] or None (zero point 8), group_size -1 per channel.
+
+    The fused decode variants of `gemm.triton_linear`, rounded the same way: `norm_weight`
+    (the input is RMSNorm(x) * norm_weight with `eps`), `silu` (x is [gate | up], 2K wide; the
+    input is silu(gate) * up), `residual` [..., N] (updated in place to residual + product and
+    returned)."""
+    if silu and norm_weight is not None:
+        raise ValueError("one prologue at a time: silu or norm_weight")
+    k = x.shape[-1] // 2 if silu else x.shape[-1]
+    if x.numel() != x.shape[-1] or k == 0:
         raise ValueError(f"w4a16_gemv takes exactly one row of x, got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
@@ -250,24 +302,36 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             raise ValueError("zeros must be uint8 with the shape of scales")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}]")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight must be [{k}]")
     cfg = config or default_gemv_w4_config(n, k, group)
     if not (_pow2(cfg.block_n) and _pow2(cfg.vec) and _valid_block_k(cfg.block_k, k, group)):
         raise ValueError(f"config {cfg.describe()} does not fit K={k}, group {group}: "
                          "powers of two, block_k within one group or whole groups")
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        if (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype
+                or not residual.is_contiguous()):
+            raise ValueError(f"residual must be a contiguous {(*x.shape[:-1], n)} tensor in "
+                             f"{x.dtype}")
+        y = residual
+    else:
+        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    x1 = x.reshape(k).contiguous()
+    x1 = x.reshape(x.shape[-1]).contiguous()
     dummy = weight  # pointer arguments the constexpr flags switch off
     _gemv_w4_kernel[(triton.cdiv(n, cfg.block_n),)](
         x1, weight, scales, zeros if zeros is not None else dummy,
         bias if bias is not None else dummy, y,
+        norm_weight if norm_weight is not None else dummy,
         n, k, k // group, weight.stride(0), scales.stride(0),
-        0 if zeros is None else zeros.stride(0), MAGIC_2_23,
+        0 if zeros is None else zeros.stride(0), MAGIC_2_23, eps,
         # per channel: one compile for every K (GROUP unused)
         GROUP=0 if group == k else group, PER_CH=group == k, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, VEC=cfg.vec, NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
+        PROLOGUE=1 if norm_weight is not None else (2 if silu else 0),
+        RESIDUAL=residual is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y

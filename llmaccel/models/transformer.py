@@ -23,6 +23,7 @@ from llmaccel.models.layers.quantization import (
     QuantizationConfig,
     dense_linear,
     fused_gemv_config,
+    fused_linear,
 )
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -133,26 +134,24 @@ class DecoderLayer(nn.Module):
         return self._fused_by_rows[rows]
 
     def forward_fused(self, positions, x, residual, meta, configs):
-        """A decode-size step in four Triton GEMVs (plus rope + cache write and attention):
+        """A decode-size step in four Triton GEMVs (plus rope + cache write and attention;
+        dense weights, or int4 / FP8 ones at batch 1 through their own GEMVs):
         the input norms run in the qkv and gate_up products' prologues, SiLU-and-mul in the
         down product's, and both residual adds in the o and down products' epilogues, in
         place on the residual stream. Rounds as the unfused path does (kernels/gemm.py)."""
-        from llmaccel.kernels.gemm import triton_linear
         if residual is None:
             residual = x  # the embedding output (a fresh tensor): the stream starts here
         elif x is not None:
             residual = residual + x
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = triton_linear(residual, attn.qkv_proj.weight, bias=attn.qkv_proj.bias,
-                            config=configs[0], norm_weight=ln1.weight, eps=ln1.eps)
+        qkv = fused_linear(attn.qkv_proj, residual, configs[0], norm_weight=ln1.weight,
+                           eps=ln1.eps)
         out = attn.attend(positions, qkv, meta)
-        triton_linear(out, attn.o_proj.weight, bias=attn.o_proj.bias, config=configs[1],
-                      residual=residual)
-        gate_up = triton_linear(residual, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias,
-                                config=configs[2], norm_weight=ln2.weight, eps=ln2.eps)
-        triton_linear(gate_up, mlp.down_proj.weight, bias=mlp.down_proj.bias, config=configs[3],
-                      silu=True, residual=residual)
+        fused_linear(attn.o_proj, out, configs[1], residual=residual)
+        gate_up = fused_linear(mlp.gate_up_proj, residual, configs[2], norm_weight=ln2.weight,
+                               eps=ln2.eps)
+        fused_linear(mlp.down_proj, gate_up, configs[3], silu=True, residual=residual)
         return None, residual
 
 

@@ -103,6 +103,9 @@ class PackedLinearMethod(LinearMethodBase):
             if self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
                                                   layer.kernel_weight.device) is not None:
                 kernel += "; batch 1: Triton W4A16 GEMV (kernels/gemv_w4.py)"
+            if self.fused_decode_config(layer, 1, "") is not None:
+                kernel += ("; fused decode layers at batch 1: the GEMV with the norm, "
+                           "SiLU-and-mul and residual add folded in")
         else:
             kernel = ("reference: dequantize + F.linear" if layer is None or not
                       hasattr(layer, "kernel_weight") else "reference on the kernel layout")
@@ -172,6 +175,28 @@ class PackedLinearMethod(LinearMethodBase):
             layer.register_parameter(name, None if t is None else
                                      nn.Parameter(t, requires_grad=False))
         layer.kernel_group_size = pw.group_size
+
+    def fused_decode_config(self, layer: nn.Module, m: int, kind: str):
+        """The W4A16 GEMV tile for a fused decode layer (norm / SiLU-and-mul / residual folded
+        into the GEMV, `kernels/gemv_w4.py`), or None: 4-bit kernel layout, one row, no
+        act-order permutation (the prologue would have to gather). A tuned tile where the
+        table has one, else the default: fused, the GEMV also saves the norm, activation and
+        residual kernels, so it runs even where only the general kernel was tuned."""
+        if (self.bits != 4 or m != 1 or not hasattr(layer, "kernel_weight")
+                or layer.kernel_perm is not None):
+            return None
+        from llmaccel.kernels.gemv_w4 import default_gemv_w4_config
+
+        k = layer.input_size
+        tuned = _gemv_w4_config(layer, k, layer.kernel_weight.device)
+        return tuned or default_gemv_w4_config(layer.output_size, k, layer.kernel_group_size)
+
+    def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                    config, **fusion) -> torch.Tensor:
+        from llmaccel.kernels.gemv_w4 import w4a16_gemv
+
+        return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+                          layer.kernel_group_size, bias, config, **fusion)
 
     def _unpack(self, layer: nn.Module) -> None:
         """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""

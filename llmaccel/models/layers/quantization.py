@@ -68,14 +68,19 @@ FUSED_DECODE_MAX_ROWS = 16
 
 def fused_gemv_config(layer: nn.Module, m: int, kind: str):
     """The Triton GEMV config for `m` rows of a dense Linear in a fused decode layer, or None
-    when the layer cannot take the fused kernel (quantized, Triton off, too many rows). `kind`
+    when the layer cannot take the fused kernel (Triton off, too many rows, a quantized method
+    without a fused GEMV for this many rows: see `fused_decode_config` of PackedLinearMethod and
+    Fp8LinearMethod). `kind`
     names the fusion ("norm", "res", "silu"; see kernels/gemm_tuning.fused_key): a batch-1
     entry tuned for it in the chain (benchmarks/tune_fused_decode.py) comes first, then the
     dense table's best Triton tile, even where cuBLAS alone was a little faster (the fused
     kernel also saves the launches of the norm, activation and residual add)."""
-    if (m > FUSED_DECODE_MAX_ROWS or not getattr(layer, "use_triton", False)
-            or not isinstance(layer.quant_method, UnquantizedLinearMethod)):
+    if m > FUSED_DECODE_MAX_ROWS or not getattr(layer, "use_triton", False):
         return None
+    if not isinstance(layer.quant_method, UnquantizedLinearMethod):
+        # a quantized method fuses where it has a GEMV with the same prologues and epilogue
+        method_config = getattr(layer.quant_method, "fused_decode_config", None)
+        return None if method_config is None else method_config(layer, m, kind)
     from llmaccel.kernels.gemm import pick_config
     from llmaccel.kernels.gemm_tuning import fused_config
 
@@ -85,6 +90,16 @@ def fused_gemv_config(layer: nn.Module, m: int, kind: str):
     tuned = layer.weight.is_cuda and layer.weight.element_size() == 2
     cfg = fused_config(kind, m, n, k, layer.weight.device) if tuned else None
     return cfg if cfg is not None else pick_config(m, n, k, 16, -1)
+
+
+def fused_linear(layer: nn.Module, x: torch.Tensor, config, **fusion) -> torch.Tensor:
+    """Run `layer` in a fused decode layer with the config `fused_gemv_config` gave; `fusion`
+    is `norm_weight`/`eps`, `silu` or `residual` as in kernels/gemm.triton_linear."""
+    if isinstance(layer.quant_method, UnquantizedLinearMethod):
+        from llmaccel.kernels.gemm import triton_linear
+
+        return triton_linear(x, layer.weight, bias=layer.bias, config=config, **fusion)
+    return layer.quant_method.apply_fused(layer, x, layer.bias, config, **fusion)
 
 
 class QuantizationConfig(ABC):
