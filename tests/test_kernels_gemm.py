@@ -22,6 +22,7 @@ from llmaccel.kernels.gemm import (  # noqa: E402
     prepare_packed_weight,
     triton_linear,
 )
+from llmaccel.kernels.gemv_fp8 import GemvFp8Config, valid_config
 from llmaccel.kernels.gemv_w4 import GemvW4Config  # noqa: E402
 from llmaccel.quant.linear_methods import dequantize_unpacked  # noqa: E402
 
@@ -198,9 +199,15 @@ def test_shipped_tables_parse():
             bucket, n, k = int(bucket), int(n), int(k)
             assert bucket in gemm_tuning.M_BUCKETS and n > 0 and k > 0
             assert entry["backend"] in ("triton", "cublas")
-            if kind == "w4gemv":  # the batch-1 W4A16 GEMV (kernels/gemv_w4.py)
+            if kind == "w4gemv" or kind[2:] in gemm_tuning.FUSED_KINDS and kind[:2] == "w4":
+                # the batch-1 W4A16 GEMV (kernels/gemv_w4.py), plain or fused
                 assert bucket == 1
                 GemvW4Config(**entry["config"])
+                continue
+            if kind == "fp8gemv" or kind[3:] in gemm_tuning.FUSED_KINDS and kind[:3] == "fp8":
+                # the batch-1 FP8 W8A8 GEMV (kernels/gemv_fp8.py), plain or fused
+                assert bucket == 1
+                assert valid_config(GemvFp8Config(**entry["config"]))
                 continue
             if kind.startswith("16") and kind != "16":  # fused decode GEMVs: 16norm/res/silu
                 assert kind[2:] in gemm_tuning.FUSED_KINDS and bucket == 1

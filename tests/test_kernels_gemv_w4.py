@@ -177,6 +177,29 @@ def test_bad_arguments_are_refused():
                    torch.ones(16, 2), None, 96, config=GemvW4Config(8, 64, 1, 2))
 
 
+def test_fused_int4_entries_only_from_the_table(tmp_path, monkeypatch):
+    """An int4 layer runs fused only with a "w4<kind>" entry (written by the tuner where the
+    fused chain was faster); the plain GEMV's entry alone does not make it fuse."""
+    cfg = {"block_n": 8, "block_k": 256, "num_warps": 2, "num_stages": 3, "vec": 2}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"entries": {
+        "w4gemv:1:3072:2048": {"backend": "triton", "config": cfg, "us": 3.0},
+        "w4norm:1:5120:2048": {"backend": "triton", "config": cfg, "chain_us": 9.0}}}))
+    monkeypatch.setenv("LLMACCEL_GEMM_CONFIGS", str(path))
+    gemm_tuning.clear_cache()
+    try:
+        assert gemm_tuning.fused_w4_config("norm", 5120, 2048, 128) == GemvW4Config(**cfg)
+        assert gemm_tuning.fused_w4_config("res", 5120, 2048, 128) is None
+        assert gemm_tuning.fused_w4_config("norm", 3072, 2048, 128) is None
+        assert gemm_tuning.fused_w4_config("norm", 5120, 2048, 96) is None  # does not fit
+        with pytest.raises(ValueError, match="fused kind"):
+            gemm_tuning.fused_quant_key("w4", "gelu", 8, 8)
+        with pytest.raises(ValueError, match="prefix"):
+            gemm_tuning.fused_quant_key("w3", "norm", 8, 8)
+    finally:
+        gemm_tuning.clear_cache()
+
+
 def test_tuning_table_lookup(tmp_path, monkeypatch):
     cfg = {"block_n": 8, "block_k": 256, "num_warps": 2, "num_stages": 3, "vec": 2}
     path = tmp_path / "gpu.json"
@@ -236,6 +259,9 @@ def test_int4_model_decodes_through_fused_layers(case, tmp_path, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(gemv_w4, "w4a16_gemv", spy)
+    # fused only where the table has a tile for the fusion (none on CPU): one is forced here
+    monkeypatch.setattr(gemm_tuning, "fused_w4_config",
+                        lambda kind, n, k, group, device=None: GemvW4Config(8, 64, 2, 2))
     packed_dir, plain_dir = write_checkpoints(QCASES[case], tmp_path, family="llama")
     _, ours = load_model(str(packed_dir), dtype="float32", device="cpu")
     _, ref = load_model(str(plain_dir), dtype="float32", device="cpu")

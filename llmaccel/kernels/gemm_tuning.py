@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from llmaccel.kernels.gemm import GemmConfig, pick_config
+from llmaccel.kernels.gemv_fp8 import GemvFp8Config, valid_config
 from llmaccel.kernels.gemv_w4 import GemvW4Config, _valid_block_k
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -131,6 +132,69 @@ def _gemv_w4_lookup(path: str, n: int, k: int, group: int) -> GemvW4Config | Non
     return cfg if _valid_block_k(cfg.block_k, k, k if group == -1 else group) else None
 
 
+QUANT_FUSED_PREFIXES = ("w4", "fp8")
+
+
+def fused_quant_key(prefix: str, kind: str, n: int, k: int) -> str:
+    """The table key of a batch-1 fused decode GEMV on quantized weights
+    (benchmarks/tune_fused_decode_quant.py): prefix "w4" (kernels/gemv_w4.py) or "fp8"
+    (kernels/gemv_fp8.py); kinds as in `fused_key`."""
+    if kind not in FUSED_KINDS:
+        raise ValueError(f"fused kind must be one of {FUSED_KINDS}, got {kind!r}")
+    if prefix not in QUANT_FUSED_PREFIXES:
+        raise ValueError(f"prefix must be one of {QUANT_FUSED_PREFIXES}, got {prefix!r}")
+    return f"{prefix}{kind}:1:{n}:{k}"
+
+
+def _fused_quant_entry(prefix: str, kind: str, n: int, k: int,
+                       device: torch.device | None) -> dict | None:
+    path = table_path(device)
+    return None if path is None else _load(str(path)).get(fused_quant_key(prefix, kind, n, k))
+
+
+def fused_w4_config(kind: str, n: int, k: int, group: int,
+                    device: torch.device | None = None) -> GemvW4Config | None:
+    """The tile of an int4 fused decode GEMV, or None. Only a table entry counts: the tuner
+    writes one only where the fused chain beat the unfused one (on an H100 it did not: the
+    prologue's per-input work made the int4 GEMVs instruction-bound, see
+    benchmarks/results/2026-11-23-fused-decode-quant-h100.md); a tile that does not fit the
+    group size counts as none."""
+    entry = _fused_quant_entry("w4", kind, n, k, device)
+    if entry is None:
+        return None
+    cfg = GemvW4Config(**entry["config"])
+    return cfg if _valid_block_k(cfg.block_k, k, k if group == -1 else group) else None
+
+
+def fused_fp8_config(kind: str, n: int, k: int, device: torch.device | None = None
+                     ) -> GemvFp8Config | None:
+    """The tile of an FP8 fused decode GEMV, or None (as `fused_w4_config`: only where the
+    tuner measured the fused chain faster)."""
+    entry = _fused_quant_entry("fp8", kind, n, k, device)
+    if entry is None:
+        return None
+    cfg = GemvFp8Config(**entry["config"])
+    return cfg if valid_config(cfg) else None
+
+
+def gemv_fp8_config(n: int, k: int, device: torch.device | None = None
+                    ) -> GemvFp8Config | None:
+    """The tuned tile of the batch-1 FP8 W8A8 GEMV (`kernels/gemv_fp8.py`, entries
+    "fp8gemv:1:N:K" from benchmarks/bench_fp8_gemv.py, written only where it beat
+    `torch._scaled_mm`), or None when the table has none (or an unusable one)."""
+    path = table_path(device)
+    return None if path is None else _gemv_fp8_lookup(str(path), n, k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemv_fp8_lookup(path: str, n: int, k: int) -> GemvFp8Config | None:
+    entry = _load(path).get(f"fp8gemv:1:{n}:{k}")
+    if entry is None:
+        return None
+    cfg = GemvFp8Config(**entry["config"])
+    return cfg if valid_config(cfg) else None
+
+
 def dense_config(m: int, n: int, k: int, device: torch.device | None = None
                  ) -> GemmConfig | None:
     """The Triton config for a dense product where the table measured it faster than cuBLAS,
@@ -164,3 +228,4 @@ def clear_cache() -> None:
     _load.cache_clear()
     _lookup.cache_clear()
     _gemv_w4_lookup.cache_clear()
+    _gemv_fp8_lookup.cache_clear()

@@ -24,10 +24,11 @@ BLOCK_N * K weight bytes. In the main loop each thread re-derives the quantized 
 its columns once for all the rows it holds:
 
 - division: `a / s_a` must round like torch's true division (`_divide_fp32`); Triton's `/` is an
-  approximate division on the GPU, and div.rn per element is a ~10-instruction sequence. With
-  r = RN(1 / s_a) computed once, q = RN(a * r) is within an ulp of a / s_a and one Markstein
-  correction, q + (a - q * s_a) * r with two FMAs (the residual is exact in an FMA), rounds
-  correctly (Markstein's theorem; the tests check it on every finite bf16 input).
+  approximate division on the GPU, and div.rn per element is a long sequence with a slow-path
+  branch. With r = RN(1 / s_a) computed once, q = RN(a * r) is within an ulp of a / s_a, and
+  one Markstein correction, q + (a - q * s_a) * r in two FMAs (the remainder is exact in an
+  FMA), rounds correctly (Markstein's theorem; the tests check every finite bf16 and fp16
+  value against torch's division for a range of scales).
 - rounding to e4m3 without a conversion: adding c = 2^(max(e, -6) + 20) to |q| (e its binary
   exponent) leaves the sum an ulp of 2^(max(e, -6) - 3), e4m3's spacing at |q| (subnormals
   included), so fp32's round-to-nearest-even rounds |q| onto the e4m3 grid, ties to even; taking
@@ -38,7 +39,7 @@ its columns once for all the rows it holds:
   to 448 (`quantize_fp8_per_token` skips it for the same reason).
 
 Products of two e4m3 values are exact in fp32, so the result differs from `fp8_gemv_ref` only in
-fp32 summation order (and, in the interpreter, in bf16/fp16 roundings, which it truncates).
+fp32 summation order (and, in the interpreter, in its bf16 roundings, which truncate).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _ld(ptr, mask, EVEN_K: tl.constexpr):
     if EVEN_K:
         v = tl.load(ptr)
     else:
-        v = tl.load(ptr, mask=mask, other=0)
+        v = tl.load(ptr, mask=mask, other=0.0)
     return v
 
 
@@ -125,7 +126,8 @@ def _gemv_fp8_kernel(
     N, K, stride_wn, eps, min_scale,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_R: tl.constexpr,
+    EVEN_R: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past N re-read row N - 1 (their results are not stored): no mask on weight loads.
@@ -138,20 +140,22 @@ def _gemv_fp8_kernel(
         w_first = _load_w(W, w_row, 0, K, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
+    # The passes over the row below sit on the critical path after the wait, and each load
+    # is an L2 round trip: they take the row in chunks of BLOCK_R (usually all of it at once).
     rstd = 0.0
     if PROLOGUE == 1:
         # as rms_norm: rstd = rsqrt(sum(x^2) / K + eps) over the whole row, in fp32
-        sq = tl.zeros((BLOCK_K // _VEC, _VEC), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = _cols(k0, BLOCK_K)
-            h = _ld(X + rk, rk < K, EVEN_K).to(tl.float32)
+        sq = tl.zeros((BLOCK_R // _VEC, _VEC), tl.float32)
+        for k0 in range(0, K, BLOCK_R):
+            rk = _cols(k0, BLOCK_R)
+            h = _ld(X + rk, rk < K, EVEN_R).to(tl.float32)
             sq += h * h
         rstd = tl.rsqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / K + eps)
     # the per-token scale, as quantize_fp8_per_token: max(absmax / 448, MIN_ACT_SCALE), with
     # a correctly rounded division
-    amax = tl.zeros((BLOCK_K // _VEC, _VEC), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = _act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K)
+    amax = tl.zeros((BLOCK_R // _VEC, _VEC), tl.float32)
+    for k0 in range(0, K, BLOCK_R):
+        a = _act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_R, BLOCK_R)
         amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
     absmax = tl.max(tl.max(amax, axis=1), axis=0)
     scale = tl.maximum(tl.div_rn(absmax, tl.full((), _FP8_MAX, tl.float32)), min_scale)
@@ -258,6 +262,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     if n == 0:
         return y
     x1 = x.reshape(-1).contiguous()
+    # the chunk of the row-wide passes (absmax, RMSNorm): the whole row up to 8192 columns
+    block_r = max(VEC, min(8192, triton.next_power_of_2(k)))
     dummy = weight  # pointer arguments the constexpr flags switch off
     _gemv_fp8_kernel[(triton.cdiv(n, cfg.block_n),)](
         x1, weight, weight_scale.reshape(n).contiguous(),
@@ -268,6 +274,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
+        BLOCK_R=block_r, EVEN_R=k % block_r == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y

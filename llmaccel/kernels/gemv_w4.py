@@ -169,7 +169,7 @@ def _gemv_w4_kernel(
     GROUP: tl.constexpr, PER_CH: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PROLOGUE: tl.constexpr,
-    RESIDUAL: tl.constexpr,
+    RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     WG: tl.constexpr = (BLOCK_K if PER_CH or BLOCK_K <= GROUP else GROUP) // 8
     GT: tl.constexpr = BLOCK_K // (8 * WG)
@@ -186,11 +186,12 @@ def _gemv_w4_kernel(
     pdl_launch_dependents(USE_PDL)
     rstd = 0.0
     if PROLOGUE == 1:
-        # RMSNorm needs the whole row's mean square before the first tile: one pass over x
-        # (a hidden-size vector the previous kernel just wrote, so read from L2).
-        sq = tl.zeros((BLOCK_K,), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
+        # RMSNorm needs the whole row's mean square before the first tile: a pass over x (a
+        # hidden-size vector the previous kernel just wrote, so read from L2) in as few loads
+        # as possible, since each one is a round trip on the critical path after the wait.
+        sq = tl.zeros((BLOCK_R,), tl.float32)
+        for k0 in range(0, K, BLOCK_R):
+            rk = k0 + tl.arange(0, BLOCK_R)
             xs = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
             sq += xs * xs
         rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
@@ -332,6 +333,8 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         BLOCK_K=cfg.block_k, VEC=cfg.vec, NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
         PROLOGUE=1 if norm_weight is not None else (2 if silu else 0),
         RESIDUAL=residual is not None,
+        # the RMSNorm pass loads the row in one go (up to 8192 columns)
+        BLOCK_R=min(8192, triton.next_power_of_2(k)) if norm_weight is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y

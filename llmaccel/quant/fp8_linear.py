@@ -105,6 +105,17 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     return y.reshape(*lead, w_fp8.shape[0])
 
 
+def _gemv_config(layer: nn.Module):
+    """The tuned batch-1 FP8 GEMV tile for this layer's shape, or None: only tables that
+    measured the GEMV faster than `torch._scaled_mm` hold entries (benchmarks/bench_fp8_gemv.py;
+    the lookup is cached)."""
+    if not Fp8LinearMethod._gemv_ok(layer):
+        return None
+    from llmaccel.kernels.gemm_tuning import gemv_fp8_config
+
+    return gemv_fp8_config(layer.output_size, layer.input_size, layer.weight.device)
+
+
 def _aligned(w_fp8: torch.Tensor) -> bool:
     return w_fp8.shape[0] % SCALED_MM_ALIGN == 0 and w_fp8.shape[1] % SCALED_MM_ALIGN == 0
 
@@ -199,9 +210,45 @@ class Fp8LinearMethod(LinearMethodBase):
             self.mm_dtypes = scaled_mm_dtypes(layer.weight.device)
 
     def apply(self, layer, x, bias=None):
+        if getattr(layer, "use_triton", False) and x.numel() == x.shape[-1]:
+            cfg = _gemv_config(layer)
+            if cfg is not None:  # batch-1 decode: the GEMV, where measured faster
+                from llmaccel.kernels.gemv_fp8 import fp8_gemv
+
+                return fp8_gemv(x, layer.weight, layer.weight_scale, bias, cfg)
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, x.dtype in self.mm_dtypes)
 
+    def fused_decode_config(self, layer: nn.Module, m: int, kind: str):
+        """The FP8 GEMV tile for a fused decode layer (norm / SiLU-and-mul / residual folded
+        into `kernels/gemv_fp8.py`), or None: one row, and a tile for this fusion in the GPU's
+        table, which benchmarks/tune_fused_decode_quant.py writes only where the fused chain
+        measured faster than the unfused one."""
+        if m != 1 or not kind or not self._gemv_ok(layer):
+            return None
+        from llmaccel.kernels.gemm_tuning import fused_fp8_config
+
+        return fused_fp8_config(kind, layer.output_size, layer.input_size, layer.weight.device)
+
+    def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                    config, **fusion) -> torch.Tensor:
+        from llmaccel.kernels.gemv_fp8 import fp8_gemv
+
+        return fp8_gemv(x, layer.weight, layer.weight_scale, bias, config, **fusion)
+
+    @staticmethod
+    def _gemv_ok(layer: nn.Module) -> bool:
+        from llmaccel.kernels import triton_available, triton_supports_fp8
+
+        return triton_available() and triton_supports_fp8(layer.weight.device)
+
     def describe(self, layer: nn.Module | None = None) -> str:
+        gemv = ""
+        if layer is not None and getattr(layer, "use_triton", False):
+            if _gemv_config(layer) is not None:
+                gemv = "; batch 1: Triton FP8 GEMV (kernels/gemv_fp8.py)"
+            if self.fused_decode_config(layer, 1, "norm") is not None:
+                gemv += ("; fused decode layers at batch 1: the GEMV with the norm, "
+                         "SiLU-and-mul and residual add folded in")
         if not self.mm_dtypes:
             kernel = "reference"
         elif self.mm_dtypes == frozenset(_OUT_DTYPES):
@@ -209,7 +256,7 @@ class Fp8LinearMethod(LinearMethodBase):
         else:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.mm_dtypes))
             kernel = f"torch._scaled_mm for {names}; reference otherwise"
-        return f"fp8 W8A8 per-{self.weight_strategy}/per-token ({kernel})"
+        return f"fp8 W8A8 per-{self.weight_strategy}/per-token ({kernel}{gemv})"
 
 
 __all__ = ["Fp8LinearMethod", "fp8_linear", "scaled_mm_dtypes", "supports_scaled_mm"]

@@ -103,7 +103,7 @@ class PackedLinearMethod(LinearMethodBase):
             if self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
                                                   layer.kernel_weight.device) is not None:
                 kernel += "; batch 1: Triton W4A16 GEMV (kernels/gemv_w4.py)"
-            if self.fused_decode_config(layer, 1, "") is not None:
+            if self.fused_decode_config(layer, 1, "norm") is not None:
                 kernel += ("; fused decode layers at batch 1: the GEMV with the norm, "
                            "SiLU-and-mul and residual add folded in")
         else:
@@ -179,17 +179,18 @@ class PackedLinearMethod(LinearMethodBase):
     def fused_decode_config(self, layer: nn.Module, m: int, kind: str):
         """The W4A16 GEMV tile for a fused decode layer (norm / SiLU-and-mul / residual folded
         into the GEMV, `kernels/gemv_w4.py`), or None: 4-bit kernel layout, one row, no
-        act-order permutation (the prologue would have to gather). A tuned tile where the
-        table has one, else the default: fused, the GEMV also saves the norm, activation and
-        residual kernels, so it runs even where only the general kernel was tuned."""
+        act-order permutation (the prologue would have to gather), and a tile for this fusion
+        in the GPU's table. benchmarks/tune_fused_decode_quant.py writes one only where the fused
+        chain measured faster than the unfused one; on an H100 it was slower (the int4 GEMV
+        has about four instructions per weight to spend and the prologue's per-input work
+        exceeds them), so there int4 layers run unfused."""
         if (self.bits != 4 or m != 1 or not hasattr(layer, "kernel_weight")
-                or layer.kernel_perm is not None):
+                or layer.kernel_perm is not None or not kind):
             return None
-        from llmaccel.kernels.gemv_w4 import default_gemv_w4_config
+        from llmaccel.kernels.gemm_tuning import fused_w4_config
 
-        k = layer.input_size
-        tuned = _gemv_w4_config(layer, k, layer.kernel_weight.device)
-        return tuned or default_gemv_w4_config(layer.output_size, k, layer.kernel_group_size)
+        return fused_w4_config(kind, layer.output_size, layer.input_size,
+                               layer.kernel_group_size, layer.kernel_weight.device)
 
     def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                     config, **fusion) -> torch.Tensor:
