@@ -1,0 +1,70 @@
+"""`SpeculativeConfig`: which proposer drafts tokens for the target model, and how many.
+
+Names follow vLLM's `speculative_config` (`method`, `model`, `num_speculative_tokens`,
+`prompt_lookup_min` / `prompt_lookup_max` for n-gram lookup, `disable_by_batch_size`), so a
+config carries over; the adaptive settings are ours (see `spec/adaptive.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmaccel.errors import LLMAccelError
+
+METHODS = ("draft", "ngram", "head")
+
+
+class SpeculativeConfigError(LLMAccelError, ValueError):
+    """A speculative-decoding setting that cannot work, named in the message."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    # draft: a model with the target's tokenizer (HF id, local dir or GGUF); head: a trained
+    # draft head's directory. None for ngram.
+    model: str | None = None
+    num_speculative_tokens: int = 4  # k: the most tokens proposed per step
+    prompt_lookup_min: int = 1  # n-gram: shortest suffix looked up in the context
+    prompt_lookup_max: int = 4  # n-gram: longest suffix looked up (tried first)
+    # Adaptive speculation: per-request k from recent acceptance (spec/adaptive.py) ...
+    adaptive: bool = True
+    # ... and a draft model stops drafting once its top probability falls below this (0: off).
+    draft_confidence_threshold: float = 0.0
+    # Above this many running requests, steps run without speculation (None: never off).
+    disable_by_batch_size: int | None = None
+    # Draft step cost relative to a target step, for the adaptive k (None: measured at run time).
+    draft_cost_ratio: float | None = None
+    draft_quantization: str | None = None  # the draft model's quantization, if any
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.method in METHODS,
+             f"method must be one of {', '.join(METHODS)}, got {self.method!r}"),
+            (self.num_speculative_tokens >= 1,
+             f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"),
+            (self.prompt_lookup_min >= 1,
+             f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}"),
+            (self.prompt_lookup_max >= self.prompt_lookup_min,
+             (f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
+             f"({self.prompt_lookup_min})")),
+            (0.0 <= self.draft_confidence_threshold < 1.0,
+             (f"draft_confidence_threshold must be in [0, 1), got "
+             f"{self.draft_confidence_threshold}")),
+            (self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+             f"disable_by_batch_size must be >= 1 or None, got {self.disable_by_batch_size}"),
+            (self.draft_cost_ratio is None or self.draft_cost_ratio >= 0.0,
+             f"draft_cost_ratio must be >= 0, got {self.draft_cost_ratio}"),
+            (self.method == "ngram" or self.model,
+             f"method={self.method!r} needs `model` (the draft model or head to load)"),
+            (self.method != "ngram" or self.model is None,
+             "method='ngram' drafts from the context and takes no `model`"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SpeculativeConfigError(message)
+
+    def speculate_at(self, batch_size: int) -> bool:
+        """Whether a step with `batch_size` running requests speculates (vLLM's
+        disable_by_batch_size: large batches are compute-bound, where drafting only costs)."""
+        return self.disable_by_batch_size is None or batch_size < self.disable_by_batch_size

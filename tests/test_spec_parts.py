@@ -1,0 +1,109 @@
+"""The parts of speculative decoding around the verifier: n-gram prompt lookup, the adaptive
+choice of k, the acceptance counters and the config's errors."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from llmaccel.spec import SpecDecodeStats, SpeculativeConfig, SpeculativeConfigError
+from llmaccel.spec.adaptive import AcceptanceTracker, best_k, expected_tokens, speedup_bound
+from llmaccel.spec.ngram import NgramProposer, ngram_propose
+
+
+def test_ngram_takes_what_followed_the_latest_longest_match():
+    #        0  1  2  3  4  5  6  7  8  9 10 11
+    ctx = [5, 6, 7, 8, 1, 5, 6, 9, 2, 3, 5, 6]
+    # suffix [5, 6] occurs at 0 and 5: the latest (5) wins -> 9, 2, 3
+    assert ngram_propose(ctx, 3, 1, 2) == [9, 2, 3]
+    # a longer suffix [3, 5, 6] has no earlier match; max_n 3 falls back to n = 2
+    assert ngram_propose(ctx, 3, 1, 3) == [9, 2, 3]
+    # only n >= 3 allowed: nothing recurs
+    assert ngram_propose(ctx, 3, 3, 4) == []
+    # never past the end of the context
+    assert ngram_propose([4, 4], 5, 1, 2) == [4]
+    assert ngram_propose([1], 3, 1, 2) == []
+
+
+def test_ngram_prefers_a_longer_match_over_a_later_one():
+    ctx = [1, 2, 3, 10, 11, 9, 3, 20, 1, 2, 3]
+    # [1, 2, 3] matched at 0 -> 10, 11; the later single [3] at 6 would say 20
+    assert ngram_propose(ctx, 2, 1, 3) == [10, 11]
+    assert ngram_propose(ctx, 2, 1, 1) == [20, 1]
+
+
+def test_ngram_on_a_copied_span_drafts_the_copy():
+    """An edit that copies its input: once the copy starts, lookup drafts the rest of it."""
+    rng = random.Random(0)
+    source = [rng.randrange(1000) for _ in range(200)]
+    ctx = source + [7, 7] + source[:50]
+    prop = NgramProposer(num_speculative_tokens=5, prompt_lookup_min=2, prompt_lookup_max=4)
+    assert prop.propose([ctx]) == [source[50:55]]
+    assert prop.propose([ctx, ctx], ks=[2, 0]) == [source[50:52], []]
+
+
+def test_expected_tokens_and_the_best_k():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert math.isclose(expected_tokens(0.5, 2), 1 + 0.5 + 0.25)
+    assert math.isclose(speedup_bound(0.5, 2, 0.25), 1.75 / 1.5)
+    assert best_k(0.9, 0.0, 8) == 8      # free drafts: draft as many as allowed
+    assert best_k(0.05, 0.3, 8) == 0     # rarely accepted, costly: do not speculate
+    k_mid = best_k(0.7, 0.2, 8)
+    assert 1 <= k_mid < 8
+    assert all(speedup_bound(0.7, k_mid, 0.2) >= speedup_bound(0.7, k, 0.2) for k in range(9))
+
+
+def test_acceptance_tracker_follows_recent_steps():
+    t = AcceptanceTracker()
+    for _ in range(20):
+        t.observe(4, 4)
+    assert t.alpha > 0.95 and t.next_k(0.1, 6) == 6
+    for _ in range(20):
+        t.observe(4, 0)
+    assert t.alpha < 0.1
+    assert t.next_k(0.3, 6) == 1  # keeps probing with one draft
+    assert t.next_k(0.3, 6, min_k=0) == 0
+    before = t.alpha
+    t.observe(0, 0)  # a step without drafts says nothing
+    assert t.alpha == before
+
+
+def test_spec_decode_stats():
+    s = SpecDecodeStats()
+    s.observe(4, 4)
+    s.observe(4, 1)
+    s.observe(2, 0)
+    s.observe(0, 0)
+    assert (s.num_steps, s.num_draft_tokens, s.num_accepted_tokens) == (3, 10, 5)
+    assert s.num_emitted_tokens == 8 and s.num_rollbacks == 2
+    assert s.acceptance_rate == 0.5
+    assert math.isclose(s.mean_accepted_len, 8 / 3)
+    assert s.per_position_acceptance == [2 / 3, 1 / 3, 0.5, 0.5]
+    other = SpecDecodeStats()
+    other.observe(5, 5)
+    s.merge(other)
+    assert s.drafted_per_position == [4, 4, 3, 3, 1] and s.accepted_per_position[4] == 1
+    assert s.as_dict()["num_steps"] == 4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"method": "medusa"}, "method must be one of"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
+    ({"method": "draft"}, "needs `model`"),
+    ({"method": "ngram", "model": "x"}, "takes no `model`"),
+    ({"draft_confidence_threshold": 1.0}, "draft_confidence_threshold"),
+    ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
+])
+def test_config_errors_name_the_setting(kwargs, match):
+    with pytest.raises(SpeculativeConfigError, match=match):
+        SpeculativeConfig(**kwargs)
+
+
+def test_speculation_switches_off_above_the_batch_size():
+    cfg = SpeculativeConfig(method="draft", model="m", disable_by_batch_size=16)
+    assert cfg.speculate_at(15) and not cfg.speculate_at(16)
+    assert SpeculativeConfig().speculate_at(10_000)
