@@ -32,6 +32,17 @@ def smollm2_gguf() -> Path:
     return fetch_model("smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf, tmp_path_factory):
+    """(HF model, tokenizer, directory) of SmolLM2 as safetensors: converted from the GGUF
+    once per session (about 20 s), so engines load it in a second. Do not modify the model."""
+    from llmaccel.models.convert import gguf_to_hf_dir
+
+    model_dir = tmp_path_factory.mktemp("smollm2-hf")
+    hf, tok = gguf_to_hf_dir(smollm2_gguf, model_dir)
+    return hf, tok, model_dir
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

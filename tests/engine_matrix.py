@@ -9,6 +9,10 @@ import torch
 from llmaccel import LLM, SamplingParams
 
 LONG_GENERATION = 48
+# n-gram drafts of up to 3 tokens from 1-3 token suffixes, without the adaptive k (so random
+# models, whose greedy outputs loop, keep drafting)
+SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 3, "adaptive": False}
 # Each mode must still give transformers' greedy tokens exactly. Async scheduling is the
 # engine's default, so the first four modes run it; the "sync-" modes switch it off.
 MODES = {
@@ -22,6 +26,11 @@ MODES = {
     "sync-prefix-caching": dict(enable_prefix_caching=True, async_scheduling=False),
     "sync-all-three": dict(enable_prefix_caching=True, max_num_batched_tokens=7,
                            num_gpu_blocks=24, max_model_len=384, async_scheduling=False),
+    # speculative decoding (n-gram lookup; steps are not launched ahead with it)
+    "spec-ngram": dict(enable_prefix_caching=True, speculative_config=SPEC_NGRAM),
+    "spec-ngram-all-three": dict(enable_prefix_caching=True, max_num_batched_tokens=16,
+                                 num_gpu_blocks=24, max_model_len=384,
+                                 speculative_config=SPEC_NGRAM),
 }
 
 
@@ -71,6 +80,11 @@ def check_mode(llm: LLM, mode: str, launched_ahead: bool = True) -> None:
         assert stats.num_preemptions > 0
     if mode == "chunked-prefill" or mode.endswith("all-three"):
         assert llm.engine.max_num_batched_tokens <= 16
+    if mode.startswith("spec"):  # drafts were proposed, verified, some accepted
+        spec = stats.spec_decode
+        assert spec["num_draft_tokens"] > 0 and spec["num_accepted_tokens"] > 0, spec
+        assert spec["num_emitted_tokens"] == spec["num_steps"] + spec["num_accepted_tokens"]
+        return
     if launched_ahead and not mode.startswith("sync"):  # decode steps were launched ahead (with a 7-token
         # budget and preemptions, requests wait most of the time, and waiting ones block it)
         share = 0.1 if mode == "prefix-caching" else 0.02

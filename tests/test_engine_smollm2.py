@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-from llmaccel.models.convert import gguf_to_hf_dir
 from engine_matrix import LONG_GENERATION, MODES, check_mode, hf_greedy, run_engine
 
 TEXT = """The history of computing is the story of machines that grew faster and smaller at
@@ -26,11 +25,10 @@ large model verifies in a single pass."""
 
 
 @pytest.fixture(scope="module")
-def workload(smollm2_gguf, tmp_path_factory):
+def workload(smollm2_hf):
     # The weights as an HF safetensors directory: each mode's engine then loads in a second
     # instead of re-reading the GGUF (the GGUF path is covered by test_smollm2.py).
-    model_dir = tmp_path_factory.mktemp("smollm2-hf")
-    hf, tok = gguf_to_hf_dir(smollm2_gguf, model_dir)
+    hf, tok, model_dir = smollm2_hf
     ids = tok(TEXT + "\n\n" + TEXT).input_ids  # long enough for 300-token prompts
     rng = random.Random(0)
     # Every prompt but the 1-token one is longer than the chunked modes' 16-token budget.
@@ -41,8 +39,9 @@ def workload(smollm2_gguf, tmp_path_factory):
     return str(model_dir), prompts, max_tokens, hf_greedy(hf, prompts, max_tokens)
 
 
-# sync-all-three runs on the tiny models only: each real-model mode costs a minute of CI
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "sync-all-three"])
+# sync-all-three and spec-ngram run on the tiny models only: each real-model mode costs a
+# minute of CI (spec-ngram-all-three runs here: real text gives n-gram drafts a real chance)
+@pytest.mark.parametrize("mode", [m for m in MODES if m not in ("sync-all-three", "spec-ngram")])
 def test_smollm2_matches_transformers(workload, mode):
     model, prompts, max_tokens, expected = workload
     llm, got = run_engine(model, mode, prompts, max_tokens, max_num_batched_tokens=16)

@@ -139,6 +139,16 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = seq.num_published_blocks = 0
 
+    def truncate(self, seq: Sequence, num_blocks: int) -> None:
+        """Give back the blocks past the first num_blocks of seq's table (speculative decoding:
+        allocated for drafts that were rejected). Never published ones: only verified tokens'
+        blocks are cached."""
+        assert num_blocks >= seq.num_published_blocks, "truncating a published block"
+        extra = seq.block_table[num_blocks:]
+        for block in reversed(extra):
+            self._decref(block)
+        seq.block_table = seq.block_table[:num_blocks]  # a new list (see allocate_slots)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; the first write into a shared partial
         block copies it (copy-on-write)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmaccel.errors import LLMAccelError
+from llmaccel.spec.config import SpeculativeConfig
 
 # vLLM's --kv-cache-dtype values: "auto" stores K/V in the model dtype; "fp8" and "fp8_e4m3"
 # store float8_e4m3fn with per-tensor scales, halving the KV bytes per token.
@@ -40,8 +41,15 @@ class EngineConfig:
     # steps run as usual. On by default: measured +2-6% W1 tok/s on an H100
     # (benchmarks/results/2026-11-23-W1-h100-summary.md).
     async_scheduling: bool = True
+    # Speculative decoding (vLLM's speculative_config; a dict of SpeculativeConfig's fields is
+    # taken too). With it, steps are not launched ahead (the next step's input depends on how
+    # many drafts the host accepts).
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig(**self.speculative_config))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise LLMAccelError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -20,6 +20,7 @@ from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_ge
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
 from llmaccel.engine.sequence import Sequence, SequenceStatus
+from llmaccel.engine.speculative import SpecDecoder
 from llmaccel.engine.stats import EngineStats
 from llmaccel.engine.stop_checker import StopChecker
 from llmaccel.errors import LLMAccelError
@@ -100,6 +101,8 @@ class LLMEngine:
         self._ahead: _Launched | None = None  # async scheduling: the next step, launched early
         self._greedy_host: torch.Tensor | None = None  # pinned staging for early token copies
         self.stats = EngineStats(num_blocks=num_blocks)
+        self.spec = (SpecDecoder(config.speculative_config, mc.max_model_len, self.stop_checker)
+                     if config.speculative_config is not None else None)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, bs,
                     num_blocks * bs, str(self.kv_cache_dtype).removeprefix("torch."))
 
@@ -191,6 +194,8 @@ class LLMEngine:
         """
         launched, self._ahead = self._ahead, None
         if launched is None:
+            if self.spec is not None:
+                self.spec.propose(self.scheduler.running)
             sched = self.scheduler.schedule()
             if not sched:
                 outputs = self._process_outputs()
@@ -201,7 +206,7 @@ class LLMEngine:
                 return outputs
             launched = self._launch(sched)
         outputs = self._process_outputs()  # overlaps the GPU
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and self.spec is None:
             self._ahead = self._launch_ahead(launched)
         self._complete(launched)
         return outputs
@@ -223,7 +228,8 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             if not seq.is_finished:
                 seq.num_computed_tokens += n
-        plain = bool(sampling) and self.config.async_scheduling and self._plain(sampling)
+        plain = (bool(sampling) and self.config.async_scheduling and self.spec is None
+                 and self._plain(sampling))
         if greedy is None and plain:
             greedy = greedy_with_logprobs(logits)  # eager steps: argmax on the device too
         return _Launched(sched, sampling, logits, greedy, plain)
@@ -280,23 +286,32 @@ class LLMEngine:
         """Sample the launched step's tokens (the one host sync), apply them and the checks
         that decide the next step (EOS, stop ids, max_tokens)."""
         sched, sampling = launched.sched, launched.sampling
-        rows, seqs = [], []
+        offsets, num_rows = [], 0  # a sequence with drafts has 1 + len(drafts) logits rows
+        for seq in sampling:
+            offsets.append(num_rows)
+            num_rows += 1 + len(seq.spec_token_ids)
+        rows, seqs, spec_seqs, spec_offsets = [], [], [], []
         for i, seq in enumerate(sampling):
             if seq.is_finished:  # a stop string found just now, or aborted
                 if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER_TOKEN:
                     seq.output_token_ids.pop()
+                seq.spec_token_ids = []
                 continue
-            rows.append(i)
+            if seq.spec_token_ids:
+                spec_seqs.append(seq)
+                spec_offsets.append(offsets[i])
+                continue
+            rows.append(offsets[i])
             seqs.append(seq)
             req = self.requests[seq.request_id]
             for child in req.pending_forks:  # n > 1: siblings share the prompt's blocks
                 self.block_manager.fork(seq, child)
                 child.status = SequenceStatus.RUNNING
                 self.scheduler.running.append(child)
-                rows.append(i)
+                rows.append(offsets[i])
                 seqs.append(child)
             req.pending_forks = []
-        results = self._sample(seqs, rows, len(sampling), launched.logits, launched.greedy,
+        results = self._sample(seqs, rows, num_rows, launched.logits, launched.greedy,
                                launched.greedy_host)
         now = time.monotonic()
         for seq, r in zip(seqs, results):
@@ -311,8 +326,32 @@ class LLMEngine:
             seq.first_token_time = seq.first_token_time or now
             if self.stop_checker.check_token(seq):
                 self.scheduler.finish(seq, seq.finish_reason)
-        self.stats.record_step(sched.num_tokens, len(seqs), len(sched.preempted))
-        self._deferred = seqs
+        emitted = len(seqs)
+        if spec_seqs:
+            emitted += self._complete_speculative(spec_seqs, launched.logits, spec_offsets, now)
+        self.stats.record_step(sched.num_tokens, emitted, len(sched.preempted))
+        self._deferred = seqs + spec_seqs
+
+    def _complete_speculative(self, seqs: list[Sequence], logits: torch.Tensor,
+                              offsets: list[int], now: float) -> int:
+        """Verify the drafts (engine/speculative.py) and emit each sequence's accepted tokens
+        plus one, checking stops token by token; returns how many tokens were emitted."""
+        result, logprobs = self.spec.verify(seqs, logits, offsets)
+        emitted = 0
+        for seq, tokens, lps, accepted in zip(seqs, result.tokens, logprobs,
+                                              result.num_accepted):
+            self.spec.accept(seq, accepted)
+            seq.first_token_time = seq.first_token_time or now
+            for token, lp in zip(tokens, lps):
+                seq.output_token_ids.append(token)
+                seq.cumulative_logprob += lp
+                emitted += 1
+                if self.stop_checker.check_token(seq):
+                    self.scheduler.finish(seq, seq.finish_reason)
+                    break
+            if not seq.is_finished:
+                self.spec.rollback_blocks(seq, self.block_manager)
+        return emitted
 
     def _sample(self, seqs: list[Sequence], rows: list[int], num_rows: int,
                 logits: torch.Tensor, greedy: torch.Tensor | None,
@@ -373,8 +412,16 @@ class LLMEngine:
         times = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
         metrics = RequestMetrics(req.arrival_time, min(times) if times else None,
                                  req.finished_time, sum(s.num_preemptions for s in req.seqs))
+        if self.spec is not None:
+            spec = type(first.spec_stats)()
+            for s in req.seqs:
+                spec.merge(s.spec_stats)
+            metrics.spec_decode = spec.as_dict()
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
                              req.finished, first.num_cached_tokens, metrics)
 
     def get_stats(self) -> EngineStats:
-        return self.stats.snapshot(self.scheduler, self.block_manager)
+        stats = self.stats.snapshot(self.scheduler, self.block_manager)
+        if self.spec is not None:
+            stats.spec_decode = self.spec.stats.as_dict()
+        return stats

@@ -57,8 +57,9 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, input_ids: torch.Tensor | None = None
                 ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
         """Launch the step (no host sync); returns the sequences that reached their last token
-        (and so sample now), their next-token logits [len, vocab] and, from a CUDA graph, the
-        greedy tokens and logprobs [2, len] computed inside it (else None).
+        (and so sample now), their next-token logits [rows, vocab] (one row per sequence, or
+        1 + len(seq.spec_token_ids) rows for one with speculative drafts) and, from a CUDA
+        graph, the greedy tokens and logprobs [2, len] computed inside it (else None).
 
         `input_ids` (on the device, any numeric dtype) replaces the ids of a decode step whose
         tokens the host does not know yet (async scheduling): one per scheduled sequence."""
@@ -70,20 +71,22 @@ class ModelRunner:
         for seq, n in step.scheduled:
             start = seq.num_computed_tokens
             table = seq.block_table
+            spec = seq.spec_token_ids  # speculative drafts follow the last real token
             if n == 1:  # decode: skip building per-token ranges
                 ids.append(seq.token_at(start))
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                ids += seq.token_slice(start, start + n)
+                ids += seq.token_slice(start, start + n - len(spec)) + spec
                 positions += range(start, start + n)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
-            if start + n == seq.num_tokens:
+            if start + n == seq.num_tokens + len(spec):
                 sampling.append(seq)
-                rows.append(len(ids) - 1)
+                # logits of the last real token and of every draft (to verify them)
+                rows.extend(range(len(ids) - 1 - len(spec), len(ids)))
         if input_ids is not None and input_ids.shape[0] != len(ids):
             raise ValueError(f"input_ids has {input_ids.shape[0]} ids for {len(ids)} tokens")
         if (self.graphs is not None and len(ids) == len(query_lens)

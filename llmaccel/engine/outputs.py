@@ -26,6 +26,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    spec_decode: dict | None = None  # SpecDecodeStats.as_dict() when speculation is on
 
     @property
     def ttft(self) -> float | None:

@@ -50,8 +50,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.enable_chunked_prefill and n < seq.num_uncomputed_tokens:
+            real = seq.num_uncomputed_tokens
+            # speculative drafts are computed like any token, after the real ones
+            n = min(real + len(seq.spec_token_ids), budget)
+            if not self.enable_chunked_prefill and n < real:
                 i += 1
                 continue
             while not self.bm.allocate_slots(seq, n):
@@ -60,7 +62,10 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+                # only verified tokens go into the prefix cache, never drafts
+                self.bm.cache_full_blocks(seq, seq.num_computed_tokens + min(n, real))
+                if seq.spec_token_ids:
+                    seq.spec_token_ids = seq.spec_token_ids[:n - real]  # what the budget left
                 out.scheduled.append((seq, n))
                 budget -= n
                 i += 1
@@ -110,6 +115,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        seq.spec_token_ids = []
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

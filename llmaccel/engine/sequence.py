@@ -10,6 +10,8 @@ import torch
 
 from llmaccel.engine.detokenizer import DetokenizerState
 from llmaccel.engine.sampling_params import SamplingParams
+from llmaccel.spec.adaptive import AcceptanceTracker
+from llmaccel.spec.metrics import SpecDecodeStats
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +42,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # speculative decoding: drafts to verify in the next step (not part of the output yet)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    spec_tracker: AcceptanceTracker | None = None  # recent acceptance, for the adaptive k
     _block_keys: list[tuple[int, ...]] = field(default_factory=list, repr=False)
 
     @property

@@ -17,6 +17,7 @@ class EngineStats:
     num_batched_tokens: int = 0      # tokens run through the model, all steps
     num_generated_tokens: int = 0
     num_async_steps: int = 0         # steps launched before the previous one's tokens arrived
+    spec_decode: dict | None = None  # SpecDecodeStats.as_dict() when speculation is on
 
     def record_step(self, tokens: int, sampled: int, preempted: int) -> None:
         self.num_steps += 1
