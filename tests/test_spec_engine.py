@@ -106,4 +106,4 @@ def test_unknown_speculative_method_is_a_clear_error(tiny):
     with pytest.raises(SpeculativeConfigError, match="num_speculative_tokens"):
         _llm(tiny, {"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(SpeculativeConfigError, match="not available in the engine yet"):
-        _llm(tiny, {"method": "draft", "model": tiny})
+        _llm(tiny, {"method": "head", "model": tiny})

@@ -50,11 +50,14 @@ def bytes_per_block(model: TransformerForCausalLM, block_size: int, dtype: torch
 
 def num_blocks_for_budget(model: TransformerForCausalLM, block_size: int, dtype: torch.dtype,
                           device: torch.device, gpu_memory_utilization: float,
-                          cpu_kv_cache_gib: float, max_blocks_useful: int) -> int:
+                          cpu_kv_cache_gib: float, max_blocks_useful: int,
+                          extra_bytes_per_block: int = 0) -> int:
     """GPU: what is left of total * utilization after weights and the profiled peak of a
     forward pass (measured by the caller before this). CPU: a fixed budget. Never more than
-    `max_blocks_useful` (enough for max_num_seqs full-length sequences)."""
-    per_block = bytes_per_block(model, block_size, dtype)
+    `max_blocks_useful` (enough for max_num_seqs full-length sequences).
+    `extra_bytes_per_block`: another pool with as many blocks shares the budget (a draft
+    model's KV for speculative decoding)."""
+    per_block = bytes_per_block(model, block_size, dtype) + extra_bytes_per_block
     if device.type == "cuda":
         _, total = torch.cuda.mem_get_info(device)
         budget = total * gpu_memory_utilization - torch.cuda.max_memory_allocated(device)

@@ -11,8 +11,8 @@ import torch
 from llmaccel.engine.block_manager import BlockManager
 from llmaccel.engine.config import EngineConfig
 from llmaccel.engine.cuda_graph import default_capture_sizes
-from llmaccel.engine.kv_cache import (allocate_kv_caches, num_blocks_for_budget,
-                                      resolve_kv_cache_dtype)
+from llmaccel.engine.kv_cache import (allocate_kv_caches, bytes_per_block,
+                                      num_blocks_for_budget, resolve_kv_cache_dtype)
 from llmaccel.engine.model_runner import ModelRunner
 from llmaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_generator,
@@ -20,7 +20,8 @@ from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_ge
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
 from llmaccel.engine.sequence import Sequence, SequenceStatus
-from llmaccel.engine.speculative import SpecDecoder
+from llmaccel.engine.speculative import SpecDecoder, load_draft_model
+from llmaccel.spec.draft_model import DraftModelProposer
 from llmaccel.engine.stats import EngineStats
 from llmaccel.engine.stop_checker import StopChecker
 from llmaccel.errors import LLMAccelError
@@ -71,6 +72,8 @@ class LLMEngine:
         self.device, self.max_model_len = device, mc.max_model_len
         self.model = get_model(mc, device, attention_backend=config.attention_backend,
                                seed=config.seed)
+        # a draft model loads before the KV pool is sized: its weights and KV take a share
+        self.draft_model = load_draft_model(config, mc, device)
         self.tokenizer = None
         if not config.skip_tokenizer_init and (mc.source.kind != "shape" or config.tokenizer):
             self.tokenizer = get_tokenizer(mc, config.tokenizer)
@@ -101,8 +104,14 @@ class LLMEngine:
         self._ahead: _Launched | None = None  # async scheduling: the next step, launched early
         self._greedy_host: torch.Tensor | None = None  # pinned staging for early token copies
         self.stats = EngineStats(num_blocks=num_blocks)
-        self.spec = (SpecDecoder(config.speculative_config, mc.max_model_len, self.stop_checker)
-                     if config.speculative_config is not None else None)
+        self.spec = None
+        if config.speculative_config is not None:
+            draft = None
+            if self.draft_model is not None:
+                draft = DraftModelProposer(self.draft_model, num_blocks, bs, mc.max_model_len,
+                                           self.kv_cache_dtype, device, self._capture_sizes())
+            self.spec = SpecDecoder(config.speculative_config, mc.max_model_len,
+                                    self.stop_checker, draft)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, bs,
                     num_blocks * bs, str(self.kv_cache_dtype).removeprefix("torch."))
 
@@ -130,8 +139,11 @@ class LLMEngine:
                 self.model.compute_logits(hidden[-min(n, c.max_num_seqs):])
             torch.cuda.synchronize(self.device)
         useful = c.max_num_seqs * -(-mc.max_model_len // c.block_size)
+        extra = (0 if self.draft_model is None else
+                 bytes_per_block(self.draft_model, c.block_size, self.kv_cache_dtype))
         return num_blocks_for_budget(self.model, c.block_size, self.kv_cache_dtype, self.device,
-                                     c.gpu_memory_utilization, c.cpu_kv_cache_gib, useful)
+                                     c.gpu_memory_utilization, c.cpu_kv_cache_gib, useful,
+                                     extra_bytes_per_block=extra)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -169,6 +181,8 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+            if self.spec is not None:
+                self.spec.release(seq)
         for seq in req.pending_forks:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         req.pending_forks = []
@@ -197,6 +211,9 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.propose(self.scheduler.running)
             sched = self.scheduler.schedule()
+            if self.spec is not None:
+                for seq in sched.preempted:
+                    self.spec.release(seq)
             if not sched:
                 outputs = self._process_outputs()
                 # Config checks guarantee any single request fits; an empty step with work
@@ -328,30 +345,10 @@ class LLMEngine:
                 self.scheduler.finish(seq, seq.finish_reason)
         emitted = len(seqs)
         if spec_seqs:
-            emitted += self._complete_speculative(spec_seqs, launched.logits, spec_offsets, now)
+            emitted += self.spec.complete(spec_seqs, launched.logits, spec_offsets, now,
+                                          self.scheduler, self.block_manager)
         self.stats.record_step(sched.num_tokens, emitted, len(sched.preempted))
         self._deferred = seqs + spec_seqs
-
-    def _complete_speculative(self, seqs: list[Sequence], logits: torch.Tensor,
-                              offsets: list[int], now: float) -> int:
-        """Verify the drafts (engine/speculative.py) and emit each sequence's accepted tokens
-        plus one, checking stops token by token; returns how many tokens were emitted."""
-        result, logprobs = self.spec.verify(seqs, logits, offsets)
-        emitted = 0
-        for seq, tokens, lps, accepted in zip(seqs, result.tokens, logprobs,
-                                              result.num_accepted):
-            self.spec.accept(seq, accepted)
-            seq.first_token_time = seq.first_token_time or now
-            for token, lp in zip(tokens, lps):
-                seq.output_token_ids.append(token)
-                seq.cumulative_logprob += lp
-                emitted += 1
-                if self.stop_checker.check_token(seq):
-                    self.scheduler.finish(seq, seq.finish_reason)
-                    break
-            if not seq.is_finished:
-                self.spec.rollback_blocks(seq, self.block_manager)
-        return emitted
 
     def _sample(self, seqs: list[Sequence], rows: list[int], num_rows: int,
                 logits: torch.Tensor, greedy: torch.Tensor | None,
@@ -392,6 +389,8 @@ class LLMEngine:
             was_running = not seq.is_finished
             if self.stop_checker.update_text(seq) and was_running:
                 self.scheduler.finish(seq, seq.finish_reason)
+            if seq.is_finished and self.spec is not None:
+                self.spec.release(seq)
             touched[seq.request_id] = req
         outputs = []
         for req in touched.values():

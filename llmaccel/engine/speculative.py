@@ -30,21 +30,28 @@ from llmaccel.spec.verifier import VerifyResult, greedy_verify, processed_probs,
 # n-gram proposer, which has no draft model to time: small on a GPU at low batch (decode is
 # memory-bound), not zero. `SpeculativeConfig.draft_cost_ratio` overrides it.
 NGRAM_COST_RATIO = 0.05
+# A draft model's step relative to the target's, for the adaptive k until measured: a 3x
+# smaller model runs a decode step in about a third of the time or more (launch-bound).
+DRAFT_COST_RATIO = 0.35
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, stop_checker) -> None:
-        if config.method != "ngram":
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, stop_checker,
+                 draft=None) -> None:
+        """`draft`: the DraftModelProposer (spec/draft_model.py) for method 'draft'."""
+        if config.method == "head":
             raise SpeculativeConfigError(
-                f"speculative method {config.method!r} is not available in the engine yet; "
-                "use method='ngram'")
+                "speculative method 'head' is not available in the engine yet; use 'ngram' "
+                "or 'draft'")
         self.config = config
         self.max_model_len = max_model_len
         self.stop_checker = stop_checker
+        self.draft = draft
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
+        default_cost = NGRAM_COST_RATIO if draft is None else DRAFT_COST_RATIO
         self.cost_ratio = (config.draft_cost_ratio if config.draft_cost_ratio is not None
-                           else NGRAM_COST_RATIO)
+                           else default_cost)
         self.stats = SpecDecodeStats()
 
     # -- before scheduling ---------------------------------------------------------------------
@@ -69,12 +76,24 @@ class SpecDecoder:
         speculate)."""
         start = time.perf_counter()
         on = self.config.speculate_at(len(running))
+        drafting, ks = [], []
         for seq in running:
-            seq.spec_token_ids = []
+            seq.spec_token_ids, seq.spec_draft_probs = [], None
             if on and self._eligible(seq):
                 k = self._k(seq)
                 if k:
-                    seq.spec_token_ids = self.proposer.propose([seq.all_token_ids], [k])[0]
+                    drafting.append(seq)
+                    ks.append(k)
+        if self.draft is None:
+            for seq, k in zip(drafting, ks):
+                seq.spec_token_ids = self.proposer.propose([seq.all_token_ids], [k])[0]
+        elif drafting:
+            drafts, qs = self.draft.propose(drafting, ks,
+                                            self.config.draft_confidence_threshold)
+            for seq, d, q in zip(drafting, drafts, qs):
+                seq.spec_token_ids, seq.spec_draft_probs = d, q
+        for seq in drafting:
+            seq.spec_real_len = seq.num_tokens
         self.stats.draft_time_s += time.perf_counter() - start
 
     # -- after the step ------------------------------------------------------------------------
@@ -94,7 +113,8 @@ class SpecDecoder:
             result = greedy_verify(drafts, target, num)
         else:
             probs = processed_probs(target, [s.params for s in seqs])
-            result = rejection_sample(drafts, None, probs, num, [s.generator for s in seqs])
+            result = rejection_sample(drafts, self._draft_probs(seqs, kmax, probs), probs, num,
+                                      [s.generator for s in seqs])
         emitted = torch.tensor([t + [0] * (kmax + 1 - len(t)) for t in result.tokens],
                                device=logits.device)
         lp = target.float().log_softmax(-1).gather(-1, emitted[..., None]).squeeze(-1)
@@ -102,16 +122,62 @@ class SpecDecoder:
         self.stats.verify_time_s += time.perf_counter() - start
         return result, logprobs
 
+    @staticmethod
+    def _draft_probs(seqs: list[Sequence], kmax: int, target_probs: torch.Tensor
+                     ) -> torch.Tensor | None:
+        """q [B, kmax, V] for the rejection sampler: the draft model's distributions where it
+        sampled, one-hot rows for deterministic drafts (n-gram, greedy); None if all are."""
+        if all(s.spec_draft_probs is None for s in seqs):
+            return None
+        q = torch.zeros(len(seqs), kmax, target_probs.shape[-1], device=target_probs.device)
+        for b, s in enumerate(seqs):
+            k = len(s.spec_token_ids)
+            if s.spec_draft_probs is not None:
+                q[b, :k] = s.spec_draft_probs[:k].to(q.device)
+            else:
+                q[b, torch.arange(k), torch.tensor(s.spec_token_ids)] = 1.0
+        return q
+
     def accept(self, seq: Sequence, num_accepted: int) -> None:
         """Book a verified step: the rejected drafts leave the computed tokens (the caller
         appends the emitted tokens, with its stop checks, then calls `rollback_blocks`)."""
         k = len(seq.spec_token_ids)
         seq.num_computed_tokens -= k - num_accepted
-        seq.spec_token_ids = []
+        if self.draft is not None:
+            self.draft.rollback(seq, seq.spec_real_len, k, num_accepted)
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
         self.stats.observe(k, num_accepted)
         seq.spec_stats.observe(k, num_accepted)
         if seq.spec_tracker is not None:
             seq.spec_tracker.observe(k, num_accepted)
+
+    def complete(self, seqs: list[Sequence], logits: torch.Tensor, offsets: list[int],
+                 now: float, scheduler, block_manager: BlockManager) -> int:
+        """Verify the drafts and emit each sequence's accepted tokens plus one, checking stops
+        token by token (a stop inside an accepted run ends the output there); returns how many
+        tokens were emitted."""
+        result, logprobs = self.verify(seqs, logits, offsets)
+        emitted = 0
+        for seq, tokens, lps, accepted in zip(seqs, result.tokens, logprobs,
+                                              result.num_accepted):
+            self.accept(seq, accepted)
+            seq.first_token_time = seq.first_token_time or now
+            for token, lp in zip(tokens, lps):
+                seq.output_token_ids.append(token)
+                seq.cumulative_logprob += lp
+                emitted += 1
+                if self.stop_checker.check_token(seq):
+                    scheduler.finish(seq, seq.finish_reason)
+                    break
+            if not seq.is_finished:
+                self.rollback_blocks(seq, block_manager)
+        return emitted
+
+    def release(self, seq: Sequence) -> None:
+        """A sequence left the running set (finished, aborted, preempted): its draft KV goes."""
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
+        if self.draft is not None:
+            self.draft.release(seq)
 
     def rollback_blocks(self, seq: Sequence, block_manager: BlockManager) -> None:
         """Drop table entries past what the sequence's tokens need (allocated for rejected
@@ -119,3 +185,24 @@ class SpecDecoder:
         keep = -(-seq.num_tokens // block_manager.block_size)
         if len(seq.block_table) > keep:
             block_manager.truncate(seq, keep)
+
+
+def load_draft_model(config, target_model_config, device: torch.device):
+    """The draft model of a speculative_config with method 'draft' (else None), loaded like
+    the target (dtype, load format, max_model_len) and checked to share its vocabulary."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft":
+        return None
+    from llmaccel.models.config import make_model_config
+    from llmaccel.models.loader import get_model
+    from llmaccel.models.tokenizer import get_tokenizer
+    from llmaccel.spec.draft_model import check_vocab_compatible
+
+    tmc = target_model_config
+    dmc = make_model_config(spec.model, dtype=config.dtype, max_model_len=tmc.max_model_len,
+                            load_format=config.load_format, device=device)
+    tokenizers = (None, None)
+    if not config.skip_tokenizer_init and tmc.source.kind != "shape":
+        tokenizers = (get_tokenizer(tmc, config.tokenizer), get_tokenizer(dmc))
+    check_vocab_compatible(tmc.hf_config, dmc.hf_config, *tokenizers, draft_name=spec.model)
+    return get_model(dmc, device, attention_backend=config.attention_backend, seed=config.seed)

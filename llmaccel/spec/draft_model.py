@@ -1,0 +1,153 @@
+"""A draft model that proposes tokens for the target: a smaller model with the same tokenizer,
+with its own paged KV cache, block pool and model runner (CUDA graphs for its decode steps).
+
+Each step, for every drafting sequence: one catch-up pass feeds the tokens the draft has not
+seen yet (the whole prompt the first time, then the previous step's accepted drafts and the
+target's token), whose last logits give draft 1; then k - 1 single-token decode steps give the
+rest. The draft's KV stays valid for every token the target accepts, so after verification
+only `num_computed_tokens` is lowered to the accepted prefix (and unneeded blocks returned).
+Sampled requests draft by sampling the draft's processed distribution q (kept for the
+rejection sampler); greedy requests draft its argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmaccel.engine.block_manager import BlockManager
+from llmaccel.engine.kv_cache import allocate_kv_caches
+from llmaccel.engine.model_runner import ModelRunner
+from llmaccel.engine.scheduler import SchedulerOutput
+from llmaccel.engine.sequence import Sequence
+from llmaccel.spec.config import SpeculativeConfigError
+from llmaccel.spec.verifier import processed_probs
+
+
+@dataclass(eq=False)
+class DraftView:
+    """One sequence as the draft model sees it: what ModelRunner.execute reads (tokens, the
+    draft's block table, how many tokens have draft KV), nothing of the target's state."""
+
+    tokens: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_published_blocks: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # always empty for the draft
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def token_at(self, i: int) -> int:
+        return self.tokens[i]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return self.tokens[start:end]
+
+
+def check_vocab_compatible(target_config, draft_config, target_tokenizer=None,
+                           draft_tokenizer=None, draft_name: str = "draft") -> None:
+    """A draft must score the target's token ids: same vocabulary size and, where both
+    tokenizers are loaded, the same token -> id map."""
+    tv, dv = target_config.vocab_size, draft_config.vocab_size
+    if tv != dv:
+        raise SpeculativeConfigError(
+            f"draft model {draft_name} has vocab_size {dv}, the target {tv}: a draft model "
+            "must share the target's tokenizer")
+    if (target_tokenizer is not None and draft_tokenizer is not None
+            and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab()):
+        raise SpeculativeConfigError(
+            f"draft model {draft_name} has a different tokenizer vocabulary from the "
+            "target's: a draft model must share the target's tokenizer")
+
+
+class DraftModelProposer:
+    def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int,
+                 kv_cache_dtype: torch.dtype, device: torch.device,
+                 cudagraph_capture_sizes: list[int] | None = None) -> None:
+        self.model = model
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, allocate_kv_caches(model, num_blocks, block_size,
+                                                            kv_cache_dtype, device),
+                                  block_size, max_model_len, cudagraph_capture_sizes)
+
+    def _view(self, seq: Sequence) -> DraftView:
+        if seq.draft_view is None:
+            seq.draft_view = DraftView()
+        view = seq.draft_view
+        view.tokens = seq.all_token_ids
+        return view
+
+    def release(self, seq: Sequence) -> None:
+        """Give back the draft's blocks of a finished, aborted or preempted sequence."""
+        view = seq.draft_view
+        if view is not None:
+            self.block_manager.free(view)
+            seq.draft_view = None
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int], confidence_threshold: float = 0.0
+                ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Up to ks[i] drafts for seqs[i] and, for sampled requests, the draft's processed
+        distributions [len(drafts), vocab] they were drawn from (None for greedy requests:
+        their drafts are argmaxes). A sequence whose draft blocks cannot be allocated drafts
+        nothing this step."""
+        views, active, drafts = [], [], [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            view = self._view(seq)
+            views.append(view)
+            n = view.num_tokens - view.num_computed_tokens
+            # room for the catch-up tokens and k - 1 drafts (the last draft's KV is never needed)
+            if k > 0 and n > 0 and self.block_manager.allocate_slots(view, n + k - 1):
+                active.append(i)
+        step = [(views[i], views[i].num_tokens - views[i].num_computed_tokens) for i in active]
+        for j in range(max((ks[i] for i in active), default=0)):
+            if not step:
+                break
+            sched = SchedulerOutput(scheduled=step)
+            _, logits, _ = self.runner.execute(sched)
+            for view, n in step:
+                view.num_computed_tokens += n
+            tokens, probs = self._choose([seqs[i] for i in active], logits)
+            still, next_step = [], []
+            for r, i in enumerate(active):
+                drafts[i].append(tokens[r])
+                views[i].tokens = views[i].tokens + [tokens[r]]
+                if probs is not None and not seqs[i].params.greedy:
+                    qs[i].append(probs[r])
+                confident = (confidence_threshold <= 0.0 or probs is None
+                             or float(probs[r].max()) >= confidence_threshold)
+                if j + 1 < ks[i] and confident:
+                    still.append(i)
+                    next_step.append((views[i], 1))
+            active, step = still, next_step
+        out_q = [torch.stack(q) if q else None for q in qs]
+        return drafts, out_q
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor
+                ) -> tuple[list[int], torch.Tensor | None]:
+        """The next draft token of each row: argmax for greedy requests, a sample from the
+        processed q otherwise; q (all rows) when any row samples or a threshold needs it."""
+        probs = processed_probs(logits[:, None, :], [s.params for s in seqs])[:, 0]
+        tokens = probs.argmax(-1)
+        for r, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                tokens[r] = torch.multinomial(probs[r], 1, generator=seq.generator)[0]
+        return tokens.tolist(), probs
+
+    def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
+                 num_accepted: int) -> None:
+        """After verification: the draft's KV holds the real tokens and drafts 1..k-1; it stays
+        valid for the accepted ones (they equal what the target emitted)."""
+        view = seq.draft_view
+        if view is None:
+            return
+        view.num_computed_tokens = min(view.num_computed_tokens,
+                                       real_tokens_before + min(num_accepted, num_drafts - 1))
+        view.tokens = view.tokens[:view.num_computed_tokens]
+        keep = -(-(view.num_computed_tokens + 1) // self.block_manager.block_size)
+        if len(view.block_table) > keep:
+            self.block_manager.truncate(view, keep)
