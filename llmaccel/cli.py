@@ -116,6 +116,10 @@ def generate(
     async_scheduling: bool = typer.Option(
         True, "--async-scheduling/--no-async-scheduling",
         help="Launch each greedy decode step before the previous one's tokens reach the host."),
+    speculative_config: Optional[str] = typer.Option(
+        None, help="Speculative decoding as JSON (vLLM's flag), e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft\", \"model\": "
+        "\"./small.gguf\"}'; fields of llmaccel.spec.SpeculativeConfig."),
 ) -> None:
     """Generate text for one or more prompts on the engine."""
     from llmaccel.engine import SamplingParams
@@ -125,9 +129,10 @@ def generate(
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, max_tokens=max_tokens, seed=seed, stop=stop or None,
                             ignore_eos=ignore_eos)
+    spec = parse_speculative_config(speculative_config)
     start = time.perf_counter()
     with console.status("loading model…"):
-        llm = LLM(model, dtype=dtype, device=device, max_model_len=max_model_len,
+        llm = LLM(model, dtype=dtype, speculative_config=spec, device=device, max_model_len=max_model_len,
                   load_format=load_format, tokenizer=tokenizer,
                   enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks=num_gpu_blocks,
@@ -157,6 +162,31 @@ def generate(
                   f"{llm.engine.device} · load {load_s:.1f}s · {tokens} tokens in {gen_s:.2f}s "
                   f"({tokens / gen_s:.1f} tok/s) · prefix hit rate "
                   f"{stats.prefix_hit_rate:.0%} · {stats.num_preemptions} preemptions")
+    if stats.spec_decode is not None:
+        sd = stats.spec_decode
+        console.print(f"[dim]speculative: acceptance {sd['acceptance_rate']:.0%} · "
+                      f"{sd['mean_accepted_len']:.2f} tokens per verify step · "
+                      f"{sd['num_draft_tokens']} drafts")
+
+
+def parse_speculative_config(text: str | None) -> dict | None:
+    """--speculative-config JSON -> a dict of SpeculativeConfig fields (checked there)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LLMAccelError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise LLMAccelError("--speculative-config must be a JSON object")
+    from llmaccel.spec import SpeculativeConfig
+
+    fields = set(SpeculativeConfig.__dataclass_fields__)
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise LLMAccelError(f"--speculative-config: unknown field(s) {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(fields))})")
+    return value
 
 
 @app.command()

@@ -148,6 +148,14 @@ def runs(inputs):
     commands["generate", "backend"] = _generate(str(inputs["tiny"]), "--attention-backend",
                                                 "fastest")
     commands["generate", "tiny_ok"] = _generate(str(inputs["tiny"]), "--prompt", "w5 w6")
+    commands["generate", "spec_ok"] = _generate(
+        str(inputs["tiny"]), "--prompt", "w5 w6 w5 w6 w5", "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 2}')
+    for case, value in (("spec_json", "{method: ngram"), ("spec_field", '{"methd": "ngram"}'),
+                        ("spec_value", '{"method": "ngram", "num_speculative_tokens": 0}'),
+                        ("spec_draft", '{"method": "draft", "model": "/nonexistent/draft"}')):
+        commands["generate", case] = _generate(str(inputs["tiny"]), "--speculative-config",
+                                               value)
     with ThreadPoolExecutor(_WORKERS) as pool:
         futures: dict[tuple[str, str], Future] = {
             key: pool.submit(run_llmaccel, *argv) for key, argv in commands.items()}
@@ -252,3 +260,17 @@ def test_bad_engine_flags(runs):
     assert "--cudagraph-capture-sizes" in line and "1,two" in line
     line = one_line_error(_result(runs, "generate", "backend"))
     assert "fastest" in line and "triton" in line
+
+
+def test_speculative_config_flag(runs):
+    r = _result(runs, "generate", "spec_ok")
+    assert r.returncode == 0, r.stderr
+    assert "speculative: acceptance" in r.stdout
+    line = one_line_error(_result(runs, "generate", "spec_json"))
+    assert "--speculative-config" in line and "JSON" in line
+    line = one_line_error(_result(runs, "generate", "spec_field"))
+    assert "methd" in line and "num_speculative_tokens" in line
+    line = one_line_error(_result(runs, "generate", "spec_value"))
+    assert "num_speculative_tokens must be >= 1" in line
+    line = one_line_error(_result(runs, "generate", "spec_draft"))
+    assert "/nonexistent/draft" in line
