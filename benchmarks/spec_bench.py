@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     kw = {"dtype": args.dtype, "max_model_len": args.max_model_len}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     commit = os.environ.get("LLMACCEL_COMMIT", "unknown")
-    command = "python benchmarks/spec_bench.py " + " ".join(argv or [])
+    command = "python benchmarks/spec_bench.py " + " ".join(
+        sys.argv[1:] if argv is None else argv)
     records, rows = [], []
     plain = LLM(args.target, **kw)
     tok = plain.get_tokenizer()
