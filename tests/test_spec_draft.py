@@ -84,3 +84,17 @@ def test_draft_with_another_vocabulary_is_refused(pair, tmp_path):
     with pytest.raises(SpeculativeConfigError, match="vocab_size"):
         LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
             speculative_config=_spec(str(tmp_path)))
+
+
+def test_confidence_threshold_stops_drafting_early(pair):
+    """A draft whose top probability falls below draft_confidence_threshold stops after that
+    token: with a threshold no random tiny model reaches, one draft per step; output unchanged."""
+    target, draft, prompts, max_tokens, expected = pair
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+              for m in max_tokens[:6]]
+    llm = LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
+              speculative_config=_spec(draft, draft_confidence_threshold=0.99))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts[:6], params, use_tqdm=False)]
+    assert got == expected[:6]
+    spec = llm.get_stats().spec_decode
+    assert spec["num_steps"] > 0 and spec["num_draft_tokens"] == spec["num_steps"]

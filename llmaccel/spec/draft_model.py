@@ -111,15 +111,14 @@ class DraftModelProposer:
             _, logits, _ = self.runner.execute(sched)
             for view, n in step:
                 view.num_computed_tokens += n
-            tokens, probs = self._choose([seqs[i] for i in active], logits)
+            tokens, probs, confidence = self._choose([seqs[i] for i in active], logits)
             still, next_step = [], []
             for r, i in enumerate(active):
                 drafts[i].append(tokens[r])
                 views[i].tokens = views[i].tokens + [tokens[r]]
                 if probs is not None and not seqs[i].params.greedy:
                     qs[i].append(probs[r])
-                confident = (confidence_threshold <= 0.0 or probs is None
-                             or float(probs[r].max()) >= confidence_threshold)
+                confident = confidence_threshold <= 0.0 or confidence[r] >= confidence_threshold
                 if j + 1 < ks[i] and confident:
                     still.append(i)
                     next_step.append((views[i], 1))
@@ -128,15 +127,18 @@ class DraftModelProposer:
         return drafts, out_q
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor
-                ) -> tuple[list[int], torch.Tensor | None]:
-        """The next draft token of each row: argmax for greedy requests, a sample from the
-        processed q otherwise; q (all rows) when any row samples or a threshold needs it."""
+                ) -> tuple[list[int], torch.Tensor, list[float]]:
+        """The next draft token of each row (argmax for greedy requests, a sample from the
+        processed q otherwise), q for every row, and the draft's confidence: the top
+        probability of its own softmax (for greedy rows q is one-hot, which says nothing)."""
         probs = processed_probs(logits[:, None, :], [s.params for s in seqs])[:, 0]
         tokens = probs.argmax(-1)
         for r, seq in enumerate(seqs):
             if not seq.params.greedy:
                 tokens[r] = torch.multinomial(probs[r], 1, generator=seq.generator)[0]
-        return tokens.tolist(), probs
+        confidence = logits.float().softmax(-1).amax(-1)
+        host = torch.stack([tokens.double(), confidence.double()]).tolist()
+        return [int(t) for t in host[0]], probs, host[1]
 
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
                  num_accepted: int) -> None:
