@@ -45,8 +45,8 @@ PROSE = ("Speculative decoding lets a small model propose several tokens that a 
          "grow, because large batches are limited by arithmetic, not by memory.")
 PROMPTS = {
     "code": [f"Rewrite this function with type hints, keeping the logic:\n\n{CODE}\n",
-             f"Add a docstring example to this function and return it unchanged otherwise:\n\n"
-             f"{CODE}\n"],
+             (f"Add a docstring example to this function and return it unchanged "
+              f"otherwise:\n\n{CODE}\n")],
     "prose": [f"Quote the following paragraph, then summarize it in one sentence:\n\n{PROSE}\n",
               f"Repeat this text word for word:\n\n{PROSE}\n"],
 }
