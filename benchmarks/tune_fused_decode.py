@@ -84,23 +84,28 @@ class Chain:
 
     def time_us(self, cfg: dict[str, GemmConfig], reps: int = 10) -> float:
         """Microseconds per replay of a graph of the whole chain."""
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self.run(cfg)  # compile outside the capture
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.run(cfg)
-        for _ in range(3):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1000 / reps
+        return time_graph_us(lambda: self.run(cfg), reps)
+
+
+def time_graph_us(fn, reps: int = 10) -> float:
+    """Microseconds per replay of a CUDA graph of fn() (compiled outside the capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
 
 
 def tune(name: str, dev: torch.device, budget_s: float) -> tuple[dict, list[dict], float, float]:

@@ -57,7 +57,7 @@ PREFIX = {"int4": "w4", "fp8": "fp8"}
 
 
 def _dense_tuner():
-    """benchmarks/tune_fused_decode.py as a module (roles and their shapes)."""
+    """benchmarks/tune_fused_decode.py as a module (roles, their shapes, the graph timer)."""
     spec = importlib.util.spec_from_file_location(
         "tune_fused_decode", Path(__file__).with_name("tune_fused_decode.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -67,6 +67,7 @@ def _dense_tuner():
 
 TFD = _dense_tuner()
 ROLES, ROLE_KIND = TFD.ROLES, TFD.ROLE_KIND
+time_graph_us = TFD.time_graph_us
 
 
 def candidates(fmt: str, k: int) -> list:
@@ -86,27 +87,6 @@ def candidates(fmt: str, k: int) -> list:
             if 1 <= vectors <= 8 and bk < 2 * k:
                 out.append(GemvFp8Config(bn, bk, nw, ns))
     return out
-
-
-def time_graph_us(fn, reps: int = 10) -> float:
-    """Microseconds per replay of a CUDA graph of fn()."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
 
 
 class QuantChain:

@@ -48,7 +48,6 @@ class Sequence:
     spec_tracker: AcceptanceTracker | None = None  # recent acceptance, for the adaptive k
     spec_draft_probs: torch.Tensor | None = None  # [k, vocab] q of sampled drafts (draft model)
     draft_view: object | None = None  # the draft model's KV state (spec/draft_model.DraftView)
-    spec_real_len: int = 0  # tokens the sequence had when its current drafts were proposed
     _block_keys: list[tuple[int, ...]] = field(default_factory=list, repr=False)
 
     @property

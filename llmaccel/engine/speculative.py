@@ -92,8 +92,6 @@ class SpecDecoder:
                                             self.config.draft_confidence_threshold)
             for seq, d, q in zip(drafting, drafts, qs):
                 seq.spec_token_ids, seq.spec_draft_probs = d, q
-        for seq in drafting:
-            seq.spec_real_len = seq.num_tokens
         self.stats.draft_time_s += time.perf_counter() - start
 
     # -- after the step ------------------------------------------------------------------------
@@ -144,7 +142,9 @@ class SpecDecoder:
         k = len(seq.spec_token_ids)
         seq.num_computed_tokens -= k - num_accepted
         if self.draft is not None:
-            self.draft.rollback(seq, seq.spec_real_len, k, num_accepted)
+            # called before the emitted tokens are appended: num_tokens is still the count
+            # the drafts were proposed after
+            self.draft.rollback(seq, seq.num_tokens, k, num_accepted)
         seq.spec_token_ids, seq.spec_draft_probs = [], None
         self.stats.observe(k, num_accepted)
         seq.spec_stats.observe(k, num_accepted)

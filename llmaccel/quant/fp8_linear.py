@@ -105,6 +105,15 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     return y.reshape(*lead, w_fp8.shape[0])
 
 
+@cache
+def _triton_fp8(device: torch.device) -> bool:
+    """Triton is installed and compiles e4m3 on this device (asked once per device: `apply`
+    checks it on every one-row call)."""
+    from llmaccel.kernels import triton_available, triton_supports_fp8
+
+    return triton_available() and triton_supports_fp8(device)
+
+
 def _gemv_config(layer: nn.Module):
     """The tuned batch-1 FP8 GEMV tile for this layer's shape, or None: only tables that
     measured the GEMV faster than `torch._scaled_mm` hold entries (benchmarks/bench_fp8_gemv.py;
@@ -237,9 +246,7 @@ class Fp8LinearMethod(LinearMethodBase):
 
     @staticmethod
     def _gemv_ok(layer: nn.Module) -> bool:
-        from llmaccel.kernels import triton_available, triton_supports_fp8
-
-        return triton_available() and triton_supports_fp8(layer.weight.device)
+        return _triton_fp8(layer.weight.device)
 
     def describe(self, layer: nn.Module | None = None) -> str:
         gemv = ""

@@ -115,7 +115,7 @@ class DraftModelProposer:
             still, next_step = [], []
             for r, i in enumerate(active):
                 drafts[i].append(tokens[r])
-                views[i].tokens = views[i].tokens + [tokens[r]]
+                views[i].tokens.append(tokens[r])  # a list of its own (from all_token_ids)
                 if probs is not None and not seqs[i].params.greedy:
                     qs[i].append(probs[r])
                 confident = confidence_threshold <= 0.0 or confidence[r] >= confidence_threshold
@@ -127,15 +127,17 @@ class DraftModelProposer:
         return drafts, out_q
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor
-                ) -> tuple[list[int], torch.Tensor, list[float]]:
+                ) -> tuple[list[int], torch.Tensor | None, list[float]]:
         """The next draft token of each row (argmax for greedy requests, a sample from the
-        processed q otherwise), q for every row, and the draft's confidence: the top
-        probability of its own softmax (for greedy rows q is one-hot, which says nothing)."""
-        probs = processed_probs(logits[:, None, :], [s.params for s in seqs])[:, 0]
-        tokens = probs.argmax(-1)
-        for r, seq in enumerate(seqs):
-            if not seq.params.greedy:
-                tokens[r] = torch.multinomial(probs[r], 1, generator=seq.generator)[0]
+        processed q otherwise), q when any row samples (else None: greedy drafts are
+        deterministic), and the draft's confidence: the top probability of its own softmax."""
+        probs = None
+        tokens = logits.argmax(-1)
+        if not all(s.params.greedy for s in seqs):
+            probs = processed_probs(logits[:, None, :], [s.params for s in seqs])[:, 0]
+            for r, seq in enumerate(seqs):
+                if not seq.params.greedy:
+                    tokens[r] = torch.multinomial(probs[r], 1, generator=seq.generator)[0]
         confidence = logits.float().softmax(-1).amax(-1)
         host = torch.stack([tokens.double(), confidence.double()]).tolist()
         return [int(t) for t in host[0]], probs, host[1]

@@ -74,14 +74,14 @@ def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     return accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def _result(draft_tokens: torch.Tensor, n_acc: torch.Tensor, final: torch.Tensor,
-            accept: torch.Tensor) -> VerifyResult:
+def _result(draft_tokens: torch.Tensor, n_acc: torch.Tensor,
+            final: torch.Tensor) -> VerifyResult:
+    """One transfer to the host: accepted drafts, the final token and the counts."""
     k = draft_tokens.shape[1]
     prefix = torch.arange(k, device=n_acc.device)[None, :] < n_acc[:, None]
     host = torch.cat([draft_tokens, final[:, None], n_acc[:, None]], dim=1).tolist()
-    tokens = [row[:n] + [row[k]] for row, n in ((r, r[k + 1]) for r in host)]
-    return VerifyResult(tokens=tokens, num_accepted=[r[k + 1] for r in host],
-                        accepted_mask=prefix)
+    return VerifyResult(tokens=[row[:row[k + 1]] + [row[k]] for row in host],
+                        num_accepted=[row[k + 1] for row in host], accepted_mask=prefix)
 
 
 def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
@@ -93,7 +93,7 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
     accept = (draft_tokens == target[:, :k]) & _valid(num_draft, k)
     n_acc = _accepted_prefix(accept)
     final = target.gather(1, n_acc[:, None]).squeeze(1)
-    return _result(draft_tokens, n_acc, final, accept)
+    return _result(draft_tokens, n_acc, final)
 
 
 def _uniform(shape: tuple[int, ...], device: torch.device,
@@ -150,4 +150,4 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
     residual = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-30), p_final)
     dist = torch.where(rejected[:, None], residual, p_final)
     final = _sample_rows(dist, generators)
-    return _result(draft_tokens, n_acc, final, accept)
+    return _result(draft_tokens, n_acc, final)
