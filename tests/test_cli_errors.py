@@ -19,7 +19,8 @@ import pytest
 from cli_helpers import WORKERS, one_line_error, run_llmaccel
 
 FETCH = Path(__file__).resolve().parents[1].parent / "shared/models/fetch"
-SHAPE_NAMES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-1.5b", "smollm2-135m")
+SHAPE_NAMES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-1.5b",
+               "smollm2-135m")
 
 _WORKERS = WORKERS
 

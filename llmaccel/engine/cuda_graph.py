@@ -1,11 +1,19 @@
-"""CUDA graphs for decode steps: one captured graph per batch size, replayed with new inputs.
+"""CUDA graphs for decode steps: one captured graph per row count, replayed with new inputs.
 
 A decode step of a small model is a few hundred kernel launches whose CPU cost exceeds their
 GPU time; replaying a graph is one launch. Inputs live in static device buffers that every
-graph reads; a step copies its batch into them (three small host-to-device copies from pinned
-memory), pads the batch up to the next captured size and replays. Padding rows write nothing
+graph reads; a step copies its rows into them (three small host-to-device copies from pinned
+memory), pads them up to the next captured size and replays. Padding rows write nothing
 (slot -1) and attend over one token of a valid block, so they cost little and touch nothing.
 Graphs share one memory pool and are captured largest first, so they reuse the same memory.
+
+A row is one token with its own position, slot, context length and block table, so a step of
+a few tokens per sequence (speculative verification, a draft model's catch-up) replays these
+graphs too: ModelRunner gives each token its own row (see model_runner.py).
+
+The pinned host inputs are double-buffered: a draft model replays several steps without a
+host sync, and the host must not overwrite inputs whose copy the device has not made yet; each
+buffer waits on the event recorded after its last copy before it is rewritten.
 """
 
 from __future__ import annotations
@@ -36,6 +44,25 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return capped + [max_num_seqs] if max_num_seqs <= 1024 else capped
 
 
+class _HostStaging:
+    """One set of pinned host inputs (written through numpy views: no per-element torch
+    overhead) and the event after their last copy to the device."""
+
+    def __init__(self, n: int, w: int) -> None:
+        # ids, positions, slots, sampled rows (int64); seq lens, tables (int32)
+        self.inputs = torch.zeros(4, n, dtype=torch.long).pin_memory()
+        self.seq_lens = torch.ones(n, dtype=torch.int32).pin_memory()
+        self.tables = torch.zeros(n, w, dtype=torch.int32).pin_memory()
+        self.np_inputs, self.np_seq_lens, self.np_tables = (
+            self.inputs.numpy(), self.seq_lens.numpy(), self.tables.numpy())
+        # The table list each host row holds and how many of its entries are written there.
+        # The block manager never edits a table in place (it appends, or makes a new list),
+        # so a row whose list is the same object only needs the appended entries; holding
+        # the reference keeps the object's identity from being reused.
+        self.rows: list[tuple[list[int] | None, int]] = [(None, 0)] * n
+        self.copied: torch.cuda.Event | None = None
+
+
 class CUDAGraphRunner:
     def __init__(self, model: TransformerForCausalLM, capture_sizes: list[int],
                  max_blocks_per_seq: int, device: torch.device) -> None:
@@ -44,22 +71,14 @@ class CUDAGraphRunner:
         self.max_bs = self.sizes[-1]
         self.device = device
         n, w = self.max_bs, max_blocks_per_seq
-        # Static device inputs: ids, positions, slots (int64) and seq lens, tables (int32).
-        self.inputs = torch.zeros(3, n, dtype=torch.long, device=device)
+        # Static device inputs: ids, positions, slots, sampled rows (int64) and seq lens,
+        # tables (int32).
+        self.inputs = torch.zeros(4, n, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # Pinned host mirrors, written through numpy views (no per-element torch overhead).
-        self.h_inputs = torch.zeros(3, n, dtype=torch.long).pin_memory()
-        self.h_seq_lens = torch.ones(n, dtype=torch.int32).pin_memory()
-        self.h_tables = torch.zeros(n, w, dtype=torch.int32).pin_memory()
-        self.np_inputs, self.np_seq_lens, self.np_tables = (
-            self.h_inputs.numpy(), self.h_seq_lens.numpy(), self.h_tables.numpy())
-        # The table list each host row holds and how many of its entries are written there.
-        # The block manager never edits a table in place (it appends, or makes a new list),
-        # so a row whose list is the same object only needs the appended entries; holding
-        # the reference keeps the object's identity from being reused.
-        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * n
+        self._staging = [_HostStaging(n, w), _HostStaging(n, w)]
+        self._flip = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -91,39 +110,54 @@ class CUDAGraphRunner:
                 self.outputs[bs] = self._forward(bs)
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        logger.info("captured CUDA graphs for decode row counts %s", self.sizes)
 
-    def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.max_bs
+    def can_run(self, num_rows: int) -> bool:
+        return num_rows <= self.max_bs
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             seq_lens: list[int], tables: list[list[int]],
-            device_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for len(ids) sequences -> (logits [n, vocab], greedy [2, n]) (see
-        `greedy_with_logprobs`): views of the graph's outputs, valid until the next replay.
-        `device_ids` [n] (on the device) replaces `ids`: the previous step's argmax, copied
-        into the static input in stream order, before the replay overwrites it."""
+            device_ids: torch.Tensor | None = None, rows: list[int] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step over len(ids) rows -> (logits [m, vocab], greedy [2, m]) (see
+        `greedy_with_logprobs`) of the m `rows` asked for (default: all, as views of the
+        graph's outputs, valid until the next replay; a subset is gathered into new tensors).
+        `device_ids` [n] (on the device) replaces `ids`: e.g. the previous step's argmax,
+        copied into the static input in stream order, before the replay overwrites it."""
         n = len(ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        inp = self.np_inputs
+        st = self._staging[self._flip]
+        self._flip ^= 1
+        if st.copied is not None:
+            st.copied.synchronize()  # the device has read this buffer's previous contents
+        inp = st.np_inputs
         inp[0, :n], inp[1, :n], inp[2, :n] = ids, positions, slots
         inp[0, n:bs], inp[1, n:bs], inp[2, n:bs] = 0, 0, -1  # padding rows: no cache writes
-        self.np_seq_lens[:n] = seq_lens
-        self.np_seq_lens[n:bs] = 1
-        rows = self._rows
+        m = n if rows is None else len(rows)
+        if rows is not None:
+            inp[3, :m] = rows
+        st.np_seq_lens[:n] = seq_lens
+        st.np_seq_lens[n:bs] = 1
+        held_rows = st.rows
         for i, table in enumerate(tables):
-            held, done = rows[i]
+            held, done = held_rows[i]
             if held is not table:
                 done = 0
             if done < len(table):
-                self.np_tables[i, done:len(table)] = table[done:]
-                rows[i] = (table, len(table))
+                st.np_tables[i, done:len(table)] = table[done:]
+                held_rows[i] = (table, len(table))
         # Stale table entries beyond a row's length are never read (positions < seq_len only).
-        self.inputs.copy_(self.h_inputs, non_blocking=True)
-        self.seq_lens.copy_(self.h_seq_lens, non_blocking=True)
-        self.block_tables[:bs].copy_(self.h_tables[:bs], non_blocking=True)
+        self.inputs.copy_(st.inputs, non_blocking=True)
+        self.seq_lens.copy_(st.seq_lens, non_blocking=True)
+        self.block_tables[:bs].copy_(st.tables[:bs], non_blocking=True)
+        if st.copied is None:
+            st.copied = torch.cuda.Event()
+        st.copied.record()
         if device_ids is not None:
             self.inputs[0, :n].copy_(device_ids)  # float64 argmax ids -> int64, exact
         self.graphs[bs].replay()
         logits, greedy = self.outputs[bs]
-        return logits[:n], greedy[:, :n]
+        if rows is None:
+            return logits[:n], greedy[:, :n]
+        index = self.inputs[3, :m]
+        return logits.index_select(0, index), greedy.index_select(1, index)

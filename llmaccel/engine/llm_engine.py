@@ -109,20 +109,31 @@ class LLMEngine:
             draft = None
             if self.draft_model is not None:
                 draft = DraftModelProposer(self.draft_model, num_blocks, bs, mc.max_model_len,
-                                           self.kv_cache_dtype, device, self._capture_sizes())
+                                           self.kv_cache_dtype, device,
+                                           self._capture_sizes(draft=True))
             self.spec = SpecDecoder(config.speculative_config, mc.max_model_len,
                                     self.stop_checker, draft)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, bs,
                     num_blocks * bs, str(self.kv_cache_dtype).removeprefix("torch."))
 
-    def _capture_sizes(self) -> list[int] | None:
+    def _rows_per_seq(self, draft: bool = False) -> int:
+        """The most decode rows one sequence takes in a graphed step: 1, or with speculation
+        the last token and k drafts (a verify step), or 2 for the draft model (its catch-up:
+        the target's token after a fully accepted step, and the last draft)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return 1
+        return 2 if draft else 1 + spec.num_speculative_tokens
+
+    def _capture_sizes(self, draft: bool = False) -> list[int] | None:
         c = self.config
         if c.enforce_eager or self.device.type != "cuda":
             return None
+        most = c.max_num_seqs * self._rows_per_seq(draft)
         sizes = (list(c.cudagraph_capture_sizes) if c.cudagraph_capture_sizes is not None
-                 else default_capture_sizes(c.max_num_seqs))
-        # A decode batch never exceeds max_num_seqs, so larger graphs would be dead weight.
-        return sorted({s for s in sizes if s <= c.max_num_seqs}) or None
+                 else default_capture_sizes(most))
+        # A step never has more rows than this, so larger graphs would be dead weight.
+        return sorted({s for s in sizes if s <= most}) or None
 
     def _profile_num_blocks(self) -> int:
         """On GPU, run the largest step once without a cache to measure activation memory."""
@@ -136,7 +147,8 @@ class LLMEngine:
                 hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
                                     torch.arange(n, device=self.device),
                                     AttentionMetadata.for_prefill([n], self.device))
-                self.model.compute_logits(hidden[-min(n, c.max_num_seqs):])
+                # logits for the most rows a step samples (a verify step: k + 1 per sequence)
+                self.model.compute_logits(hidden[-min(n, c.max_num_seqs * self._rows_per_seq()):])
             torch.cuda.synchronize(self.device)
         useful = c.max_num_seqs * -(-mc.max_model_len // c.block_size)
         extra = (0 if self.draft_model is None else
@@ -346,7 +358,7 @@ class LLMEngine:
         emitted = len(seqs)
         if spec_seqs:
             emitted += self.spec.complete(spec_seqs, launched.logits, spec_offsets, now,
-                                          self.scheduler, self.block_manager)
+                                          self.scheduler, self.block_manager, launched.greedy)
         self.stats.record_step(sched.num_tokens, emitted, len(sched.preempted))
         self._deferred = seqs + spec_seqs
 
@@ -365,13 +377,14 @@ class LLMEngine:
             tokens, logprobs = host.tolist()
             return [SampleResult(int(tokens[r]), logprobs[r], None) for r in rows]
         banned = [self.stop_checker.banned_tokens(s) for s in seqs]
-        plain = (len(rows) == num_rows and not any(banned)
-                 and all(s.params.greedy and s.params.logprobs is None for s in seqs))
+        plain = not any(banned) and all(s.params.greedy and s.params.logprobs is None
+                                        for s in seqs)
         if plain:  # all greedy, nothing banned: argmax and logprob in one transfer
             if greedy is None:
-                greedy = greedy_with_logprobs(logits)
+                greedy = greedy_with_logprobs(logits if len(rows) == num_rows else logits[rows])
+                rows = range(len(rows))
             tokens, logprobs = greedy.tolist()
-            return [SampleResult(int(t), lp, None) for t, lp in zip(tokens, logprobs)]
+            return [SampleResult(int(tokens[r]), logprobs[r], None) for r in rows]
         if len(rows) != num_rows:
             logits = logits[rows]
         return sample_with_logprobs(logits, [s.params for s in seqs],

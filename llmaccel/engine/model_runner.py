@@ -1,7 +1,8 @@
 """Turns a scheduled step into one flat forward pass and returns the logits to sample from.
 
-Decode-only steps replay a captured CUDA graph when one fits the batch (see cuda_graph.py);
-everything else (prefill, chunked prefill, mixed steps, CPU) runs eagerly.
+Steps of a few tokens per sequence (decode, speculative verification, a draft's catch-up) run
+as decode rows and replay a captured CUDA graph when one fits (see cuda_graph.py); everything
+else (prefill, chunked prefill, mixed steps with a long chunk, CPU) runs eagerly.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.transformer import TransformerForCausalLM
 
 logger = logging.getLogger(__name__)
+
+# The most tokens of one sequence a step may run as separate decode rows (see `execute`):
+# enough for a verify step of 15 drafts; longer runs (prefill chunks) use the prefill kernel.
+DECODE_ROWS_MAX = 16
 
 
 class ModelRunner:
@@ -59,15 +64,22 @@ class ModelRunner:
         """Launch the step (no host sync); returns the sequences that reached their last token
         (and so sample now), their next-token logits [rows, vocab] (one row per sequence, or
         1 + len(seq.spec_token_ids) rows for one with speculative drafts) and, from a CUDA
-        graph, the greedy tokens and logprobs [2, len] computed inside it (else None).
+        graph, the greedy tokens and logprobs [2, rows] computed inside it (else None).
 
-        `input_ids` (on the device, any numeric dtype) replaces the ids of a decode step whose
-        tokens the host does not know yet (async scheduling): one per scheduled sequence."""
+        `input_ids` (on the device, any numeric dtype) replaces the ids of a step whose
+        tokens the host does not know yet (async scheduling, a draft model's next step): one
+        per scheduled token."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens, seq_lens, tables, sampling, rows = [], [], [], [], []
+        # A step that adds at most DECODE_ROWS_MAX tokens to each sequence (speculative
+        # verification: the last token and k drafts; a draft model catching up) runs as
+        # decode rows, one per token: token j of a sequence attends over its first
+        # start + j + 1 positions, which is exactly the causal mask, so the decode kernel
+        # (split-K over the context) and the decode CUDA graphs serve it.
+        as_rows = all(n <= DECODE_ROWS_MAX for _, n in step.scheduled)
         for seq, n in step.scheduled:
             start = seq.num_computed_tokens
             table = seq.block_table
@@ -80,25 +92,33 @@ class ModelRunner:
                 ids += seq.token_slice(start, start + n - len(spec)) + spec
                 positions += range(start, start + n)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(table)
+            if as_rows:
+                query_lens += [1] * n
+                seq_lens += range(start + 1, start + n + 1)
+                tables += [table] * n
+            else:
+                query_lens.append(n)
+                seq_lens.append(start + n)
+                tables.append(table)
             if start + n == seq.num_tokens + len(spec):
                 sampling.append(seq)
                 # logits of the last real token and of every draft (to verify them)
                 rows.extend(range(len(ids) - 1 - len(spec), len(ids)))
         if input_ids is not None and input_ids.shape[0] != len(ids):
             raise ValueError(f"input_ids has {input_ids.shape[0]} ids for {len(ids)} tokens")
-        if (self.graphs is not None and len(ids) == len(query_lens)
-                and self.graphs.can_run(len(ids))):
+        subset = len(rows) < len(ids)
+        if as_rows and self.graphs is not None and self.graphs.can_run(len(ids)):
+            if not rows:
+                self.graphs.run(ids, positions, slots, seq_lens, tables, input_ids)
+                return [], torch.empty(0, 0, device=self.device), None
             return sampling, *self.graphs.run(ids, positions, slots, seq_lens, tables,
-                                              input_ids)
+                                              input_ids, rows if subset else None)
         meta = AttentionMetadata.build(query_lens, seq_lens, self.device, slots, tables)
         ids_t = (torch.tensor(ids, device=self.device) if input_ids is None
                  else input_ids.to(device=self.device, dtype=torch.long))
         hidden = self.model(ids_t, torch.tensor(positions, device=self.device), meta)
         if not rows:
             return [], hidden.new_empty(0, 0), None
-        if len(rows) < len(ids):
+        if subset:
             hidden = hidden[torch.tensor(rows, device=self.device)]
         return sampling, self.model.compute_logits(hidden), None

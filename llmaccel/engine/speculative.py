@@ -19,12 +19,13 @@ import time
 import torch
 
 from llmaccel.engine.block_manager import BlockManager
+from llmaccel.engine.sampler import greedy_with_logprobs
 from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.adaptive import AcceptanceTracker
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError
 from llmaccel.spec.metrics import SpecDecodeStats
 from llmaccel.spec.ngram import NgramProposer
-from llmaccel.spec.verifier import VerifyResult, greedy_verify, processed_probs, rejection_sample
+from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
 
 # Cost of one more token in a verify step relative to a decode step, for the adaptive k of the
 # n-gram proposer, which has no draft model to time: small on a GPU at low batch (decode is
@@ -95,11 +96,25 @@ class SpecDecoder:
         self.stats.draft_time_s += time.perf_counter() - start
 
     # -- after the step ------------------------------------------------------------------------
-    def verify(self, seqs: list[Sequence], logits: torch.Tensor, offsets: list[int]
-               ) -> tuple[VerifyResult, list[list[float]]]:
+    def verify(self, seqs: list[Sequence], logits: torch.Tensor, offsets: list[int],
+               greedy: torch.Tensor | None = None
+               ) -> tuple[list[list[int]], list[int], list[list[float]]]:
         """Verify each sequence's drafts against its k + 1 logits rows starting at offsets[i];
-        returns the result and the emitted tokens' logprobs under the model's distribution."""
+        returns per sequence the emitted tokens, how many drafts were accepted, and the
+        emitted tokens' logprobs under the model's distribution. `greedy` [2, rows]: the
+        argmax and its logprob per row where the step computed them (a CUDA graph does)."""
         start = time.perf_counter()
+        if all(s.params.greedy for s in seqs):
+            # Every emitted token is the target's argmax at its row: the argmax and its
+            # logprob per row are all the verification needs (one small transfer).
+            if greedy is None:
+                greedy = greedy_with_logprobs(logits)
+            argmax, lps = greedy.tolist()
+            tokens, accepted = greedy_verify_rows([s.spec_token_ids for s in seqs], argmax,
+                                                  offsets)
+            logprobs = [lps[o:o + len(t)] for o, t in zip(offsets, tokens)]
+            self.stats.verify_time_s += time.perf_counter() - start
+            return tokens, accepted, logprobs
         kmax = max(len(s.spec_token_ids) for s in seqs)
         idx = torch.tensor([[o + min(j, len(s.spec_token_ids)) for j in range(kmax + 1)]
                             for s, o in zip(seqs, offsets)], device=logits.device)
@@ -107,18 +122,15 @@ class SpecDecoder:
         drafts = torch.tensor([s.spec_token_ids + [-1] * (kmax - len(s.spec_token_ids))
                                for s in seqs], device=logits.device)
         num = torch.tensor([len(s.spec_token_ids) for s in seqs], device=logits.device)
-        if all(s.params.greedy for s in seqs):
-            result = greedy_verify(drafts, target, num)
-        else:
-            probs = processed_probs(target, [s.params for s in seqs])
-            result = rejection_sample(drafts, self._draft_probs(seqs, kmax, probs), probs, num,
-                                      [s.generator for s in seqs])
+        probs = processed_probs(target, [s.params for s in seqs])
+        result = rejection_sample(drafts, self._draft_probs(seqs, kmax, probs), probs, num,
+                                  [s.generator for s in seqs])
         emitted = torch.tensor([t + [0] * (kmax + 1 - len(t)) for t in result.tokens],
                                device=logits.device)
         lp = target.float().log_softmax(-1).gather(-1, emitted[..., None]).squeeze(-1)
         logprobs = [row[:len(t)] for row, t in zip(lp.tolist(), result.tokens)]
         self.stats.verify_time_s += time.perf_counter() - start
-        return result, logprobs
+        return result.tokens, result.num_accepted, logprobs
 
     @staticmethod
     def _draft_probs(seqs: list[Sequence], kmax: int, target_probs: torch.Tensor
@@ -152,14 +164,14 @@ class SpecDecoder:
             seq.spec_tracker.observe(k, num_accepted)
 
     def complete(self, seqs: list[Sequence], logits: torch.Tensor, offsets: list[int],
-                 now: float, scheduler, block_manager: BlockManager) -> int:
+                 now: float, scheduler, block_manager: BlockManager,
+                 greedy: torch.Tensor | None = None) -> int:
         """Verify the drafts and emit each sequence's accepted tokens plus one, checking stops
         token by token (a stop inside an accepted run ends the output there); returns how many
         tokens were emitted."""
-        result, logprobs = self.verify(seqs, logits, offsets)
+        all_tokens, all_accepted, logprobs = self.verify(seqs, logits, offsets, greedy)
         emitted = 0
-        for seq, tokens, lps, accepted in zip(seqs, result.tokens, logprobs,
-                                              result.num_accepted):
+        for seq, tokens, lps, accepted in zip(seqs, all_tokens, logprobs, all_accepted):
             self.accept(seq, accepted)
             seq.first_token_time = seq.first_token_time or now
             for token, lp in zip(tokens, lps):

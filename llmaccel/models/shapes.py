@@ -42,6 +42,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
         "torch_dtype": "bfloat16",
     },
+    # Qwen2.5-0.5B (and -Coder-0.5B): the draft of the W5 pair.
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": True, "use_sliding_window": False,
+        "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,

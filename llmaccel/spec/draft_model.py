@@ -19,6 +19,7 @@ import torch
 from llmaccel.engine.block_manager import BlockManager
 from llmaccel.engine.kv_cache import allocate_kv_caches
 from llmaccel.engine.model_runner import ModelRunner
+from llmaccel.engine.sampler import greedy_with_logprobs
 from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.config import SpeculativeConfigError
@@ -28,9 +29,12 @@ from llmaccel.spec.verifier import processed_probs
 @dataclass(eq=False)
 class DraftView:
     """One sequence as the draft model sees it: what ModelRunner.execute reads (tokens, the
-    draft's block table, how many tokens have draft KV), nothing of the target's state."""
+    draft's block table, how many tokens have draft KV), nothing of the target's state. Its
+    tokens are the target sequence's (read in place: copying a growing context every step
+    would cost O(length)) followed by this step's drafts."""
 
-    tokens: list[int] = field(default_factory=list)
+    seq: Sequence
+    drafts: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_published_blocks: int = 0
@@ -38,13 +42,16 @@ class DraftView:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return self.seq.num_tokens + len(self.drafts)
 
     def token_at(self, i: int) -> int:
-        return self.tokens[i]
+        n = self.seq.num_tokens
+        return self.seq.token_at(i) if i < n else self.drafts[i - n]
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        return self.tokens[start:end]
+        n = self.seq.num_tokens
+        return (self.seq.token_slice(start, min(end, n))
+                + self.drafts[max(0, start - n):max(0, end - n)])
 
 
 def check_vocab_compatible(target_config, draft_config, target_tokenizer=None,
@@ -75,9 +82,9 @@ class DraftModelProposer:
 
     def _view(self, seq: Sequence) -> DraftView:
         if seq.draft_view is None:
-            seq.draft_view = DraftView()
+            seq.draft_view = DraftView(seq)
         view = seq.draft_view
-        view.tokens = seq.all_token_ids
+        view.drafts = []
         return view
 
     def release(self, seq: Sequence) -> None:
@@ -93,54 +100,84 @@ class DraftModelProposer:
         """Up to ks[i] drafts for seqs[i] and, for sampled requests, the draft's processed
         distributions [len(drafts), vocab] they were drawn from (None for greedy requests:
         their drafts are argmaxes). A sequence whose draft blocks cannot be allocated drafts
-        nothing this step."""
-        views, active, drafts = [], [], [[] for _ in seqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for i, (seq, k) in enumerate(zip(seqs, ks)):
-            view = self._view(seq)
-            views.append(view)
-            n = view.num_tokens - view.num_computed_tokens
+        nothing this step.
+
+        Without a confidence threshold the draft steps run back to back with no host sync:
+        each step's tokens stay on the device as the next step's input ids, and all drafts
+        come to the host in one transfer at the end. A threshold needs each step's
+        confidences on the host to decide who goes on, so it syncs every step."""
+        views = [self._view(seq) for seq in seqs]
+        active = []
+        for i, k in enumerate(ks):
+            n = views[i].num_tokens - views[i].num_computed_tokens
             # room for the catch-up tokens and k - 1 drafts (the last draft's KV is never needed)
-            if k > 0 and n > 0 and self.block_manager.allocate_slots(view, n + k - 1):
+            if k > 0 and n > 0 and self.block_manager.allocate_slots(views[i], n + k - 1):
                 active.append(i)
+        # Longest k first: the rows that go on drafting are then a prefix of the last step's.
+        active.sort(key=lambda i: -ks[i])
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        if not active:
+            return drafts, [None] * len(seqs)
+        sync = confidence_threshold > 0.0
+        steps = ks[active[0]]
         step = [(views[i], views[i].num_tokens - views[i].num_computed_tokens) for i in active]
-        for j in range(max((ks[i] for i in active), default=0)):
+        on_device: torch.Tensor | None = None  # [steps, rows] draft ids, when not syncing
+        next_ids: torch.Tensor | None = None
+        for j in range(steps):
             if not step:
                 break
-            sched = SchedulerOutput(scheduled=step)
-            _, logits, _ = self.runner.execute(sched)
+            _, logits, greedy = self.runner.execute(SchedulerOutput(scheduled=step), next_ids)
             for view, n in step:
                 view.num_computed_tokens += n
-            tokens, probs, confidence = self._choose([seqs[i] for i in active], logits)
-            still, next_step = [], []
-            for r, i in enumerate(active):
-                drafts[i].append(tokens[r])
-                views[i].tokens.append(tokens[r])  # a list of its own (from all_token_ids)
+            rows = active[:len(step)]
+            tokens, probs, confidence = self._choose([seqs[i] for i in rows], logits, greedy)
+            for r, i in enumerate(rows):
                 if probs is not None and not seqs[i].params.greedy:
                     qs[i].append(probs[r])
-                confident = confidence_threshold <= 0.0 or confidence[r] >= confidence_threshold
-                if j + 1 < ks[i] and confident:
-                    still.append(i)
-                    next_step.append((views[i], 1))
-            active, step = still, next_step
+            if sync:
+                host_tokens, host_conf = torch.stack([tokens, confidence]).tolist()
+                still = [i for r, i in enumerate(rows)
+                         if j + 1 < ks[i] and host_conf[r] >= confidence_threshold]
+                for r, i in enumerate(rows):
+                    drafts[i].append(int(host_tokens[r]))
+                    views[i].drafts.append(int(host_tokens[r]))
+                active = still + [i for i in active if i not in still]
+                next_ids = None
+            else:
+                if on_device is None:
+                    on_device = tokens.new_empty(steps, len(rows))
+                on_device[j, :len(rows)] = tokens
+                still = [i for i in rows if j + 1 < ks[i]]  # a prefix of rows (sorted by k)
+                for i in rows:
+                    views[i].drafts.append(0)  # stands for the token still on the device
+                next_ids = tokens[:len(still)]
+            step = [(views[i], 1) for i in still]
+        if on_device is not None:
+            host = on_device.tolist()
+            for r, i in enumerate(active):
+                drafts[i] = [int(host[j][r]) for j in range(ks[i])]
+                views[i].drafts = list(drafts[i])
         out_q = [torch.stack(q) if q else None for q in qs]
         return drafts, out_q
 
-    def _choose(self, seqs: list[Sequence], logits: torch.Tensor
-                ) -> tuple[list[int], torch.Tensor | None, list[float]]:
-        """The next draft token of each row (argmax for greedy requests, a sample from the
-        processed q otherwise), q when any row samples (else None: greedy drafts are
-        deterministic), and the draft's confidence: the top probability of its own softmax."""
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """On the device, per row: the next draft token as float64 (argmax for greedy
+        requests, a sample from the processed q otherwise), q when any row samples (else
+        None: greedy drafts are deterministic), and the draft's confidence: the top
+        probability of its own softmax (exp of the argmax's logprob)."""
+        if greedy is None:
+            greedy = greedy_with_logprobs(logits)
+        tokens, confidence = greedy[0], greedy[1].exp()
         probs = None
-        tokens = logits.argmax(-1)
         if not all(s.params.greedy for s in seqs):
+            tokens = tokens.clone()
             probs = processed_probs(logits[:, None, :], [s.params for s in seqs])[:, 0]
             for r, seq in enumerate(seqs):
                 if not seq.params.greedy:
                     tokens[r] = torch.multinomial(probs[r], 1, generator=seq.generator)[0]
-        confidence = logits.float().softmax(-1).amax(-1)
-        host = torch.stack([tokens.double(), confidence.double()]).tolist()
-        return [int(t) for t in host[0]], probs, host[1]
+        return tokens, probs, confidence
 
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
                  num_accepted: int) -> None:
@@ -151,7 +188,7 @@ class DraftModelProposer:
             return
         view.num_computed_tokens = min(view.num_computed_tokens,
                                        real_tokens_before + min(num_accepted, num_drafts - 1))
-        view.tokens = view.tokens[:view.num_computed_tokens]
+        view.drafts = []
         keep = -(-(view.num_computed_tokens + 1) // self.block_manager.block_size)
         if len(view.block_table) > keep:
             self.block_manager.truncate(view, keep)

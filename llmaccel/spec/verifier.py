@@ -96,6 +96,22 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
     return _result(draft_tokens, n_acc, final)
 
 
+def greedy_verify_rows(drafts: Sequence[Sequence[int]], argmax: Sequence[float],
+                       offsets: Sequence[int]) -> tuple[list[list[int]], list[int]]:
+    """`greedy_verify` on the host, from the target's argmax per logits row (row offsets[b]
+    + j follows draft j of request b; what a CUDA graph's greedy output already holds, so
+    no vocabulary-wide tensor work is left): each request's emitted tokens and accepted
+    count."""
+    tokens, accepted = [], []
+    for d, o in zip(drafts, offsets):
+        a = 0
+        while a < len(d) and d[a] == int(argmax[o + a]):
+            a += 1
+        tokens.append(list(d[:a]) + [int(argmax[o + a])])
+        accepted.append(a)
+    return tokens, accepted
+
+
 def _uniform(shape: tuple[int, ...], device: torch.device,
              generators: Sequence[torch.Generator | None] | None) -> torch.Tensor:
     """U[0, 1) draws, row b from generators[b] when given (a seeded request draws the same
