@@ -98,3 +98,35 @@ def test_confidence_threshold_stops_drafting_early(pair):
     assert got == expected[:6]
     spec = llm.get_stats().spec_decode
     assert spec["num_steps"] > 0 and spec["num_draft_tokens"] == spec["num_steps"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["default", "all-three"])
+def test_draft_model_on_gpu_verifies_through_cuda_graphs(pair, mode):
+    """fp32 on the GPU: greedy output equals transformers' while the verify steps (k + 1 rows
+    per sequence) and the draft's catch-up and decode steps replay CUDA graphs."""
+    target, draft, prompts, max_tokens, expected = pair
+    extra = ({} if mode == "default" else
+             {"max_num_batched_tokens": 32, "num_gpu_blocks": 24, "max_model_len": 384})
+    llm = LLM(target, dtype="float32", device="cuda", skip_tokenizer_init=True,
+              enable_prefix_caching=True, speculative_config=_spec(draft), **extra)
+    rows: dict[str, list[int]] = {"target": [], "draft": []}
+    for name, runner in (("target", llm.engine.runner), ("draft", llm.engine.spec.draft.runner)):
+        graphs = runner.graphs
+        assert graphs is not None
+
+        def run(ids, *args, _run=graphs.run, _rows=rows[name], **kw):
+            _rows.append(len(ids))
+            return _run(ids, *args, **kw)
+        graphs.run = run
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    spec = llm.get_stats().spec_decode
+    assert spec["num_accepted_tokens"] > 0 and spec["num_rollbacks"] > 0, spec
+    # verify steps ran as graphs of more rows than sequences (k + 1 = 4 per drafting one)
+    assert any(n > 1 and n % 4 == 0 for n in rows["target"]), rows["target"][:50]
+    assert rows["draft"], "the draft model never replayed a graph"
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.spec.draft.block_manager.num_used_blocks == 0
