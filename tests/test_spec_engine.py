@@ -85,6 +85,35 @@ def test_speculation_switches_off_at_the_batch_size(tiny):
                                                                   use_tqdm=False)]
 
 
+def test_measured_costs_switch_speculation_off_where_it_does_not_pay(tiny):
+    """With step costs (as the engine measures them on a GPU) that make verification dear at
+    batch >= 4, a batch of six runs plain decoding (async scheduling included, rare probe
+    rounds aside) and a single request speculates; outputs equal plain greedy."""
+    from llmaccel.spec.costs import StepCosts
+
+    # ms per graph of R rows: flat up to 4 rows (weight-bound), then linear (compute-bound)
+    costs = StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 2.2, 16: 4.4, 32: 8.8, 64: 17.6})
+    # k = 1 at batch 6 costs as much as the at most 2 tokens it can emit: off at any acceptance
+    assert costs.cost(1, 3) == 1.0 and costs.cost(6, 1) == 2.0
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = _llm(tiny, None)
+    for prompts, speculates in ((PROMPTS * 2, False), (PROMPTS[:1], True)):
+        llm = _llm(tiny, SPEC)
+        llm.engine.spec.costs = costs
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        want = plain.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+        stats = llm.get_stats()
+        spec = stats.spec_decode
+        if speculates:
+            assert spec["num_off_steps"] == 0 and spec["num_draft_tokens"] > 0, spec
+        else:
+            assert spec["num_off_steps"] > 0 and stats.num_async_steps > 0, spec
+            # drafts only in the rare probe rounds (and the last steps, once few are left)
+            assert spec["num_draft_tokens"] < 0.25 * sum(len(o.outputs[0].token_ids)
+                                                        for o in outs), spec
+
+
 def test_adaptive_k_backs_off_when_drafts_fail(tiny):
     """With the adaptive k, a request whose drafts keep failing drafts fewer tokens: fewer
     drafts per verify step than the fixed k."""

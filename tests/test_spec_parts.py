@@ -56,6 +56,23 @@ def test_expected_tokens_and_the_best_k():
     assert all(speedup_bound(0.7, k_mid, 0.2) >= speedup_bound(0.7, k, 0.2) for k in range(9))
 
 
+def test_step_costs_from_graph_times():
+    from llmaccel.spec.costs import StepCosts, constant_cost_fn
+
+    # a row count between captured sizes pays for the next graph; past the largest, linear
+    costs = StepCosts({1: 2.0, 2: 2.0, 4: 2.2, 8: 2.4, 16: 4.0},
+                      draft_ms={1: 1.0, 2: 1.0, 4: 1.1, 8: 1.2, 16: 2.0})
+    assert costs.cost(1, 0) == 1.0
+    assert math.isclose(costs.cost(1, 2), (2.2 + 2 * 1.0) / 2.0)       # 3 rows -> graph 4
+    assert math.isclose(costs.cost(4, 4), (4.0 * 20 / 16 + 4 * 1.1) / 2.2)  # 20 rows: linear
+    fn = costs.cost_fn(1)
+    assert fn(2) == costs.cost(1, 2)
+    assert constant_cost_fn(0.25)(4) == 2.0
+    # best_k with a measured cost function: cheap at batch 1, not worth it at batch 8
+    assert best_k(0.8, costs.cost_fn(1), 4) > 0
+    assert best_k(0.8, costs.cost_fn(8), 4) == 0
+
+
 def test_acceptance_tracker_follows_recent_steps():
     t = AcceptanceTracker()
     for _ in range(20):

@@ -112,6 +112,26 @@ class CUDAGraphRunner:
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode row counts %s", self.sizes)
 
+    @torch.inference_mode()
+    def time_replays(self, iters: int = 3) -> dict[int, float]:
+        """Replay time (ms) of each captured graph, with rows that write nothing (slot -1) and
+        attend over one token: what a step of that many rows costs in weights and launches
+        (attention over long contexts comes on top)."""
+        self.inputs[2].fill_(-1)
+        self.seq_lens.fill_(1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = {}
+        for bs in self.sizes:
+            graph = self.graphs[bs]
+            graph.replay()  # warm
+            start.record()
+            for _ in range(iters):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[bs] = start.elapsed_time(end) / iters
+        return times
+
     def can_run(self, num_rows: int) -> bool:
         return num_rows <= self.max_bs
 

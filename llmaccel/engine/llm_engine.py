@@ -20,7 +20,7 @@ from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_ge
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
 from llmaccel.engine.sequence import Sequence, SequenceStatus
-from llmaccel.engine.speculative import SpecDecoder, load_draft_model
+from llmaccel.engine.speculative import SpecDecoder, load_draft_model, measure_step_costs
 from llmaccel.spec.draft_model import DraftModelProposer
 from llmaccel.engine.stats import EngineStats
 from llmaccel.engine.stop_checker import StopChecker
@@ -113,6 +113,7 @@ class LLMEngine:
                                            self._capture_sizes(draft=True))
             self.spec = SpecDecoder(config.speculative_config, mc.max_model_len,
                                     self.stop_checker, draft)
+            self.spec.costs = measure_step_costs(self.runner, draft)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, bs,
                     num_blocks * bs, str(self.kv_cache_dtype).removeprefix("torch."))
 
@@ -235,7 +236,7 @@ class LLMEngine:
                 return outputs
             launched = self._launch(sched)
         outputs = self._process_outputs()  # overlaps the GPU
-        if self.config.async_scheduling and self.spec is None:
+        if self.config.async_scheduling and (self.spec is None or self.spec.off):
             self._ahead = self._launch_ahead(launched)
         self._complete(launched)
         return outputs
@@ -257,8 +258,10 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             if not seq.is_finished:
                 seq.num_computed_tokens += n
-        plain = (bool(sampling) and self.config.async_scheduling and self.spec is None
-                 and self._plain(sampling))
+        # With speculation off for this batch (spec.off) steps run as plain decoding, async
+        # scheduling included, until the running set changes (a new round then decides).
+        plain = (bool(sampling) and self.config.async_scheduling
+                 and (self.spec is None or self.spec.off) and self._plain(sampling))
         if greedy is None and plain:
             greedy = greedy_with_logprobs(logits)  # eager steps: argmax on the device too
         return _Launched(sched, sampling, logits, greedy, plain)

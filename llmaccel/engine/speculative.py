@@ -9,11 +9,15 @@ are rolled back by lowering `num_computed_tokens` and dropping the blocks past t
 end from its table (no KV is copied: later tokens overwrite the stale slots).
 
 Sequences that ask for logprobs or still have banned tokens (min_tokens) decode without drafts,
-as does every sequence of a step with more running requests than `disable_by_batch_size`.
+as does every sequence of a step with more running requests than `disable_by_batch_size`, or,
+when that is not set and the step costs were measured (spec/costs.py), of a step whose batch
+size makes speculation cost more than the engine's recent acceptance rate pays back. Such
+steps run as plain decoding, async scheduling included (`off`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -21,11 +25,14 @@ import torch
 from llmaccel.engine.block_manager import BlockManager
 from llmaccel.engine.sampler import greedy_with_logprobs
 from llmaccel.engine.sequence import Sequence
-from llmaccel.spec.adaptive import AcceptanceTracker
+from llmaccel.spec.adaptive import AcceptanceTracker, best_k
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError
+from llmaccel.spec.costs import StepCosts, constant_cost_fn
 from llmaccel.spec.metrics import SpecDecodeStats
 from llmaccel.spec.ngram import NgramProposer
 from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
+
+logger = logging.getLogger(__name__)
 
 # Cost of one more token in a verify step relative to a decode step, for the adaptive k of the
 # n-gram proposer, which has no draft model to time: small on a GPU at low batch (decode is
@@ -34,6 +41,9 @@ NGRAM_COST_RATIO = 0.05
 # A draft model's step relative to the target's, for the adaptive k until measured: a 3x
 # smaller model runs a decode step in about a third of the time or more (launch-bound).
 DRAFT_COST_RATIO = 0.35
+# While the measured cost says speculation does not pay, one round in this many speculates
+# anyway, so that a recovered acceptance rate is noticed.
+PROBE_EVERY = 32
 
 
 class SpecDecoder:
@@ -53,19 +63,41 @@ class SpecDecoder:
         default_cost = NGRAM_COST_RATIO if draft is None else DRAFT_COST_RATIO
         self.cost_ratio = (config.draft_cost_ratio if config.draft_cost_ratio is not None
                            else default_cost)
+        # Measured step costs (set by the engine on a GPU with CUDA graphs); None: the
+        # constant model 1 + k * cost_ratio.
+        self.costs: StepCosts | None = None
+        # The engine's recent acceptance over all requests, for the per-step on/off decision
+        # (decays slowly: it sees every request's step).
+        self.batch_tracker = AcceptanceTracker(decay=0.98)
+        self.off = False  # the last proposal round left speculation off for the whole batch
+        self._off_rounds = 0
         self.stats = SpecDecodeStats()
+
+    def _cost(self, batch: int):
+        """Relative step cost as a function of k at this batch size."""
+        if self.costs is not None and self.config.draft_cost_ratio is None:
+            return self.costs.cost_fn(batch)
+        return constant_cost_fn(self.cost_ratio)
+
+    def speculate_at(self, batch: int) -> bool:
+        """Whether a step of `batch` running requests speculates: below an explicit
+        disable_by_batch_size, else where the measured cost pays at the recent acceptance."""
+        if self.config.disable_by_batch_size is not None or self.costs is None:
+            return self.config.speculate_at(batch)
+        return best_k(self.batch_tracker.alpha, self._cost(batch),
+                      self.config.num_speculative_tokens) > 0
 
     # -- before scheduling ---------------------------------------------------------------------
     def _eligible(self, seq: Sequence) -> bool:
         return (not seq.is_finished and seq.num_uncomputed_tokens == 1
                 and seq.params.logprobs is None and not self.stop_checker.banned_tokens(seq))
 
-    def _k(self, seq: Sequence) -> int:
+    def _k(self, seq: Sequence, cost) -> int:
         k = self.config.num_speculative_tokens
         if self.config.adaptive:
             if seq.spec_tracker is None:
                 seq.spec_tracker = AcceptanceTracker()
-            k = seq.spec_tracker.next_k(self.cost_ratio, k)
+            k = seq.spec_tracker.next_k(cost, k)
         # Never draft past the context or max_tokens: one token is emitted besides the drafts.
         room = self.max_model_len - seq.num_tokens - 1
         if seq.params.max_tokens is not None:
@@ -76,12 +108,19 @@ class SpecDecoder:
         """Set each running sequence's drafts for the next step (empty where it does not
         speculate)."""
         start = time.perf_counter()
-        on = self.config.speculate_at(len(running))
+        on = self.speculate_at(len(running))
+        if not on and self.config.disable_by_batch_size is None:
+            # Off for a low acceptance: probe now and then, or it could never come back on.
+            self._off_rounds += 1
+            on = self._off_rounds % PROBE_EVERY == 0
+        self.off = not on
+        self.stats.num_off_steps += bool(running) and not on
+        cost = self._cost(len(running))
         drafting, ks = [], []
         for seq in running:
             seq.spec_token_ids, seq.spec_draft_probs = [], None
             if on and self._eligible(seq):
-                k = self._k(seq)
+                k = self._k(seq, cost)
                 if k:
                     drafting.append(seq)
                     ks.append(k)
@@ -159,6 +198,7 @@ class SpecDecoder:
             self.draft.rollback(seq, seq.num_tokens, k, num_accepted)
         seq.spec_token_ids, seq.spec_draft_probs = [], None
         self.stats.observe(k, num_accepted)
+        self.batch_tracker.observe(k, num_accepted)
         seq.spec_stats.observe(k, num_accepted)
         if seq.spec_tracker is not None:
             seq.spec_tracker.observe(k, num_accepted)
@@ -218,3 +258,17 @@ def load_draft_model(config, target_model_config, device: torch.device):
         tokenizers = (get_tokenizer(tmc, config.tokenizer), get_tokenizer(dmc))
     check_vocab_compatible(tmc.hf_config, dmc.hf_config, *tokenizers, draft_name=spec.model)
     return get_model(dmc, device, attention_backend=config.attention_backend, seed=config.seed)
+
+
+def measure_step_costs(runner, draft=None) -> StepCosts | None:
+    """Replay times of the target's captured graphs (and the draft model's), for the cost of
+    speculative steps by batch size (spec/costs.py); None without CUDA graphs."""
+    if runner.graphs is None:
+        return None
+    draft_graphs = None if draft is None else draft.runner.graphs
+    costs = StepCosts(runner.graphs.time_replays(),
+                      None if draft_graphs is None else draft_graphs.time_replays())
+    logger.info("speculative step cost relative to a decode step (k = 1 / 4) at batch "
+                "1, 4, 16, 64: %s", "; ".join(
+                    f"{costs.cost(b, 1):.2f} / {costs.cost(b, 4):.2f}" for b in (1, 4, 16, 64)))
+    return costs

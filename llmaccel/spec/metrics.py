@@ -17,6 +17,7 @@ class SpecDecodeStats:
     drafted_per_position: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    num_off_steps: int = 0        # engine steps run without speculation: it would not pay
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """One request's verify step: it proposed num_draft tokens, accepted the first
@@ -37,7 +38,8 @@ class SpecDecodeStats:
 
     def merge(self, other: SpecDecodeStats) -> None:
         for name in ("num_steps", "num_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens", "num_rollbacks", "draft_time_s", "verify_time_s"):
+                     "num_emitted_tokens", "num_rollbacks", "draft_time_s", "verify_time_s",
+                     "num_off_steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
                              (self.accepted_per_position, other.accepted_per_position)):
@@ -69,4 +71,5 @@ class SpecDecodeStats:
                 "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_len": self.mean_accepted_len,
                 "per_position_acceptance": self.per_position_acceptance,
-                "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s}
+                "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s,
+                "num_off_steps": self.num_off_steps}

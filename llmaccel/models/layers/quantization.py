@@ -71,10 +71,10 @@ def fused_gemv_config(layer: nn.Module, m: int, kind: str):
     when the layer cannot take the fused kernel (Triton off, too many rows, a quantized method
     without a fused GEMV for this many rows: see `fused_decode_config` of PackedLinearMethod and
     Fp8LinearMethod). `kind`
-    names the fusion ("norm", "res", "silu"; see kernels/gemm_tuning.fused_key): a batch-1
-    entry tuned for it in the chain (benchmarks/tune_fused_decode.py) comes first, then the
-    dense table's best Triton tile, even where cuBLAS alone was a little faster (the fused
-    kernel also saves the launches of the norm, activation and residual add)."""
+    names the fusion ("norm", "res", "silu"; see kernels/gemm_tuning.fused_key): an entry
+    tuned for it in the chain (benchmarks/tune_fused_decode.py) comes first; without one, a
+    16-bit CUDA layer fuses only at one row, with the heuristic tile (more rows: unfused, see
+    below); other layers (fp32 references, the interpreter) take the heuristic tile."""
     if m > FUSED_DECODE_MAX_ROWS or not getattr(layer, "use_triton", False):
         return None
     if not isinstance(layer.quant_method, UnquantizedLinearMethod):
@@ -88,8 +88,17 @@ def fused_gemv_config(layer: nn.Module, m: int, kind: str):
     # The tables were tuned on 16-bit weights: a tile sized for them can need twice the shared
     # memory the GPU has with fp32 weights (fp32 runs are references, not the fast path).
     tuned = layer.weight.is_cuda and layer.weight.element_size() == 2
-    cfg = fused_config(kind, m, n, k, layer.weight.device) if tuned else None
-    return cfg if cfg is not None else pick_config(m, n, k, 16, -1)
+    if tuned:
+        cfg = fused_config(kind, m, n, k, layer.weight.device)
+        if cfg is not None:
+            return cfg
+        if m > 1:
+            # No fused tile measured for this many rows: unfused. A heuristic fused tile at
+            # 2-16 rows ran whole decode steps 1.3-2.4x slower than the unfused kernels on an
+            # H100 (2026-11-23-W5-step-cost-h100: llama-3.2-3b, 1 row 2.8 ms, 2-8 rows 6.9 ms,
+            # 32 rows through cuBLAS 3.6 ms), and every verify step has k + 1 rows per sequence.
+            return None
+    return pick_config(m, n, k, 16, -1)
 
 
 def fused_linear(layer: nn.Module, x: torch.Tensor, config, **fusion) -> torch.Tensor:

@@ -1,0 +1,61 @@
+"""What a speculative step costs, relative to a plain decode step of the same batch.
+
+A step that verifies k drafts for each of B sequences runs B (k + 1) rows through the target
+and, with a draft model, k draft steps of B rows first. On a GPU the engine measures both from
+its captured CUDA graphs (ModelRunner runs a verify step as decode rows, so a graph of that
+many rows is the step): t(R) is the replay time of the graph for R rows, and
+
+    cost(B, k) = [t(B (k + 1)) + k t_draft(B)] / t(B).
+
+At small B, decode streams the weights and t barely grows with R, so verification is nearly
+free and only the draft steps cost; at large B the GPU is busy computing and t(B (k + 1)) ~
+(k + 1) t(B), where no acceptance rate pays for speculation. `best_k` (spec/adaptive.py) picks
+the k with the most tokens per unit of cost; where that is 0 for the batch's acceptance,
+speculation is off for the step: the measured crossover, on this GPU, for this model.
+
+Without measurements (CPU, eager) the cost is the constant model 1 + k c.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Replay times (ms) per captured row count of the target's graphs and, for a draft
+    model, the draft's."""
+
+    target_ms: dict[int, float]
+    draft_ms: dict[int, float] | None = None
+
+    @staticmethod
+    def _time(times: dict[int, float], rows: int) -> float:
+        """The time of `rows` rows: the graph that serves them (the smallest captured size
+        that holds them); past the largest, proportional to rows (eager steps, compute-bound
+        by then)."""
+        sizes = sorted(times)
+        i = bisect.bisect_left(sizes, rows)
+        if i < len(sizes):
+            return times[sizes[i]]
+        return times[sizes[-1]] * rows / sizes[-1]
+
+    def cost(self, batch: int, k: int) -> float:
+        """cost(B, k) of the module docstring (1.0 at k = 0)."""
+        if k <= 0:
+            return 1.0
+        base = self._time(self.target_ms, batch)
+        total = self._time(self.target_ms, batch * (k + 1))
+        if self.draft_ms:
+            total += k * self._time(self.draft_ms, batch)
+        return total / base
+
+    def cost_fn(self, batch: int) -> Callable[[int], float]:
+        return lambda k: self.cost(batch, k)
+
+
+def constant_cost_fn(cost_ratio: float) -> Callable[[int], float]:
+    """The constant model: each draft costs `cost_ratio` of a decode step, verifying is free."""
+    return lambda k: 1.0 + k * cost_ratio
