@@ -237,7 +237,7 @@ def test_pdl_kernels_compile_for_hopper_and_wait_before_touching_data():
 
 def test_fused_table_entries_come_first_at_batch_one(tmp_path, monkeypatch):
     """A batch-1 fused entry (tune_fused_decode.py) is used for m == 1 of its kind only; other
-    row counts and kinds fall back to the dense entry's tile."""
+    kinds fall back to the dense batch-1 tile, and other row counts get none (unfused)."""
     import json
 
     from llmaccel.kernels import gemm_tuning
@@ -256,7 +256,7 @@ def test_fused_table_entries_come_first_at_batch_one(tmp_path, monkeypatch):
         assert gemm_tuning.fused_key("norm", 3072, 2048) == "16norm:1:3072:2048"
         assert gemm_tuning.fused_config("norm", 1, 3072, 2048) == fused
         assert gemm_tuning.fused_config("res", 1, 3072, 2048) == dense
-        assert gemm_tuning.fused_config("norm", 4, 3072, 2048) == dense
+        assert gemm_tuning.fused_config("norm", 4, 3072, 2048) is None
         assert gemm_tuning.fused_config("norm", 1, 2048, 2048) is None
         with pytest.raises(ValueError, match="fused kind"):
             gemm_tuning.fused_key("gelu", 1, 1)

@@ -182,6 +182,12 @@ def test_tuning_table_lookup(tmp_path, monkeypatch):
         assert gemm_tuning.dense_config(1, 3072, 2048) == GemmConfig(**cfg)
         assert gemm_tuning.dense_config(4, 3072, 2048) is None  # cuBLAS measured faster
         assert gemm_tuning.dense_config(1, 2048, 2048) is None  # untuned shape: cuBLAS
+        # a Triton tile tuned for 16 rows is not borrowed for 2 (cuBLAS there)
+        table["entries"]["16:16:3072:2048"]["backend"] = "triton"
+        path.write_text(json.dumps(table))
+        gemm_tuning.clear_cache()
+        assert gemm_tuning.dense_config(16, 3072, 2048) == GemmConfig(**big)
+        assert gemm_tuning.dense_config(2, 3072, 2048) is None
         # m=3 takes the next tuned bucket up (16); beyond the largest, the largest
         assert gemm_tuning.packed_config(3, 3072, 2048, 4, 128) == GemmConfig(**big)
         assert gemm_tuning.packed_config(500, 3072, 2048, 4, 128) == GemmConfig(**big)

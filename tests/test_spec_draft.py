@@ -109,8 +109,11 @@ def test_draft_model_on_gpu_verifies_through_cuda_graphs(pair, mode):
     target, draft, prompts, max_tokens, expected = pair
     extra = ({} if mode == "default" else
              {"max_num_batched_tokens": 32, "num_gpu_blocks": 24, "max_model_len": 384})
+    # draft_cost_ratio 0: the constant cost model. The measured one would (rightly) switch
+    # speculation off: this draft is as large as its target.
     llm = LLM(target, dtype="float32", device="cuda", skip_tokenizer_init=True,
-              enable_prefix_caching=True, speculative_config=_spec(draft), **extra)
+              enable_prefix_caching=True,
+              speculative_config=_spec(draft, draft_cost_ratio=0.0), **extra)
     rows: dict[str, list[int]] = {"target": [], "draft": []}
     for name, runner in (("target", llm.engine.runner), ("draft", llm.engine.spec.draft.runner)):
         graphs = runner.graphs

@@ -44,6 +44,40 @@ def test_ngram_on_a_copied_span_drafts_the_copy():
     assert prop.propose([ctx, ctx], ks=[2, 0]) == [source[50:52], []]
 
 
+def _ngram_by_windows(ctx, k, min_n, max_n):
+    """The definition, slowly: slide a window of each length n (longest first) over the
+    context before its last token; the latest window equal to the n-token suffix wins."""
+    length = len(ctx)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        hits = [s for s in range(length - n) if ctx[s:s + n] == ctx[length - n:]]
+        if hits:
+            start = hits[-1] + n
+            return ctx[start:start + k]
+    return []
+
+
+def test_ngram_lookup_equals_the_window_definition():
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 20])
+        ctx = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        k, lo = rng.randint(1, 5), rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        assert ngram_propose(ctx, k, lo, hi) == _ngram_by_windows(ctx, k, lo, hi), ctx
+
+
+def test_token_buffer_follows_a_growing_sequence():
+    from llmaccel.engine.sampling_params import SamplingParams
+    from llmaccel.engine.sequence import Sequence
+    from llmaccel.spec.ngram import TokenBuffer
+
+    seq = Sequence("r", 0, list(range(300)), SamplingParams())
+    buf = TokenBuffer()
+    assert buf.sync(seq).tolist() == list(range(300))
+    seq.output_token_ids += [7, 8]
+    assert buf.sync(seq).tolist() == list(range(300)) + [7, 8]
+
+
 def test_expected_tokens_and_the_best_k():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0

@@ -29,7 +29,7 @@ from llmaccel.spec.adaptive import AcceptanceTracker, best_k
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError
 from llmaccel.spec.costs import StepCosts, constant_cost_fn
 from llmaccel.spec.metrics import SpecDecodeStats
-from llmaccel.spec.ngram import NgramProposer
+from llmaccel.spec.ngram import NgramProposer, TokenBuffer
 from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,10 @@ class SpecDecoder:
                     ks.append(k)
         if self.draft is None:
             for seq, k in zip(drafting, ks):
-                seq.spec_token_ids = self.proposer.propose([seq.all_token_ids], [k])[0]
+                if seq.ngram_buffer is None:
+                    seq.ngram_buffer = TokenBuffer()
+                ctx = seq.ngram_buffer.sync(seq)
+                seq.spec_token_ids = self.proposer.propose([ctx], [k])[0]
         elif drafting:
             drafts, qs = self.draft.propose(drafting, ks,
                                             self.config.draft_confidence_threshold)

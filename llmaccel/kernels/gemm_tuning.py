@@ -101,17 +101,19 @@ def fused_key(kind: str, n: int, k: int) -> str:
 
 def fused_config(kind: str, m: int, n: int, k: int, device: torch.device | None = None
                  ) -> GemmConfig | None:
-    """The tuned tile of a fused decode GEMV with m rows: the batch-1 fused entry for m == 1,
-    else (or without one) the dense entry's Triton tile, else None."""
+    """The tuned tile of a fused decode GEMV with m rows: for m == 1 the batch-1 fused entry,
+    else the dense batch-1 entry's tile; None for more rows. Tiles tuned for other row counts
+    are not borrowed: the 16-row dense tiles fused into 2-16-row decode layers ran the
+    linear layers of a qwen2.5-1.5b step at 3.3-6.8 ms against 1.6 ms for one row and ~1.5 ms
+    of cuBLAS at 32 rows (H100, benchmarks/profile_rows.py, 2026-11-23-W5-step-cost-h100)."""
     path = table_path(device)
-    if path is None:
+    if path is None or m != 1:
         return None
-    if m == 1:
-        entry = _load(str(path)).get(fused_key(kind, n, k))
-        if entry is not None:
-            return GemmConfig(**entry["config"])
-    hit = _lookup(str(path), 16, m_bucket(m), n, k)
-    return hit[1] if hit is not None else None
+    entry = _load(str(path)).get(fused_key(kind, n, k))
+    if entry is not None:
+        return GemmConfig(**entry["config"])
+    entry = _load(str(path)).get(table_key(16, 1, n, k))
+    return GemmConfig(**entry["config"]) if entry is not None else None
 
 
 def gemv_w4_config(n: int, k: int, group: int, device: torch.device | None = None
@@ -197,10 +199,16 @@ def _gemv_fp8_lookup(path: str, n: int, k: int) -> GemvFp8Config | None:
 
 def dense_config(m: int, n: int, k: int, device: torch.device | None = None
                  ) -> GemmConfig | None:
-    """The Triton config for a dense product where the table measured it faster than cuBLAS,
-    else None (use cuBLAS)."""
-    hit = lookup(16, m, n, k, device)
-    return hit[1] if hit is not None and hit[0] == "triton" else None
+    """The Triton config for a dense product where the table measured it faster than cuBLAS
+    for this bucket of rows, else None (use cuBLAS). Unlike the packed kernels (which have no
+    cuBLAS to fall back on), no tile is borrowed from another bucket (see `fused_config`)."""
+    path = table_path(device)
+    if path is None:
+        return None
+    entry = _load(str(path)).get(table_key(16, m, n, k))
+    if entry is None or entry["backend"] != "triton":
+        return None
+    return GemmConfig(**entry["config"])
 
 
 def packed_config(m: int, n: int, k: int, bits: int, group: int,

@@ -10,24 +10,57 @@ right. No model runs, so a wrong guess costs only the extra positions in the ver
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def ngram_propose(tokens: np.ndarray | list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k draft tokens for a context `tokens` (prompt + output so far): the tokens after
     the latest earlier match of its longest suffix (max_n down to min_n tokens) that has one;
-    [] when no suffix recurs. Never proposes past the context's end."""
+    [] when no suffix recurs. Never proposes past the context's end.
+
+    One pass over the context: every earlier occurrence of the last token is a candidate end
+    of a match, and its match length is counted backwards over at most max_n tokens (a few
+    vectorized comparisons), instead of sliding a window of each length over the context."""
     ctx = np.asarray(tokens, dtype=np.int64)
     length = ctx.shape[0]
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = ctx[length - n:]
-        # windows starting at 0 .. length - n - 1: every earlier position, not the suffix itself
-        windows = sliding_window_view(ctx[:length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n  # the latest match: the most recent context wins
-            return ctx[start:start + k].tolist()
-    return []
+    if length < 2 or max_n < 1:
+        return []
+    ends = np.flatnonzero(ctx[:length - 1] == ctx[length - 1])  # candidate match ends
+    if ends.size == 0:
+        return []
+    matched = np.ones(ends.size, dtype=np.int64)  # suffix tokens matched so far (the last)
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(1, min(max_n, length - 1)):
+        pos = ends - j
+        ok = alive & (pos >= 0)
+        ok[ok] = ctx[pos[ok]] == ctx[length - 1 - j]
+        alive = ok
+        matched += alive
+    best = min(max_n, int(matched.max()))
+    if best < min_n:
+        return []
+    end = int(ends[np.flatnonzero(matched >= best)[-1]])  # the latest of the longest
+    return ctx[end + 1:end + 1 + k].tolist()
+
+
+class TokenBuffer:
+    """A sequence's tokens as a growing numpy array, appended to as the sequence grows (so
+    each lookup does not convert the whole context from a list again)."""
+
+    def __init__(self) -> None:
+        self.data = np.empty(256, dtype=np.int64)
+        self.size = 0
+
+    def sync(self, seq) -> np.ndarray:
+        """The tokens of `seq` (an engine Sequence, whose tokens only ever grow)."""
+        n = seq.num_tokens
+        if n > self.data.shape[0]:
+            grown = np.empty(max(n, 2 * self.data.shape[0]), dtype=np.int64)
+            grown[:self.size] = self.data[:self.size]
+            self.data = grown
+        if n > self.size:
+            self.data[self.size:n] = seq.token_slice(self.size, n)
+            self.size = n
+        return self.data[:n]
 
 
 class NgramProposer:
@@ -39,7 +72,7 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, contexts: list[list[int]], ks: list[int] | None = None
+    def propose(self, contexts: list[list[int] | np.ndarray], ks: list[int] | None = None
                 ) -> list[list[int]]:
         """One draft list per context, each at most ks[i] (default k) long; deterministic, so
         the verifier treats them as q = one-hot."""

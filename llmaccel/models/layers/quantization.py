@@ -71,10 +71,10 @@ def fused_gemv_config(layer: nn.Module, m: int, kind: str):
     when the layer cannot take the fused kernel (Triton off, too many rows, a quantized method
     without a fused GEMV for this many rows: see `fused_decode_config` of PackedLinearMethod and
     Fp8LinearMethod). `kind`
-    names the fusion ("norm", "res", "silu"; see kernels/gemm_tuning.fused_key): an entry
-    tuned for it in the chain (benchmarks/tune_fused_decode.py) comes first; without one, a
-    16-bit CUDA layer fuses only at one row, with the heuristic tile (more rows: unfused, see
-    below); other layers (fp32 references, the interpreter) take the heuristic tile."""
+    names the fusion ("norm", "res", "silu"; see kernels/gemm_tuning.fused_key). A 16-bit CUDA
+    layer fuses only at one row, with the tile tuned for it in the chain
+    (benchmarks/tune_fused_decode.py) or else its dense batch-1 tile; other layers (fp32
+    references, the interpreter) take the heuristic tile."""
     if m > FUSED_DECODE_MAX_ROWS or not getattr(layer, "use_triton", False):
         return None
     if not isinstance(layer.quant_method, UnquantizedLinearMethod):
@@ -89,15 +89,11 @@ def fused_gemv_config(layer: nn.Module, m: int, kind: str):
     # memory the GPU has with fp32 weights (fp32 runs are references, not the fast path).
     tuned = layer.weight.is_cuda and layer.weight.element_size() == 2
     if tuned:
-        cfg = fused_config(kind, m, n, k, layer.weight.device)
-        if cfg is not None:
-            return cfg
-        if m > 1:
-            # No fused tile measured for this many rows: unfused. A heuristic fused tile at
-            # 2-16 rows ran whole decode steps 1.3-2.4x slower than the unfused kernels on an
-            # H100 (2026-11-23-W5-step-cost-h100: llama-3.2-3b, 1 row 2.8 ms, 2-8 rows 6.9 ms,
-            # 32 rows through cuBLAS 3.6 ms), and every verify step has k + 1 rows per sequence.
-            return None
+        # Only a tile measured for this row count: untuned fused tiles at 2-16 rows ran whole
+        # decode steps 2-3.6x slower than one row on an H100 (2026-11-23-W5-step-cost-h100:
+        # qwen2.5-1.5b, 1 row 1.9 ms, 2-8 rows 6.0 ms, 32 rows through cuBLAS 2.1 ms), and
+        # every speculative verify step has k + 1 rows per sequence.
+        return fused_config(kind, m, n, k, layer.weight.device)
     return pick_config(m, n, k, 16, -1)
 
 
