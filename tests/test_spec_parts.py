@@ -158,3 +158,39 @@ def test_speculation_switches_off_above_the_batch_size():
     cfg = SpeculativeConfig(method="draft", model="m", disable_by_batch_size=16)
     assert cfg.speculate_at(15) and not cfg.speculate_at(16)
     assert SpeculativeConfig().speculate_at(10_000)
+
+
+def test_throughput_monitor_buckets_and_decays():
+    from llmaccel.spec.costs import ThroughputMonitor, batch_bucket
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+    m = ThroughputMonitor(decay=0.5)
+    m.observe(3, True, 100, 1.0)
+    assert m.rate(4, True) is None  # one step is not enough
+    m.observe(4, True, 300, 1.0)
+    assert math.isclose(m.rate(3, True), (0.5 * 100 + 300) / (0.5 * 1.0 + 1.0))
+    assert m.rate(4, False) is None and m.rate(8, True) is None
+
+
+def test_measured_throughput_decides_and_the_other_mode_is_explored():
+    from llmaccel.engine.speculative import PROBE_EVERY, PROBE_LEN, SpecDecoder
+    from llmaccel.spec.costs import StepCosts
+
+    spec = SpecDecoder(SpeculativeConfig(), 2048, None)
+    assert not spec.automatic and spec.speculate_at(64)  # no measured costs: always on
+    spec.costs = StepCosts({1: 1.0, 8: 1.0, 64: 1.0})  # flat: the cost model says speculate
+    assert spec.automatic
+    assert [spec.speculate_at(1, r) for r in range(PROBE_EVERY)] == (
+        [True] * (PROBE_EVERY - PROBE_LEN) + [False] * PROBE_LEN)  # bursts of plain decoding
+    # measured at batch 1 (bucket 1): plain decoding twice as fast -> off, with spec bursts
+    kind_spec, kind_plain = (1, True), (1, False)
+    for kind, seconds in ((kind_spec, 1.0),) * 3 + ((kind_plain, 0.5),) * 3:
+        spec.record_step(kind, 10, seconds)
+    # the first step after each switch of mode was not measured: two of each remain
+    assert spec.monitor.rate(1, True) == 10.0 and spec.monitor.rate(1, False) == 20.0
+    assert [spec.speculate_at(1, r) for r in range(PROBE_EVERY)] == (
+        [False] * (PROBE_EVERY - PROBE_LEN) + [True] * PROBE_LEN)
+    assert spec.speculate_at(8, 0)  # another batch bucket: nothing measured, the model decides
+    spec.off = True
+    spec._round = 0
+    assert spec.may_launch_ahead(1) and not spec.may_launch_ahead(8)

@@ -219,6 +219,7 @@ class LLMEngine:
         that step is the one the next call samples. A sequence that stops meanwhile (EOS, stop
         id) has its extra token dropped the same way.
         """
+        start = time.perf_counter()
         launched, self._ahead = self._ahead, None
         if launched is None:
             if self.spec is not None:
@@ -236,9 +237,15 @@ class LLMEngine:
                 return outputs
             launched = self._launch(sched)
         outputs = self._process_outputs()  # overlaps the GPU
-        if self.config.async_scheduling and (self.spec is None or self.spec.off):
+        kind = None if self.spec is None else self.spec.step_kind(launched.sched)
+        if self.config.async_scheduling and (
+                self.spec is None or self.spec.may_launch_ahead(len(self.scheduler.running))):
             self._ahead = self._launch_ahead(launched)
-        self._complete(launched)
+            if self._ahead is not None and self.spec is not None:
+                self.spec.skip_round()
+        emitted = self._complete(launched)
+        if kind is not None:  # measured throughput of speculating or not, at this batch size
+            self.spec.record_step(kind, emitted, time.perf_counter() - start)
         return outputs
 
     def _launch(self, sched: SchedulerOutput,
@@ -259,9 +266,11 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.num_computed_tokens += n
         # With speculation off for this batch (spec.off) steps run as plain decoding, async
-        # scheduling included, until the running set changes (a new round then decides).
+        # scheduling included, until the running set changes or the engine explores.
         plain = (bool(sampling) and self.config.async_scheduling
-                 and (self.spec is None or self.spec.off) and self._plain(sampling))
+                 and (self.spec is None
+                      or self.spec.may_launch_ahead(len(self.scheduler.running)))
+                 and self._plain(sampling))
         if greedy is None and plain:
             greedy = greedy_with_logprobs(logits)  # eager steps: argmax on the device too
         return _Launched(sched, sampling, logits, greedy, plain)
@@ -314,9 +323,10 @@ class LLMEngine:
         event.record()
         return out, event
 
-    def _complete(self, launched: _Launched) -> None:
+    def _complete(self, launched: _Launched) -> int:
         """Sample the launched step's tokens (the one host sync), apply them and the checks
-        that decide the next step (EOS, stop ids, max_tokens)."""
+        that decide the next step (EOS, stop ids, max_tokens); returns how many tokens the
+        step emitted."""
         sched, sampling = launched.sched, launched.sampling
         offsets, num_rows = [], 0  # a sequence with drafts has 1 + len(drafts) logits rows
         for seq in sampling:
@@ -364,6 +374,7 @@ class LLMEngine:
                                           self.scheduler, self.block_manager, launched.greedy)
         self.stats.record_step(sched.num_tokens, emitted, len(sched.preempted))
         self._deferred = seqs + spec_seqs
+        return emitted
 
     def _sample(self, seqs: list[Sequence], rows: list[int], num_rows: int,
                 logits: torch.Tensor, greedy: torch.Tensor | None,

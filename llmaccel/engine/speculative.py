@@ -27,7 +27,7 @@ from llmaccel.engine.sampler import greedy_with_logprobs
 from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.adaptive import AcceptanceTracker, best_k
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError
-from llmaccel.spec.costs import StepCosts, constant_cost_fn
+from llmaccel.spec.costs import StepCosts, ThroughputMonitor, constant_cost_fn
 from llmaccel.spec.metrics import SpecDecodeStats
 from llmaccel.spec.ngram import NgramProposer, TokenBuffer
 from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
@@ -41,9 +41,11 @@ NGRAM_COST_RATIO = 0.05
 # A draft model's step relative to the target's, for the adaptive k until measured: a 3x
 # smaller model runs a decode step in about a third of the time or more (launch-bound).
 DRAFT_COST_RATIO = 0.35
-# While the measured cost says speculation does not pay, one round in this many speculates
-# anyway, so that a recovered acceptance rate is noticed.
-PROBE_EVERY = 32
+# Every PROBE_EVERY rounds, PROBE_LEN rounds run in the mode not chosen (speculating or
+# not), so that both modes' measured throughput stays current (spec/costs.ThroughputMonitor);
+# the first round after a switch is not measured (a draft catching up, no launch-ahead yet).
+PROBE_EVERY = 48
+PROBE_LEN = 3
 
 
 class SpecDecoder:
@@ -69,8 +71,10 @@ class SpecDecoder:
         # The engine's recent acceptance over all requests, for the per-step on/off decision
         # (decays slowly: it sees every request's step).
         self.batch_tracker = AcceptanceTracker(decay=0.98)
-        self.off = False  # the last proposal round left speculation off for the whole batch
-        self._off_rounds = 0
+        self.monitor = ThroughputMonitor()
+        self.off = False  # the last round left speculation off for the whole batch
+        self._round = 0  # decode rounds seen while the choice is automatic
+        self._last_mode: bool | None = None  # whether the last measured step speculated
         self.stats = SpecDecodeStats()
 
     def _cost(self, batch: int):
@@ -79,13 +83,60 @@ class SpecDecoder:
             return self.costs.cost_fn(batch)
         return constant_cost_fn(self.cost_ratio)
 
-    def speculate_at(self, batch: int) -> bool:
-        """Whether a step of `batch` running requests speculates: below an explicit
-        disable_by_batch_size, else where the measured cost pays at the recent acceptance."""
-        if self.config.disable_by_batch_size is not None or self.costs is None:
+    @property
+    def automatic(self) -> bool:
+        """Whether the engine decides per step (measured costs, no disable_by_batch_size)."""
+        return self.config.disable_by_batch_size is None and self.costs is not None
+
+    def speculate_at(self, batch: int, round_index: int | None = None) -> bool:
+        """Whether a round with `batch` running requests speculates: below an explicit
+        disable_by_batch_size; else (automatic) in the measured faster mode at this batch size
+        or, before both are measured, where the step costs pay at the recent acceptance; with
+        a burst of the other mode every PROBE_EVERY rounds (`round_index`: default the
+        next round)."""
+        if not self.automatic:
             return self.config.speculate_at(batch)
-        return best_k(self.batch_tracker.alpha, self._cost(batch),
-                      self.config.num_speculative_tokens) > 0
+        spec, plain = self.monitor.rate(batch, True), self.monitor.rate(batch, False)
+        if spec is not None and plain is not None:
+            on = spec >= plain
+        else:
+            on = best_k(self.batch_tracker.alpha, self._cost(batch),
+                        self.config.num_speculative_tokens) > 0
+        r = self._round if round_index is None else round_index
+        exploring = r % PROBE_EVERY >= PROBE_EVERY - PROBE_LEN
+        return on != exploring
+
+    def may_launch_ahead(self, batch: int) -> bool:
+        """Whether the next step may be launched ahead as plain decoding (async scheduling):
+        the last round did not speculate and the next one would not either."""
+        return self.off and not self.speculate_at(batch)
+
+    def skip_round(self) -> None:
+        """A plain step launched ahead: a round without a proposal."""
+        self._round += 1
+        self.stats.num_off_steps += 1
+
+    def step_kind(self, sched) -> tuple[int, bool] | None:
+        """(batch, speculative) of a step to measure: every sequence decodes (one real token
+        plus its drafts, no prefill chunk); None for other steps."""
+        if not self.automatic or not sched.scheduled:
+            return None
+        drafted = False
+        for seq, n in sched.scheduled:
+            if n != 1 + len(seq.spec_token_ids):
+                return None
+            drafted = drafted or bool(seq.spec_token_ids)
+        return len(sched.scheduled), drafted
+
+    def record_step(self, kind: tuple[int, bool] | None, tokens: int, seconds: float) -> None:
+        """Feed the throughput monitor one decode step (from `step_kind`), unless it is the
+        first after a switch of mode."""
+        if kind is None:
+            return
+        batch, speculative = kind
+        if self._last_mode == speculative:
+            self.monitor.observe(batch, speculative, tokens, seconds)
+        self._last_mode = speculative
 
     # -- before scheduling ---------------------------------------------------------------------
     def _eligible(self, seq: Sequence) -> bool:
@@ -109,10 +160,7 @@ class SpecDecoder:
         speculate)."""
         start = time.perf_counter()
         on = self.speculate_at(len(running))
-        if not on and self.config.disable_by_batch_size is None:
-            # Off for a low acceptance: probe now and then, or it could never come back on.
-            self._off_rounds += 1
-            on = self._off_rounds % PROBE_EVERY == 0
+        self._round += bool(running)
         self.off = not on
         self.stats.num_off_steps += bool(running) and not on
         cost = self._cost(len(running))

@@ -14,6 +14,12 @@ the k with the most tokens per unit of cost; where that is 0 for the batch's acc
 speculation is off for the step: the measured crossover, on this GPU, for this model.
 
 Without measurements (CPU, eager) the cost is the constant model 1 + k c.
+
+The step costs leave out the host's work per step and assume i.i.d. acceptance, so the on/off
+decision is finally made from measured throughput: `ThroughputMonitor` keeps the output tokens
+per second of decode steps with and without speculation per batch-size bucket, and where both
+are known the faster mode wins (SpecDecoder explores the other mode in short bursts to keep
+both measured).
 """
 
 from __future__ import annotations
@@ -59,3 +65,41 @@ class StepCosts:
 def constant_cost_fn(cost_ratio: float) -> Callable[[int], float]:
     """The constant model: each draft costs `cost_ratio` of a decode step, verifying is free."""
     return lambda k: 1.0 + k * cost_ratio
+
+
+def batch_bucket(batch: int) -> int:
+    """Batch sizes are compared in power-of-two buckets (1, 2, 4, 8, ...)."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+@dataclass
+class _Rate:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    samples: int = 0
+
+
+class ThroughputMonitor:
+    """Measured output tokens per second of decode steps with and without speculation, per
+    batch-size bucket: what the step costs above leave out (host work per step, the verify
+    and draft bookkeeping, acceptance that is not i.i.d.). Exponentially decayed sums, so the
+    rates follow a changing workload."""
+
+    MIN_SAMPLES = 2
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self._rates: dict[tuple[int, bool], _Rate] = {}
+
+    def observe(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
+        r = self._rates.setdefault((batch_bucket(batch), speculative), _Rate())
+        r.tokens = self.decay * r.tokens + tokens
+        r.seconds = self.decay * r.seconds + seconds
+        r.samples += 1
+
+    def rate(self, batch: int, speculative: bool) -> float | None:
+        """Tokens per second in this mode at this batch size, or None before enough steps."""
+        r = self._rates.get((batch_bucket(batch), speculative))
+        if r is None or r.samples < self.MIN_SAMPLES or r.seconds <= 0:
+            return None
+        return r.tokens / r.seconds
