@@ -88,18 +88,21 @@ def test_speculation_switches_off_at_the_batch_size(tiny):
 def test_measured_costs_switch_speculation_off_where_it_does_not_pay(tiny):
     """With step costs (as the engine measures them on a GPU) that make verification dear at
     batch >= 4, a batch of six runs plain decoding (async scheduling included, rare probe
-    rounds aside) and a single request speculates; outputs equal plain greedy."""
+    rounds aside) and a single request speculates; outputs equal plain greedy. Once
+    speculative steps ran, their measured throughput is compared with plain decoding's
+    (1 / graph time): the times are scaled so that this CPU loses (batch 6: plain steps of
+    1 us) or wins (batch 1: plain steps of 1000 s) that comparison as the case needs."""
     from llmaccel.spec.costs import StepCosts
 
     # ms per graph of R rows: flat up to 4 rows (weight-bound), then linear (compute-bound)
-    costs = StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 2.2, 16: 4.4, 32: 8.8, 64: 17.6})
+    shape = {1: 1.0, 2: 1.0, 4: 1.0, 8: 2.2, 16: 4.4, 32: 8.8, 64: 17.6}
     # k = 1 at batch 6 costs as much as the at most 2 tokens it can emit: off at any acceptance
-    assert costs.cost(1, 3) == 1.0 and costs.cost(6, 1) == 2.0
+    assert StepCosts(shape).cost(1, 3) == 1.0 and StepCosts(shape).cost(6, 1) == 2.0
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = _llm(tiny, None)
-    for prompts, speculates in ((PROMPTS * 2, False), (PROMPTS[:1], True)):
+    for prompts, speculates, scale in ((PROMPTS * 2, False, 1e-3), (PROMPTS[:1], True, 1e6)):
         llm = _llm(tiny, SPEC)
-        llm.engine.spec.costs = costs
+        llm.engine.spec.costs = StepCosts({r: t * scale for r, t in shape.items()})
         outs = llm.generate(prompts, params, use_tqdm=False)
         want = plain.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]

@@ -41,11 +41,11 @@ NGRAM_COST_RATIO = 0.05
 # A draft model's step relative to the target's, for the adaptive k until measured: a 3x
 # smaller model runs a decode step in about a third of the time or more (launch-bound).
 DRAFT_COST_RATIO = 0.35
-# Every PROBE_EVERY rounds, PROBE_LEN rounds run in the mode not chosen (speculating or
-# not), so that both modes' measured throughput stays current (spec/costs.ThroughputMonitor);
-# the first round after a switch is not measured (a draft catching up, no launch-ahead yet).
-PROBE_EVERY = 48
-PROBE_LEN = 3
+# While speculation is off (automatic), PROBE_LEN rounds in every PROBE_EVERY speculate, to
+# measure it again (spec/costs.ThroughputMonitor); the first of them is not measured (a draft
+# model catching up on the tokens it skipped).
+PROBE_EVERY = 32
+PROBE_LEN = 2
 
 
 class SpecDecoder:
@@ -90,21 +90,25 @@ class SpecDecoder:
 
     def speculate_at(self, batch: int, round_index: int | None = None) -> bool:
         """Whether a round with `batch` running requests speculates: below an explicit
-        disable_by_batch_size; else (automatic) in the measured faster mode at this batch size
-        or, before both are measured, where the step costs pay at the recent acceptance; with
-        a burst of the other mode every PROBE_EVERY rounds (`round_index`: default the
-        next round)."""
+        disable_by_batch_size; else (automatic) where speculating was measured faster than
+        plain decoding at this batch size or, before a measurement, where the step costs pay
+        at the recent acceptance. While off, PROBE_LEN rounds in every PROBE_EVERY speculate
+        anyway, to measure again (`round_index`: default the next round)."""
         if not self.automatic:
             return self.config.speculate_at(batch)
-        spec, plain = self.monitor.rate(batch, True), self.monitor.rate(batch, False)
-        if spec is not None and plain is not None:
-            on = spec >= plain
-        else:
-            on = best_k(self.batch_tracker.alpha, self._cost(batch),
-                        self.config.num_speculative_tokens) > 0
+        if self._chosen(batch):
+            return True
         r = self._round if round_index is None else round_index
-        exploring = r % PROBE_EVERY >= PROBE_EVERY - PROBE_LEN
-        return on != exploring
+        return r % PROBE_EVERY >= PROBE_EVERY - PROBE_LEN
+
+    def _chosen(self, batch: int) -> bool:
+        measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
+        if measured is not None:
+            # Plain decoding from its graph's replay time: an upper bound (host work only
+            # adds), so speculation must beat plain decoding at its best.
+            return measured >= 1000.0 / self.costs.step_ms(batch)
+        return best_k(self.batch_tracker.alpha, self._cost(batch),
+                      self.config.num_speculative_tokens) > 0
 
     def may_launch_ahead(self, batch: int) -> bool:
         """Whether the next step may be launched ahead as plain decoding (async scheduling):
@@ -129,13 +133,13 @@ class SpecDecoder:
         return len(sched.scheduled), drafted
 
     def record_step(self, kind: tuple[int, bool] | None, tokens: int, seconds: float) -> None:
-        """Feed the throughput monitor one decode step (from `step_kind`), unless it is the
-        first after a switch of mode."""
+        """Feed the throughput monitor one speculative decode step (from `step_kind`), unless
+        it is the first after plain steps (the draft catching up)."""
         if kind is None:
             return
         batch, speculative = kind
-        if self._last_mode == speculative:
-            self.monitor.observe(batch, speculative, tokens, seconds)
+        if speculative and self._last_mode:
+            self.monitor.observe(batch, True, tokens / batch, seconds)
         self._last_mode = speculative
 
     # -- before scheduling ---------------------------------------------------------------------

@@ -15,11 +15,11 @@ speculation is off for the step: the measured crossover, on this GPU, for this m
 
 Without measurements (CPU, eager) the cost is the constant model 1 + k c.
 
-The step costs leave out the host's work per step and assume i.i.d. acceptance, so the on/off
-decision is finally made from measured throughput: `ThroughputMonitor` keeps the output tokens
-per second of decode steps with and without speculation per batch-size bucket, and where both
-are known the faster mode wins (SpecDecoder explores the other mode in short bursts to keep
-both measured).
+The step costs leave out the host's work per step and assume i.i.d. acceptance, so once
+speculative steps have run at a batch size the decision uses their measured output tokens per
+second (`ThroughputMonitor`, per batch-size bucket and sequence) against plain decoding at its
+best, 1 / t(B). While off, SpecDecoder speculates for a couple of rounds now and then to
+measure again.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class StepCosts:
         if i < len(sizes):
             return times[sizes[i]]
         return times[sizes[-1]] * rows / sizes[-1]
+
+    def step_ms(self, batch: int) -> float:
+        """A plain decode step of `batch` sequences: its graph's replay time."""
+        return self._time(self.target_ms, batch)
 
     def cost(self, batch: int, k: int) -> float:
         """cost(B, k) of the module docstring (1.0 at k = 0)."""
