@@ -66,16 +66,25 @@ def test_ngram_lookup_equals_the_window_definition():
         assert ngram_propose(ctx, k, lo, hi) == _ngram_by_windows(ctx, k, lo, hi), ctx
 
 
-def test_token_buffer_follows_a_growing_sequence():
+def test_ngram_index_equals_the_lookup_as_a_sequence_grows():
+    """The engine's incremental index gives `ngram_propose`'s drafts at every step of a
+    growing sequence, whatever the step sizes (one token, a run of accepted drafts)."""
     from llmaccel.engine.sampling_params import SamplingParams
     from llmaccel.engine.sequence import Sequence
-    from llmaccel.spec.ngram import TokenBuffer
+    from llmaccel.spec.ngram import NgramIndex
 
-    seq = Sequence("r", 0, list(range(300)), SamplingParams())
-    buf = TokenBuffer()
-    assert buf.sync(seq).tolist() == list(range(300))
-    seq.output_token_ids += [7, 8]
-    assert buf.sync(seq).tolist() == list(range(300)) + [7, 8]
+    rng = random.Random(1)
+    for _ in range(200):
+        vocab = rng.choice([2, 3, 6, 30])
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        seq = Sequence("r", 0, [rng.randrange(vocab) for _ in range(rng.randint(1, 12))],
+                       SamplingParams())
+        index = NgramIndex(lo, hi)
+        for _ in range(rng.randint(1, 12)):
+            k = rng.randint(1, 5)
+            assert index.propose(seq, k) == ngram_propose(seq.all_token_ids, k, lo, hi)
+            seq.output_token_ids += [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
 
 
 def test_expected_tokens_and_the_best_k():

@@ -48,7 +48,7 @@ class Sequence:
     spec_tracker: AcceptanceTracker | None = None  # recent acceptance, for the adaptive k
     spec_draft_probs: torch.Tensor | None = None  # [k, vocab] q of sampled drafts (draft model)
     draft_view: object | None = None  # the draft model's KV state (spec/draft_model.DraftView)
-    ngram_buffer: object | None = None  # the tokens as an array, for n-gram lookup (spec/ngram)
+    ngram_index: object | None = None  # n-gram -> latest end, for n-gram lookup (spec/ngram)
     _block_keys: list[tuple[int, ...]] = field(default_factory=list, repr=False)
 
     @property

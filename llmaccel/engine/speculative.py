@@ -29,7 +29,7 @@ from llmaccel.spec.adaptive import AcceptanceTracker, best_k
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError
 from llmaccel.spec.costs import StepCosts, ThroughputMonitor, constant_cost_fn
 from llmaccel.spec.metrics import SpecDecodeStats
-from llmaccel.spec.ngram import NgramProposer, TokenBuffer
+from llmaccel.spec.ngram import NgramIndex
 from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,6 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stop_checker = stop_checker
         self.draft = draft
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
         default_cost = NGRAM_COST_RATIO if draft is None else DRAFT_COST_RATIO
         self.cost_ratio = (config.draft_cost_ratio if config.draft_cost_ratio is not None
                            else default_cost)
@@ -178,10 +176,10 @@ class SpecDecoder:
                     ks.append(k)
         if self.draft is None:
             for seq, k in zip(drafting, ks):
-                if seq.ngram_buffer is None:
-                    seq.ngram_buffer = TokenBuffer()
-                ctx = seq.ngram_buffer.sync(seq)
-                seq.spec_token_ids = self.proposer.propose([ctx], [k])[0]
+                if seq.ngram_index is None:
+                    seq.ngram_index = NgramIndex(self.config.prompt_lookup_min,
+                                                 self.config.prompt_lookup_max)
+                seq.spec_token_ids = seq.ngram_index.propose(seq, k)
         elif drafting:
             drafts, qs = self.draft.propose(drafting, ks,
                                             self.config.draft_confidence_threshold)

@@ -42,25 +42,38 @@ def ngram_propose(tokens: np.ndarray | list[int], k: int, min_n: int, max_n: int
     return ctx[end + 1:end + 1 + k].tolist()
 
 
-class TokenBuffer:
-    """A sequence's tokens as a growing numpy array, appended to as the sequence grows (so
-    each lookup does not convert the whole context from a list again)."""
+class NgramIndex:
+    """Incremental n-gram lookup for one growing sequence: each n-gram (min_n..max_n tokens)
+    maps to the latest position where it ends, so a lookup is a few dict probes instead of a
+    pass over the context (at batch 64 the array search cost ~2 ms of host time per step).
+    Same answers as `ngram_propose` (tests compare them)."""
 
-    def __init__(self) -> None:
-        self.data = np.empty(256, dtype=np.int64)
-        self.size = 0
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in last_end
 
-    def sync(self, seq) -> np.ndarray:
-        """The tokens of `seq` (an engine Sequence, whose tokens only ever grow)."""
-        n = seq.num_tokens
-        if n > self.data.shape[0]:
-            grown = np.empty(max(n, 2 * self.data.shape[0]), dtype=np.int64)
-            grown[:self.size] = self.data[:self.size]
-            self.data = grown
-        if n > self.size:
-            self.data[self.size:n] = seq.token_slice(self.size, n)
-            self.size = n
-        return self.data[:n]
+    def propose(self, seq, k: int) -> list[int]:
+        """Up to k drafts for `seq` (an engine Sequence: token_slice, num_tokens)."""
+        length = seq.num_tokens
+        if k <= 0 or length < 2:
+            return []
+        # Index the n-grams ending at indexed .. length - 2: every earlier position, never the
+        # suffix itself, so the latest entry is the latest earlier match.
+        lo = max(0, self.indexed - self.max_n + 1)
+        toks = seq.token_slice(lo, length)
+        last = self.last_end
+        for end in range(self.indexed, length - 1):
+            i = end - lo
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                last[tuple(toks[i - n + 1:i + 1])] = end
+        self.indexed = max(self.indexed, length - 1)
+        tail = len(toks)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            end = last.get(tuple(toks[tail - n:]))
+            if end is not None:
+                return seq.token_slice(end + 1, min(end + 1 + k, length))
+        return []
 
 
 class NgramProposer:
