@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_bench import _requests  # noqa: E402
+from spec_bench import _requests
 
-from llmaccel import LLM, SamplingParams  # noqa: E402
+from llmaccel import LLM, SamplingParams
 
 
 def main() -> None:
