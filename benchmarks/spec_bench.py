@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,16 +64,19 @@ def _requests(tok, kind: str, batch: int) -> list[list[int]]:
     return [format_prompt(tok, base[i % len(base)], None) for i in range(batch)]
 
 
-def _run(llm, prompts, params) -> tuple[float, list[list[int]]]:
+def _run(llm, prompts, params, repeats: int = 1) -> tuple[float, list[list[int]]]:
+    """Median wall time of `repeats` timed runs (and the last run's tokens)."""
     # Warm-up with the whole batch (a short run): Triton compiles kernel variants on first use
     # (e.g. the prefill/extend shapes of this batch), which must not land in the timed run.
     # Prefix caching is off (see main), so the timed run recomputes its prompts.
     warm = dataclasses.replace(params, max_tokens=8)
     llm.generate(prompts, warm, use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    return wall, [o.outputs[0].token_ids for o in outs]
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls), [o.outputs[0].token_ids for o in outs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs per cell (the median wall counts): short runs vary")
     ap.add_argument("--name", default="W5-spec")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
@@ -112,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.kinds.split(","):
         for b in batches:
             prompts = _requests(tok, kind, b)
-            base[kind, b] = _run(plain, prompts, params)
+            base[kind, b] = _run(plain, prompts, params, args.repeats)
             if draft_alone is not None:
-                draft_wall[kind, b] = _run(draft_alone, prompts, params)[0]
+                draft_wall[kind, b] = _run(draft_alone, prompts, params, args.repeats)[0]
     del plain, draft_alone
     torch.cuda.empty_cache() if device == "cuda" else None
     for method in args.methods.split(","):
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             for b in batches:
                 prompts = _requests(tok, kind, b)
                 before = llm.get_stats().spec_decode
-                wall, tokens = _run(llm, prompts, params)
+                wall, tokens = _run(llm, prompts, params, args.repeats)
                 after = llm.get_stats().spec_decode
                 steps = after["num_steps"] - before["num_steps"]
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]

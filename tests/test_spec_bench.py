@@ -1,0 +1,29 @@
+"""benchmarks/spec_bench.py end to end on the CPU (SmolLM2-135M, n-gram, tiny sizes): the W5
+records it writes carry the BENCHMARKS.md fields and consistent numbers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def test_spec_bench_writes_w5_records(smollm2_gguf, tmp_path):
+    import spec_bench
+
+    model = smollm2_gguf
+    assert spec_bench.main(["--target", str(model), "--methods", "ngram", "--batches", "1,2",
+                            "--kinds", "code", "--k", "3", "--max-tokens", "12",
+                            "--dtype", "float32", "--repeats", "2", "--name", "w5",
+                            "--out", str(tmp_path)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "w5.jsonl").read_text().splitlines()]
+    assert [r["config"]["batch"] for r in records] == [1, 2]
+    for r in records:
+        assert r["workload"] == "W5" and r["metric"] == "speedup" and r["backend"] == "llmaccel"
+        c = r["config"]
+        assert c["method"] == "ngram" and c["identical_to_plain"] is True  # fp32: lossless
+        assert abs(r["value"] - c["spec_out_tok_s"] / c["plain_out_tok_s"]) < 0.01
+        assert 0.0 <= r["acceptance_rate"] <= 1.0 and c["spec_steps"] >= 0
+    assert "| ngram | code | 1 |" in (tmp_path / "w5.md").read_text()
