@@ -238,6 +238,8 @@ class LLMEngine:
             launched = self._launch(sched)
         outputs = self._process_outputs()  # overlaps the GPU
         kind = None if self.spec is None else self.spec.step_kind(launched.sched)
+        # With speculation off for this batch (spec.off), steps run as plain decoding, async
+        # scheduling included, until the running set changes or the next round probes.
         if self.config.async_scheduling and (
                 self.spec is None or self.spec.may_launch_ahead(len(self.scheduler.running))):
             self._ahead = self._launch_ahead(launched)
@@ -265,12 +267,7 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             if not seq.is_finished:
                 seq.num_computed_tokens += n
-        # With speculation off for this batch (spec.off) steps run as plain decoding, async
-        # scheduling included, until the running set changes or the engine explores.
-        plain = (bool(sampling) and self.config.async_scheduling
-                 and (self.spec is None
-                      or self.spec.may_launch_ahead(len(self.scheduler.running)))
-                 and self._plain(sampling))
+        plain = bool(sampling) and self.config.async_scheduling and self._plain(sampling)
         if greedy is None and plain:
             greedy = greedy_with_logprobs(logits)  # eager steps: argmax on the device too
         return _Launched(sched, sampling, logits, greedy, plain)
