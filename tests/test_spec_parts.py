@@ -174,11 +174,11 @@ def test_throughput_monitor_buckets_and_decays():
 
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
     m = ThroughputMonitor(decay=0.5)
-    m.observe(3, True, 100, 1.0)
-    assert m.rate(4, True) is None  # one step is not enough
-    m.observe(4, True, 300, 1.0)
-    assert math.isclose(m.rate(3, True), (0.5 * 100 + 300) / (0.5 * 1.0 + 1.0))
-    assert m.rate(4, False) is None and m.rate(8, True) is None
+    m.observe(3, 100, 1.0)
+    assert m.rate(4) is None  # one step is not enough
+    m.observe(4, 300, 1.0)
+    assert math.isclose(m.rate(3), (0.5 * 100 + 300) / (0.5 * 1.0 + 1.0))
+    assert m.rate(8) is None  # another bucket
 
 
 def test_measured_throughput_decides_and_off_is_probed():
@@ -196,7 +196,7 @@ def test_measured_throughput_decides_and_off_is_probed():
         spec.record_step((1, True), 10, 0.04)
     spec.record_step((1, False), 1, 0.002)  # plain steps are not measured
     # the first speculative step was not counted
-    assert math.isclose(spec.monitor.rate(1, True), 250.0)
+    assert math.isclose(spec.monitor.rate(1), 250.0)
     assert [spec.speculate_at(1, r) for r in range(PROBE_EVERY)] == (
         [False] * (PROBE_EVERY - PROBE_LEN) + [True] * PROBE_LEN)  # off, probed in bursts
     spec.off, spec._round = True, 0

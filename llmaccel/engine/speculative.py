@@ -100,7 +100,7 @@ class SpecDecoder:
         return r % PROBE_EVERY >= PROBE_EVERY - PROBE_LEN
 
     def _chosen(self, batch: int) -> bool:
-        measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
+        measured = self.monitor.rate(batch)  # tokens/s per sequence while speculating
         if measured is not None:
             # Plain decoding from its graph's replay time: an upper bound (host work only
             # adds), so speculation must beat plain decoding at its best.
@@ -137,7 +137,7 @@ class SpecDecoder:
             return
         batch, speculative = kind
         if speculative and self._last_mode:
-            self.monitor.observe(batch, True, tokens / batch, seconds)
+            self.monitor.observe(batch, tokens / batch, seconds)
         self._last_mode = speculative
 
     # -- before scheduling ---------------------------------------------------------------------

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmaccel.spec.costs import constant_cost_fn
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens one verify step emits with k drafts, each accepted with probability alpha."""
@@ -31,7 +33,7 @@ def best_k(alpha: float, cost: float | Callable[[int], float], k_max: int) -> in
     """The k in 0..k_max with the most tokens per unit of step cost, E(k) / cost(k) (the
     smallest on ties). `cost`: a function of k (spec/costs.py: measured at a batch size), or
     a draft cost ratio c for the constant model 1 + k c."""
-    fn = cost if callable(cost) else (lambda k: 1.0 + k * cost)
+    fn = cost if callable(cost) else constant_cost_fn(cost)
     return max(range(k_max + 1), key=lambda k: (expected_tokens(alpha, k) / fn(k), -k))
 
 

@@ -29,20 +29,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
 class StepCosts:
     """Replay times (ms) per captured row count of the target's graphs and, for a draft
-    model, the draft's."""
+    model, the draft's. `cost` is asked for every drafting sequence and every candidate k
+    each step, so its answers are kept per (batch, k)."""
 
-    target_ms: dict[int, float]
-    draft_ms: dict[int, float] | None = None
+    def __init__(self, target_ms: dict[int, float],
+                 draft_ms: dict[int, float] | None = None) -> None:
+        self.target_ms = target_ms
+        self.draft_ms = draft_ms
+        self._target_sizes = sorted(target_ms)
+        self._draft_sizes = sorted(draft_ms) if draft_ms else []
+        self._costs: dict[tuple[int, int], float] = {}
 
     @staticmethod
-    def _time(times: dict[int, float], rows: int) -> float:
+    def _time(times: dict[int, float], sizes: list[int], rows: int) -> float:
         """The time of `rows` rows: the graph that serves them (the smallest captured size
         that holds them); past the largest, proportional to rows (eager steps, compute-bound
         by then)."""
-        sizes = sorted(times)
         i = bisect.bisect_left(sizes, rows)
         if i < len(sizes):
             return times[sizes[i]]
@@ -50,17 +54,19 @@ class StepCosts:
 
     def step_ms(self, batch: int) -> float:
         """A plain decode step of `batch` sequences: its graph's replay time."""
-        return self._time(self.target_ms, batch)
+        return self._time(self.target_ms, self._target_sizes, batch)
 
     def cost(self, batch: int, k: int) -> float:
         """cost(B, k) of the module docstring (1.0 at k = 0)."""
         if k <= 0:
             return 1.0
-        base = self._time(self.target_ms, batch)
-        total = self._time(self.target_ms, batch * (k + 1))
-        if self.draft_ms:
-            total += k * self._time(self.draft_ms, batch)
-        return total / base
+        cached = self._costs.get((batch, k))
+        if cached is None:
+            total = self._time(self.target_ms, self._target_sizes, batch * (k + 1))
+            if self.draft_ms:
+                total += k * self._time(self.draft_ms, self._draft_sizes, batch)
+            cached = self._costs[batch, k] = total / self.step_ms(batch)
+        return cached
 
     def cost_fn(self, batch: int) -> Callable[[int], float]:
         return lambda k: self.cost(batch, k)
@@ -84,7 +90,7 @@ class _Rate:
 
 
 class ThroughputMonitor:
-    """Measured output tokens per second of decode steps with and without speculation, per
+    """Measured output tokens per second (per sequence) of speculative decode steps, per
     batch-size bucket: what the step costs above leave out (host work per step, the verify
     and draft bookkeeping, acceptance that is not i.i.d.). Exponentially decayed sums, so the
     rates follow a changing workload."""
@@ -93,17 +99,17 @@ class ThroughputMonitor:
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
-        self._rates: dict[tuple[int, bool], _Rate] = {}
+        self._rates: dict[int, _Rate] = {}
 
-    def observe(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
-        r = self._rates.setdefault((batch_bucket(batch), speculative), _Rate())
+    def observe(self, batch: int, tokens: float, seconds: float) -> None:
+        r = self._rates.setdefault(batch_bucket(batch), _Rate())
         r.tokens = self.decay * r.tokens + tokens
         r.seconds = self.decay * r.seconds + seconds
         r.samples += 1
 
-    def rate(self, batch: int, speculative: bool) -> float | None:
-        """Tokens per second in this mode at this batch size, or None before enough steps."""
-        r = self._rates.get((batch_bucket(batch), speculative))
+    def rate(self, batch: int) -> float | None:
+        """Tokens per second at this batch size, or None before enough steps."""
+        r = self._rates.get(batch_bucket(batch))
         if r is None or r.samples < self.MIN_SAMPLES or r.seconds <= 0:
             return None
         return r.tokens / r.seconds
