@@ -10,7 +10,7 @@ import pytest
 
 from llmaccel.spec import SpecDecodeStats, SpeculativeConfig, SpeculativeConfigError
 from llmaccel.spec.adaptive import AcceptanceTracker, best_k, expected_tokens, speedup_bound
-from llmaccel.spec.ngram import NgramProposer, ngram_propose
+from llmaccel.spec.ngram import ngram_propose
 
 
 def test_ngram_takes_what_followed_the_latest_longest_match():
@@ -39,9 +39,8 @@ def test_ngram_on_a_copied_span_drafts_the_copy():
     rng = random.Random(0)
     source = [rng.randrange(1000) for _ in range(200)]
     ctx = source + [7, 7] + source[:50]
-    prop = NgramProposer(num_speculative_tokens=5, prompt_lookup_min=2, prompt_lookup_max=4)
-    assert prop.propose([ctx]) == [source[50:55]]
-    assert prop.propose([ctx, ctx], ks=[2, 0]) == [source[50:52], []]
+    assert ngram_propose(ctx, 5, 2, 4) == source[50:55]
+    assert [ngram_propose(ctx, k, 2, 4) for k in (2, 0)] == [source[50:52], []]
 
 
 def _ngram_by_windows(ctx, k, min_n, max_n):
