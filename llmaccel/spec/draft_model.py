@@ -131,7 +131,8 @@ class DraftModelProposer:
             for view, n in step:
                 view.num_computed_tokens += n
             rows = active[:len(step)]
-            tokens, probs, confidence = self._choose([seqs[i] for i in rows], logits, greedy)
+            tokens, probs, confidence = self._choose([seqs[i] for i in rows], logits, greedy,
+                                                     want_confidence=sync)
             for r, i in enumerate(rows):
                 if probs is not None and not seqs[i].params.greedy:
                     qs[i].append(probs[r])
@@ -161,15 +162,17 @@ class DraftModelProposer:
         out_q = [torch.stack(q) if q else None for q in qs]
         return drafts, out_q
 
-    def _choose(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None,
+                want_confidence: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """On the device, per row: the next draft token as float64 (argmax for greedy
         requests, a sample from the processed q otherwise), q when any row samples (else
-        None: greedy drafts are deterministic), and the draft's confidence: the top
-        probability of its own softmax (exp of the argmax's logprob)."""
+        None: greedy drafts are deterministic), and with `want_confidence` the draft's
+        confidence: the top probability of its own softmax (exp of the argmax's logprob)."""
         if greedy is None:
             greedy = greedy_with_logprobs(logits)
-        tokens, confidence = greedy[0], greedy[1].exp()
+        tokens = greedy[0]
+        confidence = greedy[1].exp() if want_confidence else None
         probs = None
         if not all(s.params.greedy for s in seqs):
             tokens = tokens.clone()
