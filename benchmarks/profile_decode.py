@@ -13,6 +13,7 @@ import time
 import torch
 
 from llmaccel import LLM, SamplingParams
+from llmaccel.engine.cuda_graph import replay_ms
 
 
 def main() -> None:
@@ -34,15 +35,7 @@ def main() -> None:
     # GPU time of one replay, back to back.
     bs = args.batch
     g = runner.graphs.graphs[runner.graphs.sizes[0] if bs == 1 else bs]
-    for _ in range(10):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(100):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    replay_ms = start.elapsed_time(end) / 100
+    graph_ms = replay_ms(g, 100, warmup=10)
     # Host phases of real steps.
     phases: dict[str, list[float]] = {k: [] for k in ("schedule", "execute", "sample", "rest",
                                                       "step")}
@@ -90,11 +83,11 @@ def main() -> None:
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
                                         max_name_column_width=70))
-    print(f"graph replay (GPU, back to back): {replay_ms * 1e3:.0f} us")
+    print(f"graph replay (GPU, back to back): {graph_ms * 1e3:.0f} us")
     for k, v in phases.items():
         print(f"{k:>9}: median {statistics.median(v) * 1e6:7.0f} us")
     print(f"=> {1 / statistics.median(phases['step']):.0f} steps/s; replay-only bound "
-          f"{1e3 / replay_ms:.0f} steps/s")
+          f"{1e3 / graph_ms:.0f} steps/s")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from llmaccel import LLM
-from llmaccel.engine.cuda_graph import default_capture_sizes
+from llmaccel.engine.cuda_graph import default_capture_sizes, replay_ms
 
 
 def _time_graph(runner, rows: int, context: int, batch: int, q: int,
@@ -46,16 +46,7 @@ def _time_graph(runner, rows: int, context: int, batch: int, q: int,
             tables.append(table)
     graphs.run(ids, positions, slots, seq_lens, tables)
     padded = min(s for s in graphs.sizes if s >= rows)
-    graph = graphs.graphs[padded]
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters, padded
+    return replay_ms(graphs.graphs[padded], iters, warmup=5), padded
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from llmaccel.engine.cuda_graph import replay_ms
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemm import GemmConfig, pick_config, triton_linear
 from llmaccel.kernels.gemm_tuning import fused_key, lookup, write_table
@@ -97,15 +98,7 @@ def time_graph_us(fn, reps: int = 10) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
+    return replay_ms(graph, reps, warmup=3) * 1000
 
 
 def tune(name: str, dev: torch.device, budget_s: float) -> tuple[dict, list[dict], float, float]:

@@ -44,6 +44,20 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return capped + [max_num_seqs] if max_num_seqs <= 1024 else capped
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int, warmup: int = 1) -> float:
+    """Mean GPU time (ms) of one replay of `graph`, `iters` replays back to back after
+    `warmup` untimed ones (CUDA events around the loop)."""
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 class _HostStaging:
     """One set of pinned host inputs (written through numpy views: no per-element torch
     overhead) and the event after their last copy to the device."""
@@ -119,18 +133,7 @@ class CUDAGraphRunner:
         (attention over long contexts comes on top)."""
         self.inputs[2].fill_(-1)
         self.seq_lens.fill_(1)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = {}
-        for bs in self.sizes:
-            graph = self.graphs[bs]
-            graph.replay()  # warm
-            start.record()
-            for _ in range(iters):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times[bs] = start.elapsed_time(end) / iters
-        return times
+        return {bs: replay_ms(self.graphs[bs], iters) for bs in self.sizes}
 
     def can_run(self, num_rows: int) -> bool:
         return num_rows <= self.max_bs
