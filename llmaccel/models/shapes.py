@@ -28,30 +28,27 @@ def _llama3(hidden: int, inter: int, layers: int, heads: int, kv: int, tied: boo
     }
 
 
+def _qwen2(hidden: int, inter: int, layers: int, heads: int) -> dict[str, Any]:
+    """Qwen2.5-0.5B / -1.5B: 2 KV heads, a 151936-token vocabulary, tied head, qkv bias."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": 2, "vocab_size": 151936,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": True, "use_sliding_window": False,
+        "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    }
+
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": _llama3(2048, 8192, 16, 32, 8, True, _LLAMA3_ROPE_32),
     "llama-3.2-3b": _llama3(3072, 8192, 28, 24, 8, True, _LLAMA3_ROPE_32),
     "llama-3.1-8b": _llama3(4096, 14336, 32, 32, 8, False, _LLAMA3_ROPE_8),
     # Qwen2.5-1.5B's config.json ties the head; its GGUF stores a separate output.weight.
-    "qwen2.5-1.5b": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-        "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-        "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": True, "use_sliding_window": False,
-        "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-    },
+    "qwen2.5-1.5b": _qwen2(1536, 8960, 28, 12),
     # Qwen2.5-0.5B (and -Coder-0.5B): the draft of the W5 pair.
-    "qwen2.5-0.5b": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": True, "use_sliding_window": False,
-        "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-    },
+    "qwen2.5-0.5b": _qwen2(896, 4864, 24, 14),
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
