@@ -1,6 +1,5 @@
 """A step of a few tokens per sequence runs as decode rows (ModelRunner.execute): the logits
-must equal those of the same step run as varlen queries over the paged cache, and the host
-greedy verifier must agree with the tensor one."""
+must equal those of the same step run as varlen queries over the paged cache."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.engine.sequence import Sequence
 from llmaccel.models.config import make_model_config
 from llmaccel.models.loader import get_model
-from llmaccel.spec.verifier import greedy_verify, greedy_verify_rows
 
 BLOCK = 4
 
@@ -86,24 +84,3 @@ def test_rows_of_an_unfinished_chunk_are_not_returned(runner):
     a.num_computed_tokens, b.num_computed_tokens = 6, 4
     sampling, logits, _ = runner.execute(SchedulerOutput([(a, 3), (b, 3)]))
     assert sampling == [b] and logits.shape == (1, 160)
-
-
-def test_host_greedy_verify_equals_the_tensor_verifier():
-    g = torch.Generator().manual_seed(0)
-    b, k, vocab = 40, 4, 30
-    logits = torch.randn(b, k + 1, vocab, generator=g)
-    argmax = logits.argmax(-1)
-    cut = torch.randint(0, k + 1, (b,), generator=g)
-    drafts = argmax[:, :k].clone()
-    wrong = torch.arange(k)[None, :] >= cut[:, None]
-    drafts[wrong] = (drafts[wrong] + 1) % vocab
-    num = torch.randint(0, k + 1, (b,), generator=g)
-    want = greedy_verify(drafts, logits, num)
-    # flat rows as a step lays them out: k_b + 1 rows per request
-    lists = [drafts[i, :int(num[i])].tolist() for i in range(b)]
-    offsets, flat = [], []
-    for i, d in enumerate(lists):
-        offsets.append(len(flat))
-        flat += [float(t) for t in argmax[i, :len(d) + 1]]
-    tokens, accepted = greedy_verify_rows(lists, flat, offsets)
-    assert tokens == want.tokens and accepted == want.num_accepted

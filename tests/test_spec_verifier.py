@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmaccel.engine.sampling_params import SamplingParams
-from llmaccel.spec.verifier import greedy_verify, processed_probs, rejection_sample
+from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
 
 V, K, N = 6, 3, 120_000
 
@@ -110,15 +110,21 @@ def test_greedy_verify_equals_greedy_decoding():
     wrong = torch.arange(K)[None, :] >= cut[:, None]
     drafts[wrong] = (drafts[wrong] + 1) % vocab
     num = torch.randint(0, K + 1, (b,), generator=g)
-    res = greedy_verify(drafts, logits, num)
+    # the target's argmax rows flat, as a step lays them out: num[i] + 1 rows per request
+    lists = [drafts[i, :int(num[i])].tolist() for i in range(b)]
+    offsets, flat = [], []
+    for i, d in enumerate(lists):
+        offsets.append(len(flat))
+        flat += [float(t) for t in argmax[i, :len(d) + 1]]
+    tokens, accepted = greedy_verify_rows(lists, flat, offsets)
     for i in range(b):
         n = min(int(cut[i]), int(num[i]))
-        assert res.num_accepted[i] == n
-        assert res.tokens[i] == argmax[i, :n + 1].tolist()
+        assert accepted[i] == n
+        assert tokens[i] == argmax[i, :n + 1].tolist()
     # the rejection sampler with greedy (one-hot) targets is the same rule
     probs = processed_probs(logits, [SamplingParams(temperature=0)] * b)
     same = rejection_sample(drafts, None, probs, num)
-    assert same.tokens == res.tokens
+    assert same.tokens == tokens and same.num_accepted == accepted
 
 
 def test_processed_probs_match_the_sampler_processing():

@@ -84,24 +84,12 @@ def _result(draft_tokens: torch.Tensor, n_acc: torch.Tensor,
                         num_accepted=[row[k + 1] for row in host], accepted_mask=prefix)
 
 
-def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                  num_draft: torch.Tensor) -> VerifyResult:
-    """draft_tokens [B, k] (entries past num_draft[b] ignored), target_logits [B, k + 1, V]:
-    the accepted prefix plus the target's argmax after it."""
-    k = draft_tokens.shape[1]
-    target = target_logits.argmax(-1)  # [B, k + 1]
-    accept = (draft_tokens == target[:, :k]) & _valid(num_draft, k)
-    n_acc = _accepted_prefix(accept)
-    final = target.gather(1, n_acc[:, None]).squeeze(1)
-    return _result(draft_tokens, n_acc, final)
-
-
 def greedy_verify_rows(drafts: Sequence[Sequence[int]], argmax: Sequence[float],
                        offsets: Sequence[int]) -> tuple[list[list[int]], list[int]]:
-    """`greedy_verify` on the host, from the target's argmax per logits row (row offsets[b]
-    + j follows draft j of request b; what a CUDA graph's greedy output already holds, so
-    no vocabulary-wide tensor work is left): each request's emitted tokens and accepted
-    count."""
+    """Greedy verification on the host, from the target's argmax per logits row (row
+    offsets[b] + j follows draft j of request b; what a CUDA graph's greedy output already
+    holds, so no vocabulary-wide tensor work is left): each request's emitted tokens (the
+    accepted prefix plus the argmax after it) and accepted count."""
     tokens, accepted = [], []
     for d, o in zip(drafts, offsets):
         a = 0
