@@ -90,8 +90,10 @@ def test_measured_costs_switch_speculation_off_where_it_does_not_pay(tiny):
     batch >= 4, a batch of six runs plain decoding (async scheduling included, rare probe
     rounds aside) and a single request speculates; outputs equal plain greedy. Once
     speculative steps ran, their measured throughput is compared with plain decoding's
-    (1 / graph time): the times are scaled so that this CPU loses (batch 6: plain steps of
-    1 us) or wins (batch 1: plain steps of 1000 s) that comparison as the case needs."""
+    (measured, or 1 / graph time before that): the graph times, and the measured time of
+    speculative steps, are scaled so that this CPU loses (batch 6: plain graphs of 1 us,
+    speculative steps timed 1000x) or wins (batch 1: plain graphs of 1000 s, speculative steps
+    timed 1/1000x) those comparisons as the case needs."""
     from llmaccel.spec.costs import StepCosts
 
     # ms per graph of R rows: flat up to 4 rows (weight-bound), then linear (compute-bound)
@@ -102,7 +104,13 @@ def test_measured_costs_switch_speculation_off_where_it_does_not_pay(tiny):
     plain = _llm(tiny, None)
     for prompts, speculates, scale in ((PROMPTS * 2, False, 1e-3), (PROMPTS[:1], True, 1e6)):
         llm = _llm(tiny, SPEC)
-        llm.engine.spec.costs = StepCosts({r: t * scale for r, t in shape.items()})
+        spec = llm.engine.spec
+        spec.costs = StepCosts({r: t * scale for r, t in shape.items()})
+        record = spec.record_step
+
+        def scaled(kind, tokens, seconds, record=record, scale=scale):
+            record(kind, tokens, seconds / scale if kind and kind[1] else seconds)
+        spec.record_step = scaled
         outs = llm.generate(prompts, params, use_tqdm=False)
         want = plain.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]

@@ -173,11 +173,12 @@ def test_throughput_monitor_buckets_and_decays():
 
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
     m = ThroughputMonitor(decay=0.5)
-    m.observe(3, 100, 1.0)
-    assert m.rate(4) is None  # one step is not enough
-    m.observe(4, 300, 1.0)
-    assert math.isclose(m.rate(3), (0.5 * 100 + 300) / (0.5 * 1.0 + 1.0))
-    assert m.rate(8) is None  # another bucket
+    m.observe(3, True, 100, 1.0)
+    assert m.rate(4, True) is None  # one step is not enough
+    m.observe(4, True, 300, 1.0)
+    assert math.isclose(m.rate(3, True), (0.5 * 100 + 300) / (0.5 * 1.0 + 1.0))
+    assert m.rate(8, True) is None  # another bucket
+    assert m.rate(4, False) is None  # plain steps are counted apart
 
 
 def test_measured_throughput_decides_and_off_is_probed():
@@ -190,17 +191,25 @@ def test_measured_throughput_decides_and_off_is_probed():
     spec.costs = StepCosts({1: 2.0, 8: 4.0, 64: 4.0})
     assert spec.automatic
     assert all(spec.speculate_at(1, r) for r in range(PROBE_EVERY))  # the cost model: on
-    # measured at batch 1: 10 tokens per 40 ms = 250 tok/s per sequence, plain does 500
+    # measured at batch 1: 10 tokens per 40 ms = 250 tok/s per sequence; plain decoding at
+    # its best (the graph's 2 ms) does 500
     for _ in range(3):
         spec.record_step((1, True), 10, 0.04)
-    spec.record_step((1, False), 1, 0.002)  # plain steps are not measured
     # the first speculative step was not counted
-    assert math.isclose(spec.monitor.rate(1), 250.0)
+    assert math.isclose(spec.monitor.rate(1, True), 250.0)
     assert [spec.speculate_at(1, r) for r in range(PROBE_EVERY)] == (
         [False] * (PROBE_EVERY - PROBE_LEN) + [True] * PROBE_LEN)  # off, probed in bursts
     spec.off, spec._round = True, 0
     assert spec.may_launch_ahead(1)
     spec._round = PROBE_EVERY - PROBE_LEN  # the next round probes: no launch-ahead
     assert not spec.may_launch_ahead(1)
+    # plain steps measured slower than speculation (host work: 1 token per 5 ms = 200 tok/s;
+    # the first after speculative steps is not counted): speculation is back on
+    for _ in range(2):
+        spec.record_step((1, False), 1, 0.005)
+    assert spec.monitor.rate(1, False) is None
+    spec.record_step((1, False), 1, 0.005)
+    assert math.isclose(spec.monitor.rate(1, False), 200.0)
+    assert all(spec.speculate_at(1, r) for r in range(PROBE_EVERY))
     # batch 8 has no measurement: the cost model decides (on)
     assert spec.speculate_at(8, 0)

@@ -63,8 +63,9 @@ class _HostStaging:
     overhead) and the event after their last copy to the device."""
 
     def __init__(self, n: int, w: int) -> None:
-        # ids, positions, slots, sampled rows (int64); seq lens, tables (int32)
-        self.inputs = torch.zeros(4, n, dtype=torch.long).pin_memory()
+        # ids, positions, slots, sampled rows, patch sources and targets (int64); seq lens,
+        # tables (int32)
+        self.inputs = torch.zeros(6, n, dtype=torch.long).pin_memory()
         self.seq_lens = torch.ones(n, dtype=torch.int32).pin_memory()
         self.tables = torch.zeros(n, w, dtype=torch.int32).pin_memory()
         self.np_inputs, self.np_seq_lens, self.np_tables = (
@@ -85,9 +86,9 @@ class CUDAGraphRunner:
         self.max_bs = self.sizes[-1]
         self.device = device
         n, w = self.max_bs, max_blocks_per_seq
-        # Static device inputs: ids, positions, slots, sampled rows (int64) and seq lens,
-        # tables (int32).
-        self.inputs = torch.zeros(4, n, dtype=torch.long, device=device)
+        # Static device inputs: ids, positions, slots, sampled rows, patch sources and
+        # targets (int64) and seq lens, tables (int32).
+        self.inputs = torch.zeros(6, n, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -140,13 +141,16 @@ class CUDAGraphRunner:
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             seq_lens: list[int], tables: list[list[int]],
-            device_ids: torch.Tensor | None = None, rows: list[int] | None = None
+            device_ids: torch.Tensor | None = None, rows: list[int] | None = None,
+            patch: tuple[list[int], list[int], torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step over len(ids) rows -> (logits [m, vocab], greedy [2, m]) (see
         `greedy_with_logprobs`) of the m `rows` asked for (default: all, as views of the
         graph's outputs, valid until the next replay; a subset is gathered into new tensors).
         `device_ids` [n] (on the device) replaces `ids`: e.g. the previous step's argmax,
-        copied into the static input in stream order, before the replay overwrites it."""
+        copied into the static input in stream order, before the replay overwrites it.
+        `patch` (src, dst, values): ids[dst[i]] = values.flatten()[src[i]] on the device
+        (drafts the host has not seen yet: ModelRunner.execute)."""
         n = len(ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         st = self._staging[self._flip]
@@ -159,6 +163,9 @@ class CUDAGraphRunner:
         m = n if rows is None else len(rows)
         if rows is not None:
             inp[3, :m] = rows
+        if patch is not None:
+            d = len(patch[0])
+            inp[4, :d], inp[5, :d] = patch[0], patch[1]
         st.np_seq_lens[:n] = seq_lens
         st.np_seq_lens[n:bs] = 1
         held_rows = st.rows
@@ -178,6 +185,9 @@ class CUDAGraphRunner:
         st.copied.record()
         if device_ids is not None:
             self.inputs[0, :n].copy_(device_ids)  # float64 argmax ids -> int64, exact
+        if patch is not None:
+            values = patch[2].reshape(-1).index_select(0, self.inputs[4, :d]).long()
+            self.inputs[0].index_copy_(0, self.inputs[5, :d], values)
         self.graphs[bs].replay()
         logits, greedy = self.outputs[bs]
         if rows is None:

@@ -254,7 +254,8 @@ class LLMEngine:
                 input_ids: torch.Tensor | None = None) -> _Launched:
         try:
             self.runner.copy_blocks(self.block_manager.take_pending_copies())
-            sampling, logits, greedy = self.runner.execute(sched, input_ids)
+            drafts = None if self.spec is None else self.spec.device_drafts()
+            sampling, logits, greedy = self.runner.execute(sched, input_ids, drafts)
         except Exception:
             # Blocks published for this step were never written: fail every request, drop
             # the prefix cache, and let the caller report the error.

@@ -59,7 +59,8 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, input_ids: torch.Tensor | None = None
+    def execute(self, step: SchedulerOutput, input_ids: torch.Tensor | None = None,
+                drafts: tuple[torch.Tensor, dict[Sequence, int]] | None = None
                 ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
         """Launch the step (no host sync); returns the sequences that reached their last token
         (and so sample now), their next-token logits [rows, vocab] (one row per sequence, or
@@ -68,12 +69,17 @@ class ModelRunner:
 
         `input_ids` (on the device, any numeric dtype) replaces the ids of a step whose
         tokens the host does not know yet (async scheduling, a draft model's next step): one
-        per scheduled token."""
+        per scheduled token. `drafts` (ids [steps, rows] on the device, and the column of
+        each sequence whose spec_token_ids are placeholders for them): a draft model's
+        proposals the host has not seen, written into the input ids on the device."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens, seq_lens, tables, sampling, rows = [], [], [], [], []
+        patch_dst: list[int] = []  # where in ids, and where in drafts[0].flatten(), the
+        patch_src: list[int] = []  # device-resident drafts go
+        columns, width = (drafts[1], drafts[0].shape[1]) if drafts is not None else ({}, 0)
         # A step that adds at most DECODE_ROWS_MAX tokens to each sequence (speculative
         # verification: the last token and k drafts; a draft model catching up) runs as
         # decode rows, one per token: token j of a sequence attends over its first
@@ -90,6 +96,10 @@ class ModelRunner:
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 ids += seq.token_slice(start, start + n - len(spec)) + spec
+                col = columns.get(seq) if spec else None
+                if col is not None:
+                    patch_dst += range(len(ids) - len(spec), len(ids))
+                    patch_src += range(col, col + width * len(spec), width)
                 positions += range(start, start + n)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             if as_rows:
@@ -107,15 +117,20 @@ class ModelRunner:
         if input_ids is not None and input_ids.shape[0] != len(ids):
             raise ValueError(f"input_ids has {input_ids.shape[0]} ids for {len(ids)} tokens")
         subset = len(rows) < len(ids)
+        patch = (patch_src, patch_dst, drafts[0]) if patch_dst else None
         if as_rows and self.graphs is not None and self.graphs.can_run(len(ids)):
             if not rows:
-                self.graphs.run(ids, positions, slots, seq_lens, tables, input_ids)
+                self.graphs.run(ids, positions, slots, seq_lens, tables, input_ids,
+                                patch=patch)
                 return [], torch.empty(0, 0, device=self.device), None
             return sampling, *self.graphs.run(ids, positions, slots, seq_lens, tables,
-                                              input_ids, rows if subset else None)
+                                              input_ids, rows if subset else None, patch)
         meta = AttentionMetadata.build(query_lens, seq_lens, self.device, slots, tables)
         ids_t = (torch.tensor(ids, device=self.device) if input_ids is None
                  else input_ids.to(device=self.device, dtype=torch.long))
+        if patch is not None:
+            ids_t[torch.tensor(patch_dst, device=self.device)] = drafts[0].reshape(-1)[
+                torch.tensor(patch_src, device=self.device)].long()
         hidden = self.model(ids_t, torch.tensor(positions, device=self.device), meta)
         if not rows:
             return [], hidden.new_empty(0, 0), None

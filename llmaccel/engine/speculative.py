@@ -10,9 +10,10 @@ end from its table (no KV is copied: later tokens overwrite the stale slots).
 
 Sequences that ask for logprobs or still have banned tokens (min_tokens) decode without drafts,
 as does every sequence of a step with more running requests than `disable_by_batch_size`, or,
-when that is not set and the step costs were measured (spec/costs.py), of a step whose batch
-size makes speculation cost more than the engine's recent acceptance rate pays back. Such
-steps run as plain decoding, async scheduling included (`off`).
+when that is not set and the step costs were measured (spec/costs.py), of a step at a batch
+size where speculating was measured slower than plain decoding or, before that, where the step
+costs make it cost more than the engine's recent acceptance rate pays back. Such steps run as
+plain decoding, async scheduling included (`off`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.adaptive import AcceptanceTracker, best_k
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError
 from llmaccel.spec.costs import StepCosts, ThroughputMonitor, constant_cost_fn
+from llmaccel.spec.draft_model import DeviceDrafts
 from llmaccel.spec.metrics import SpecDecodeStats
 from llmaccel.spec.ngram import NgramIndex
 from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
@@ -73,6 +75,9 @@ class SpecDecoder:
         self.off = False  # the last round left speculation off for the whole batch
         self._round = 0  # decode rounds seen while the choice is automatic
         self._last_mode: bool | None = None  # whether the last measured step speculated
+        # This round's draft-model proposals still on the device (spec/draft_model.py): the
+        # verify step reads them there; `complete` brings them to the host.
+        self.pending: DeviceDrafts | None = None
         self.stats = SpecDecodeStats()
 
     def _cost(self, batch: int):
@@ -100,11 +105,15 @@ class SpecDecoder:
         return r % PROBE_EVERY >= PROBE_EVERY - PROBE_LEN
 
     def _chosen(self, batch: int) -> bool:
-        measured = self.monitor.rate(batch)  # tokens/s per sequence while speculating
+        measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
         if measured is not None:
-            # Plain decoding from its graph's replay time: an upper bound (host work only
-            # adds), so speculation must beat plain decoding at its best.
-            return measured >= 1000.0 / self.costs.step_ms(batch)
+            plain = self.monitor.rate(batch, False)
+            if plain is None:
+                # Not measured yet: plain decoding at its best, from its graph's replay time
+                # (host work only slows it). Losing to that turns speculation off, and the
+                # plain steps then run are measured for the next comparison.
+                plain = 1000.0 / self.costs.step_ms(batch)
+            return measured >= plain
         return best_k(self.batch_tracker.alpha, self._cost(batch),
                       self.config.num_speculative_tokens) > 0
 
@@ -131,13 +140,14 @@ class SpecDecoder:
         return len(sched.scheduled), drafted
 
     def record_step(self, kind: tuple[int, bool] | None, tokens: int, seconds: float) -> None:
-        """Feed the throughput monitor one speculative decode step (from `step_kind`), unless
-        it is the first after plain steps (the draft catching up)."""
+        """Feed the throughput monitor one decode step (from `step_kind`), unless it is the
+        first of its kind after the other (a draft model catching up on the tokens it
+        skipped; a plain step not yet overlapped with the next by async scheduling)."""
         if kind is None:
             return
         batch, speculative = kind
-        if speculative and self._last_mode:
-            self.monitor.observe(batch, tokens / batch, seconds)
+        if speculative == self._last_mode:
+            self.monitor.observe(batch, speculative, tokens / batch, seconds)
         self._last_mode = speculative
 
     # -- before scheduling ---------------------------------------------------------------------
@@ -161,6 +171,7 @@ class SpecDecoder:
         """Set each running sequence's drafts for the next step (empty where it does not
         speculate)."""
         start = time.perf_counter()
+        self.pending = None
         on = self.speculate_at(len(running))
         self._round += bool(running)
         self.off = not on
@@ -181,11 +192,15 @@ class SpecDecoder:
                                                  self.config.prompt_lookup_max)
                 seq.spec_token_ids = seq.ngram_index.propose(seq, k)
         elif drafting:
-            drafts, qs = self.draft.propose(drafting, ks,
-                                            self.config.draft_confidence_threshold)
+            drafts, qs, self.pending = self.draft.propose(
+                drafting, ks, self.config.draft_confidence_threshold, keep_on_device=True)
             for seq, d, q in zip(drafting, drafts, qs):
                 seq.spec_token_ids, seq.spec_draft_probs = d, q
         self.stats.draft_time_s += time.perf_counter() - start
+
+    def device_drafts(self) -> tuple[torch.Tensor, dict[Sequence, int]] | None:
+        """For ModelRunner.execute: the drafts the verify step reads on the device."""
+        return None if self.pending is None else (self.pending.ids, self.pending.columns)
 
     # -- after the step ------------------------------------------------------------------------
     def verify(self, seqs: list[Sequence], logits: torch.Tensor, offsets: list[int],
@@ -262,6 +277,9 @@ class SpecDecoder:
         """Verify the drafts and emit each sequence's accepted tokens plus one, checking stops
         token by token (a stop inside an accepted run ends the output there); returns how many
         tokens were emitted."""
+        if self.pending is not None:  # the drafts' copy was queued before the verify step
+            self.pending.resolve()
+            self.pending = None
         all_tokens, all_accepted, logprobs = self.verify(seqs, logits, offsets, greedy)
         emitted = 0
         for seq, tokens, lps, accepted in zip(seqs, all_tokens, logprobs, all_accepted):

@@ -17,9 +17,10 @@ Without measurements (CPU, eager) the cost is the constant model 1 + k c.
 
 The step costs leave out the host's work per step and assume i.i.d. acceptance, so once
 speculative steps have run at a batch size the decision uses their measured output tokens per
-second (`ThroughputMonitor`, per batch-size bucket and sequence) against plain decoding at its
-best, 1 / t(B). While off, SpecDecoder speculates for a couple of rounds now and then to
-measure again.
+second (`ThroughputMonitor`, per batch-size bucket and sequence) against plain decoding's,
+measured the same way once plain steps have run at that batch size, else plain decoding at its
+best, 1 / t(B) (host work only slows it: at batch 1 the measured rate can be well below). While
+off, SpecDecoder speculates for a couple of rounds now and then to measure again.
 """
 
 from __future__ import annotations
@@ -90,26 +91,26 @@ class _Rate:
 
 
 class ThroughputMonitor:
-    """Measured output tokens per second (per sequence) of speculative decode steps, per
-    batch-size bucket: what the step costs above leave out (host work per step, the verify
-    and draft bookkeeping, acceptance that is not i.i.d.). Exponentially decayed sums, so the
-    rates follow a changing workload."""
+    """Measured output tokens per second (per sequence) of decode steps with and without
+    speculation, per batch-size bucket: what the step costs above leave out (host work per
+    step, the verify and draft bookkeeping, acceptance that is not i.i.d.). Exponentially
+    decayed sums, so the rates follow a changing workload."""
 
     MIN_SAMPLES = 2
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
-        self._rates: dict[int, _Rate] = {}
+        self._rates: dict[tuple[int, bool], _Rate] = {}
 
-    def observe(self, batch: int, tokens: float, seconds: float) -> None:
-        r = self._rates.setdefault(batch_bucket(batch), _Rate())
+    def observe(self, batch: int, speculative: bool, tokens: float, seconds: float) -> None:
+        r = self._rates.setdefault((batch_bucket(batch), speculative), _Rate())
         r.tokens = self.decay * r.tokens + tokens
         r.seconds = self.decay * r.seconds + seconds
         r.samples += 1
 
-    def rate(self, batch: int) -> float | None:
+    def rate(self, batch: int, speculative: bool) -> float | None:
         """Tokens per second at this batch size, or None before enough steps."""
-        r = self._rates.get(batch_bucket(batch))
+        r = self._rates.get((batch_bucket(batch), speculative))
         if r is None or r.samples < self.MIN_SAMPLES or r.seconds <= 0:
             return None
         return r.tokens / r.seconds

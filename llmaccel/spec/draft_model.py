@@ -8,6 +8,11 @@ rest. The draft's KV stays valid for every token the target accepts, so after ve
 only `num_computed_tokens` is lowered to the accepted prefix (and unneeded blocks returned).
 Sampled requests draft by sampling the draft's processed distribution q (kept for the
 rejection sampler); greedy requests draft its argmax.
+
+Without a confidence threshold the drafts can stay on the device (`keep_on_device`): the
+target's verify step reads them from there (ModelRunner.execute patches its input ids), so the
+host launches verification while the draft model still runs, and learns the drafts from a
+copy that lands with the verify step's results (`DeviceDrafts.resolve`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,32 @@ class DraftView:
                 + self.drafts[max(0, start - n):max(0, end - n)])
 
 
+# Stands for a draft whose id is still on the device (DeviceDrafts); never a real id.
+PENDING_DRAFT = -1
+
+
+@dataclass(eq=False)
+class DeviceDrafts:
+    """Drafts on the device: ids [steps, rows] (float64, exact), the column of each drafting
+    sequence (whose spec_token_ids hold PENDING_DRAFT until `resolve`), and their copy to
+    pinned host memory, in flight from the moment the last draft step was launched."""
+
+    ids: torch.Tensor
+    columns: dict[Sequence, int]
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    def resolve(self) -> None:
+        """Wait for the host copy and write the drafts into each sequence's spec_token_ids
+        (as many as the scheduler kept: a token budget may have cut some)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        host = self.host.tolist()
+        for seq, col in self.columns.items():
+            k = len(seq.spec_token_ids)
+            seq.spec_token_ids = [int(host[j][col]) for j in range(k)]
+
+
 def check_vocab_compatible(target_config, draft_config, target_tokenizer=None,
                            draft_tokenizer=None, draft_name: str = "draft") -> None:
     """A draft must score the target's token ids: same vocabulary size and, where both
@@ -79,6 +110,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, allocate_kv_caches(model, num_blocks, block_size,
                                                             kv_cache_dtype, device),
                                   block_size, max_model_len, cudagraph_capture_sizes)
+        self._host_ids: torch.Tensor | None = None  # pinned, for DeviceDrafts.host
 
     def _view(self, seq: Sequence) -> DraftView:
         if seq.draft_view is None:
@@ -95,17 +127,20 @@ class DraftModelProposer:
             seq.draft_view = None
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int], confidence_threshold: float = 0.0
-                ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Up to ks[i] drafts for seqs[i] and, for sampled requests, the draft's processed
+    def propose(self, seqs: list[Sequence], ks: list[int], confidence_threshold: float = 0.0,
+                keep_on_device: bool = False
+                ) -> tuple[list[list[int]], list[torch.Tensor | None], DeviceDrafts | None]:
+        """Up to ks[i] drafts for seqs[i], for sampled requests the draft's processed
         distributions [len(drafts), vocab] they were drawn from (None for greedy requests:
-        their drafts are argmaxes). A sequence whose draft blocks cannot be allocated drafts
-        nothing this step.
+        their drafts are argmaxes), and the drafts still on the device (else None). A
+        sequence whose draft blocks cannot be allocated drafts nothing this step.
 
         Without a confidence threshold the draft steps run back to back with no host sync:
         each step's tokens stay on the device as the next step's input ids, and all drafts
-        come to the host in one transfer at the end. A threshold needs each step's
-        confidences on the host to decide who goes on, so it syncs every step."""
+        come to the host in one transfer at the end -- or, with `keep_on_device`, the drafts
+        are PENDING_DRAFT placeholders and the DeviceDrafts carry them (no sync at all). A
+        threshold needs each step's confidences on the host to decide who goes on, so it
+        syncs every step."""
         views = [self._view(seq) for seq in seqs]
         active = []
         for i, k in enumerate(ks):
@@ -118,7 +153,7 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         if not active:
-            return drafts, [None] * len(seqs)
+            return drafts, [None] * len(seqs), None
         sync = confidence_threshold > 0.0
         steps = ks[active[0]]
         step = [(views[i], views[i].num_tokens - views[i].num_computed_tokens) for i in active]
@@ -154,13 +189,33 @@ class DraftModelProposer:
                     views[i].drafts.append(0)  # stands for the token still on the device
                 next_ids = tokens[:len(still)]
             step = [(views[i], 1) for i in still]
+        out_q = [torch.stack(q) if q else None for q in qs]
+        if on_device is not None and keep_on_device:
+            for i in active:  # the views keep their placeholder drafts (only counted)
+                drafts[i] = [PENDING_DRAFT] * ks[i]
+            return drafts, out_q, self._to_host(on_device, {seqs[i]: r for r, i in
+                                                           enumerate(active)})
         if on_device is not None:
             host = on_device.tolist()
             for r, i in enumerate(active):
                 drafts[i] = [int(host[j][r]) for j in range(ks[i])]
                 views[i].drafts = list(drafts[i])
-        out_q = [torch.stack(q) if q else None for q in qs]
-        return drafts, out_q
+        return drafts, out_q, None
+
+    def _to_host(self, ids: torch.Tensor, columns: dict[Sequence, int]) -> DeviceDrafts:
+        """Start copying `ids` to a reused pinned buffer (read back in the verify step, before
+        the next round's drafts are copied there)."""
+        if not ids.is_cuda:
+            return DeviceDrafts(ids, columns, ids.clone(), None)
+        buf = self._host_ids
+        if buf is None or buf.numel() < ids.numel():
+            buf = self._host_ids = torch.empty(max(ids.numel(), 1024), dtype=ids.dtype,
+                                               pin_memory=True)
+        host = buf[:ids.numel()].view(ids.shape)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return DeviceDrafts(ids, columns, host, event)
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None,
                 want_confidence: bool = False
