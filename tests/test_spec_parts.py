@@ -195,7 +195,10 @@ def test_measured_throughput_decides_and_off_is_probed():
     # its best (the graph's 2 ms) does 500
     for _ in range(3):
         spec.record_step((1, True), 10, 0.04)
-    # the first speculative step was not counted
+    # the first speculative step was not counted, nor is the first after a prefill step
+    assert math.isclose(spec.monitor.rate(1, True), 250.0)
+    spec.record_step(None, 1, 0.05)
+    spec.record_step((1, True), 1, 1.0)
     assert math.isclose(spec.monitor.rate(1, True), 250.0)
     assert [spec.speculate_at(1, r) for r in range(PROBE_EVERY)] == (
         [False] * (PROBE_EVERY - PROBE_LEN) + [True] * PROBE_LEN)  # off, probed in bursts

@@ -246,7 +246,7 @@ class LLMEngine:
             if self._ahead is not None and self.spec is not None:
                 self.spec.skip_round()
         emitted = self._complete(launched)
-        if kind is not None:  # measured throughput of speculating or not, at this batch size
+        if self.spec is not None:  # measured throughput of speculating or not, per batch size
             self.spec.record_step(kind, emitted, time.perf_counter() - start)
         return outputs
 

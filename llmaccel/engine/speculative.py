@@ -142,8 +142,12 @@ class SpecDecoder:
     def record_step(self, kind: tuple[int, bool] | None, tokens: int, seconds: float) -> None:
         """Feed the throughput monitor one decode step (from `step_kind`), unless it is the
         first of its kind after the other (a draft model catching up on the tokens it
-        skipped; a plain step not yet overlapped with the next by async scheduling)."""
+        skipped; a plain step not yet overlapped with the next by async scheduling) or after
+        a step that was not all decoding (`kind` None: a prefill, whose requests' first
+        speculative step has the draft model prefill their prompts -- measured at 17 ms of
+        a 0.5B draft's time at batch 4 on an H100, where a round takes 5 ms)."""
         if kind is None:
+            self._last_mode = None
             return
         batch, speculative = kind
         if speculative == self._last_mode:
