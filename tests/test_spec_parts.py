@@ -216,3 +216,59 @@ def test_measured_throughput_decides_and_off_is_probed():
     assert all(spec.speculate_at(1, r) for r in range(PROBE_EVERY))
     # batch 8 has no measurement: the cost model decides (on)
     assert spec.speculate_at(8, 0)
+
+
+def test_probes_back_off_while_speculation_stays_off():
+    """Each probe that leaves speculation off doubles the wait before the next one (a draft
+    model's catch-up after many plain rounds is dear); once it is chosen again, probes are
+    back to every PROBE_EVERY rounds."""
+    from llmaccel.engine.speculative import (PROBE_EVERY, PROBE_EVERY_MAX, PROBE_LEN,
+                                             SpecDecoder)
+    from llmaccel.spec.costs import StepCosts
+
+    spec = SpecDecoder(SpeculativeConfig(), 2048, None)
+    spec.costs = StepCosts({1: 2.0})
+    for _ in range(3):  # 250 tok/s per sequence speculating, plain does 500: off
+        spec.record_step((1, True), 10, 0.04)
+    probes = []
+    for r in range(4000):
+        if spec.speculate_at(1):
+            probes.append(r)
+        spec.skip_round(1)  # as the engine counts every round, probe or not
+    starts = [r for r in probes if r - 1 not in probes]
+    assert all(r + 1 in probes for r in starts)  # PROBE_LEN = 2 rounds each
+    assert PROBE_LEN == 2 and starts[0] == PROBE_EVERY - PROBE_LEN
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:4] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, 16 * PROBE_EVERY]
+    assert max(gaps) == PROBE_EVERY_MAX
+    # plain steps measured slower (1 token per 5 ms: 200 tok/s; the first after speculative
+    # steps is not counted): speculation is chosen, and once the current wait is over, the
+    # next probe is placed PROBE_EVERY rounds on
+    for _ in range(3):
+        spec.record_step((1, False), 1, 0.005)
+    assert spec.speculate_at(1)
+    for _ in range(PROBE_EVERY_MAX + 1):
+        spec.skip_round(1)
+    assert spec._probe_every == PROBE_EVERY
+
+
+def test_measured_choice_has_hysteresis():
+    """A batch size stays in its mode unless the other is more than HYSTERESIS faster."""
+    from llmaccel.engine.speculative import HYSTERESIS, SpecDecoder
+    from llmaccel.spec.costs import StepCosts
+
+    spec = SpecDecoder(SpeculativeConfig(), 2048, None)
+    spec.costs = StepCosts({1: 1.0})
+    for _ in range(3):
+        spec.record_step((1, True), 1, 1 / 1000)  # 1000 tok/s speculating
+    plain = 1000 * (1 + HYSTERESIS / 2)  # plain measured a little faster
+    for _ in range(3):
+        spec.record_step((1, False), 1, 1 / plain)
+    assert not spec.speculate_at(1, 0)  # no mode yet: the faster one
+    spec._mode[1] = True
+    assert spec.speculate_at(1, 0)  # speculating: not enough to switch off
+    spec._mode[1] = False
+    assert not spec.speculate_at(1, 0)
+    for _ in range(3):
+        spec.record_step((1, False), 1, 1 / (1000 * (1 - 2 * HYSTERESIS)))
+    assert spec.speculate_at(1, 0)  # off, but plain is now clearly slower

@@ -244,7 +244,7 @@ class LLMEngine:
                 self.spec is None or self.spec.may_launch_ahead(len(self.scheduler.running))):
             self._ahead = self._launch_ahead(launched)
             if self._ahead is not None and self.spec is not None:
-                self.spec.skip_round()
+                self.spec.skip_round(len(self.scheduler.running))
         emitted = self._complete(launched)
         if self.spec is not None:  # measured throughput of speculating or not, per batch size
             self.spec.record_step(kind, emitted, time.perf_counter() - start)

@@ -28,7 +28,7 @@ from llmaccel.engine.sampler import greedy_with_logprobs
 from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.adaptive import AcceptanceTracker, best_k
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError
-from llmaccel.spec.costs import StepCosts, ThroughputMonitor, constant_cost_fn
+from llmaccel.spec.costs import StepCosts, ThroughputMonitor, batch_bucket, constant_cost_fn
 from llmaccel.spec.draft_model import DeviceDrafts
 from llmaccel.spec.metrics import SpecDecodeStats
 from llmaccel.spec.ngram import NgramIndex
@@ -43,11 +43,19 @@ NGRAM_COST_RATIO = 0.05
 # A draft model's step relative to the target's, for the adaptive k until measured: a 3x
 # smaller model runs a decode step in about a third of the time or more (launch-bound).
 DRAFT_COST_RATIO = 0.35
-# While speculation is off (automatic), PROBE_LEN rounds in every PROBE_EVERY speculate, to
+# While speculation is off (automatic), PROBE_LEN rounds speculate after PROBE_EVERY, to
 # measure it again (spec/costs.ThroughputMonitor); the first of them is not measured (a draft
-# model catching up on the tokens it skipped).
+# model catching up on the tokens it skipped). Each probe that leaves speculation off doubles
+# the wait, up to PROBE_EVERY_MAX: a draft model's catch-up is a prefill of every skipped
+# token (13-20 ms for a 0.5B draft on an H100, 7-10 plain decode steps of its 1.5B target),
+# which at a fixed interval of 32 rounds cost a quarter of plain decoding's throughput
+# (2026-11-23-W5-devdrafts-draft-h100: batch 16 and 64, speculation mostly off, 0.71-0.82x).
 PROBE_EVERY = 32
+PROBE_EVERY_MAX = 512
 PROBE_LEN = 2
+# Measured rates decide with this much hysteresis: switching costs a draft model a catch-up,
+# so the mode a batch size is in changes only when the other is this much faster.
+HYSTERESIS = 0.05
 
 
 class SpecDecoder:
@@ -74,6 +82,9 @@ class SpecDecoder:
         self.monitor = ThroughputMonitor()
         self.off = False  # the last round left speculation off for the whole batch
         self._round = 0  # decode rounds seen while the choice is automatic
+        self._probe_every = PROBE_EVERY  # rounds from one probe to the next while off
+        self._mode: dict[int, bool] = {}  # batch bucket -> the last measured choice
+        self._next_probe = PROBE_EVERY - PROBE_LEN  # the round where the next probe starts
         self._last_mode: bool | None = None  # whether the last measured step speculated
         # This round's draft-model proposals still on the device (spec/draft_model.py): the
         # verify step reads them there; `complete` brings them to the host.
@@ -95,14 +106,23 @@ class SpecDecoder:
         """Whether a round with `batch` running requests speculates: below an explicit
         disable_by_batch_size; else (automatic) where speculating was measured faster than
         plain decoding at this batch size or, before a measurement, where the step costs pay
-        at the recent acceptance. While off, PROBE_LEN rounds in every PROBE_EVERY speculate
-        anyway, to measure again (`round_index`: default the next round)."""
+        at the recent acceptance. While off, the PROBE_LEN rounds of a probe speculate anyway,
+        to measure again (`round_index`: default the next round)."""
         if not self.automatic:
             return self.config.speculate_at(batch)
         if self._chosen(batch):
             return True
         r = self._round if round_index is None else round_index
-        return r % PROBE_EVERY >= PROBE_EVERY - PROBE_LEN
+        return self._next_probe <= r < self._next_probe + PROBE_LEN
+
+    def _next_round(self, batch: int) -> None:
+        """Count a round; once a probe's rounds are over, place the next probe: PROBE_EVERY
+        rounds on while speculation is chosen, else twice the last wait (up to the max)."""
+        self._round += 1
+        if self._round >= self._next_probe + PROBE_LEN:
+            self._probe_every = (PROBE_EVERY if self._chosen(batch) else
+                                 min(2 * self._probe_every, PROBE_EVERY_MAX))
+            self._next_probe = self._round + self._probe_every - PROBE_LEN
 
     def _chosen(self, batch: int) -> bool:
         measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
@@ -113,6 +133,9 @@ class SpecDecoder:
                 # (host work only slows it). Losing to that turns speculation off, and the
                 # plain steps then run are measured for the next comparison.
                 plain = 1000.0 / self.costs.step_ms(batch)
+            mode = self._mode.get(batch_bucket(batch))
+            if mode is not None:  # stay unless the other mode is clearly faster
+                plain *= 1.0 - HYSTERESIS if mode else 1.0 + HYSTERESIS
             return measured >= plain
         return best_k(self.batch_tracker.alpha, self._cost(batch),
                       self.config.num_speculative_tokens) > 0
@@ -122,9 +145,10 @@ class SpecDecoder:
         the last round did not speculate and the next one would not either."""
         return self.off and not self.speculate_at(batch)
 
-    def skip_round(self) -> None:
+    def skip_round(self, batch: int) -> None:
         """A plain step launched ahead: a round without a proposal."""
-        self._round += 1
+        if self.automatic:
+            self._next_round(batch)
         self.stats.num_off_steps += 1
 
     def step_kind(self, sched) -> tuple[int, bool] | None:
@@ -177,7 +201,10 @@ class SpecDecoder:
         start = time.perf_counter()
         self.pending = None
         on = self.speculate_at(len(running))
-        self._round += bool(running)
+        if running and self.automatic:
+            if self.monitor.rate(len(running), True) is not None:
+                self._mode[batch_bucket(len(running))] = self._chosen(len(running))
+            self._next_round(len(running))
         self.off = not on
         self.stats.num_off_steps += bool(running) and not on
         cost = self._cost(len(running))
