@@ -54,7 +54,7 @@ def gaps(llm, prompts, params) -> None:
 
     import torch
 
-    from llmaccel.engine.model_runner import ModelRunner
+    from llmaccel.engine.model_runner import DECODE_ROWS_MAX, ModelRunner
 
     engine = llm.engine
     draft_runner = (engine.spec.draft.runner
@@ -67,9 +67,8 @@ def gaps(llm, prompts, params) -> None:
         rows = step.num_tokens
         kind = "draft" if self is draft_runner else "target"
         n = len(step.scheduled)
-        shape = ("decode" if rows == n else
-                 f"{'catch-up' if kind == 'draft' else 'verify'}" if rows <= 16 * n else
-                 "prefill")
+        few = "catch-up" if kind == "draft" else "verify"
+        shape = "decode" if rows == n else few if rows <= DECODE_ROWS_MAX * n else "prefill"
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         out = __fn(self, step, *a, **kw)

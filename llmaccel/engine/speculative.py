@@ -110,17 +110,18 @@ class SpecDecoder:
         to measure again (`round_index`: default the next round)."""
         if not self.automatic:
             return self.config.speculate_at(batch)
-        if self._chosen(batch):
-            return True
-        r = self._round if round_index is None else round_index
-        return self._next_probe <= r < self._next_probe + PROBE_LEN
+        return self._chosen(batch) or self._probing(
+            self._round if round_index is None else round_index)
 
-    def _next_round(self, batch: int) -> None:
+    def _probing(self, round_index: int) -> bool:
+        return self._next_probe <= round_index < self._next_probe + PROBE_LEN
+
+    def _next_round(self, chosen: bool) -> None:
         """Count a round; once a probe's rounds are over, place the next probe: PROBE_EVERY
         rounds on while speculation is chosen, else twice the last wait (up to the max)."""
         self._round += 1
         if self._round >= self._next_probe + PROBE_LEN:
-            self._probe_every = (PROBE_EVERY if self._chosen(batch) else
+            self._probe_every = (PROBE_EVERY if chosen else
                                  min(2 * self._probe_every, PROBE_EVERY_MAX))
             self._next_probe = self._round + self._probe_every - PROBE_LEN
 
@@ -148,7 +149,7 @@ class SpecDecoder:
     def skip_round(self, batch: int) -> None:
         """A plain step launched ahead: a round without a proposal."""
         if self.automatic:
-            self._next_round(batch)
+            self._next_round(self._chosen(batch))
         self.stats.num_off_steps += 1
 
     def step_kind(self, sched) -> tuple[int, bool] | None:
@@ -200,14 +201,18 @@ class SpecDecoder:
         speculate)."""
         start = time.perf_counter()
         self.pending = None
-        on = self.speculate_at(len(running))
+        batch = len(running)
         if running and self.automatic:
-            if self.monitor.rate(len(running), True) is not None:
-                self._mode[batch_bucket(len(running))] = self._chosen(len(running))
-            self._next_round(len(running))
+            chosen = self._chosen(batch)
+            on = chosen or self._probing(self._round)
+            if self.monitor.rate(batch, True) is not None:  # a measured choice: its mode
+                self._mode[batch_bucket(batch)] = chosen
+            self._next_round(chosen)
+        else:
+            on = self.speculate_at(batch)
         self.off = not on
         self.stats.num_off_steps += bool(running) and not on
-        cost = self._cost(len(running))
+        cost = self._cost(batch)
         drafting, ks = [], []
         for seq in running:
             seq.spec_token_ids, seq.spec_draft_probs = [], None
