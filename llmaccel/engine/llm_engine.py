@@ -10,9 +10,7 @@ import torch
 
 from llmaccel.engine.block_manager import BlockManager
 from llmaccel.engine.config import EngineConfig
-from llmaccel.engine.cuda_graph import default_capture_sizes
-from llmaccel.engine.kv_cache import (allocate_kv_caches, bytes_per_block,
-                                      num_blocks_for_budget, resolve_kv_cache_dtype)
+from llmaccel.engine.kv_cache import allocate_kv_caches, resolve_kv_cache_dtype
 from llmaccel.engine.model_runner import ModelRunner
 from llmaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_generator,
@@ -20,12 +18,12 @@ from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_ge
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
 from llmaccel.engine.sequence import Sequence, SequenceStatus
+from llmaccel.engine.sizing import capture_sizes, profile_num_blocks
 from llmaccel.engine.speculative import SpecDecoder, load_draft_model, measure_step_costs
 from llmaccel.spec.draft_model import DraftModelProposer
 from llmaccel.engine.stats import EngineStats
 from llmaccel.engine.stop_checker import StopChecker
 from llmaccel.errors import LLMAccelError
-from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.config import make_model_config
 from llmaccel.models.loader import get_model
 from llmaccel.models.tokenizer import eos_token_ids, get_tokenizer
@@ -86,7 +84,9 @@ class LLMEngine:
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.kv_cache_dtype, mc.dtype, device, self.model.attention_backend.name)
         bs = config.block_size
-        num_blocks = config.num_gpu_blocks or self._profile_num_blocks()
+        num_blocks = config.num_gpu_blocks or profile_num_blocks(
+            config, self.model, mc.max_model_len, self.max_num_batched_tokens,
+            self.kv_cache_dtype, device, self.draft_model)
         if num_blocks * bs < mc.max_model_len:
             raise LLMAccelError(f"the KV cache holds {num_blocks * bs} tokens, fewer than "
                                 f"max_model_len={mc.max_model_len}; lower max_model_len or give "
@@ -96,7 +96,7 @@ class LLMEngine:
                                    self.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, allocate_kv_caches(
             self.model, num_blocks, bs, self.kv_cache_dtype, device), bs, mc.max_model_len,
-            self._capture_sizes())
+            capture_sizes(config, device))
         self.stop_checker = StopChecker(eos_token_ids(mc, self.tokenizer), mc.max_model_len,
                                         self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -110,53 +110,12 @@ class LLMEngine:
             if self.draft_model is not None:
                 draft = DraftModelProposer(self.draft_model, num_blocks, bs, mc.max_model_len,
                                            self.kv_cache_dtype, device,
-                                           self._capture_sizes(draft=True))
+                                           capture_sizes(config, device, draft=True))
             self.spec = SpecDecoder(config.speculative_config, mc.max_model_len,
                                     self.stop_checker, draft)
             self.spec.costs = measure_step_costs(self.runner, draft)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, bs,
                     num_blocks * bs, str(self.kv_cache_dtype).removeprefix("torch."))
-
-    def _rows_per_seq(self, draft: bool = False) -> int:
-        """The most decode rows one sequence takes in a graphed step: 1, or with speculation
-        the last token and k drafts (a verify step), or 2 for the draft model (its catch-up:
-        the target's token after a fully accepted step, and the last draft)."""
-        spec = self.config.speculative_config
-        if spec is None:
-            return 1
-        return 2 if draft else 1 + spec.num_speculative_tokens
-
-    def _capture_sizes(self, draft: bool = False) -> list[int] | None:
-        c = self.config
-        if c.enforce_eager or self.device.type != "cuda":
-            return None
-        most = c.max_num_seqs * self._rows_per_seq(draft)
-        sizes = (list(c.cudagraph_capture_sizes) if c.cudagraph_capture_sizes is not None
-                 else default_capture_sizes(most))
-        # A step never has more rows than this, so larger graphs would be dead weight.
-        return sorted({s for s in sizes if s <= most}) or None
-
-    def _profile_num_blocks(self) -> int:
-        """On GPU, run the largest step once without a cache to measure activation memory."""
-        c, mc = self.config, self.model_config
-        if self.device.type == "cuda":
-            # Budget from this engine's own peak: weights + the profiling step (an earlier
-            # peak in the same process, e.g. another model since freed, must not count).
-            torch.cuda.reset_peak_memory_stats(self.device)
-            n = min(self.max_num_batched_tokens, mc.max_model_len)
-            with torch.inference_mode():
-                hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
-                                    torch.arange(n, device=self.device),
-                                    AttentionMetadata.for_prefill([n], self.device))
-                # logits for the most rows a step samples (a verify step: k + 1 per sequence)
-                self.model.compute_logits(hidden[-min(n, c.max_num_seqs * self._rows_per_seq()):])
-            torch.cuda.synchronize(self.device)
-        useful = c.max_num_seqs * -(-mc.max_model_len // c.block_size)
-        extra = (0 if self.draft_model is None else
-                 bytes_per_block(self.draft_model, c.block_size, self.kv_cache_dtype))
-        return num_blocks_for_budget(self.model, c.block_size, self.kv_cache_dtype, self.device,
-                                     c.gpu_memory_utilization, c.cpu_kv_cache_gib, useful,
-                                     extra_bytes_per_block=extra)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],

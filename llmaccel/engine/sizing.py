@@ -1,0 +1,60 @@
+"""Start-up sizing of an engine: which CUDA-graph row counts to capture, and how many KV blocks
+fit after weights and the activations of the largest step (measured by running it once)."""
+
+from __future__ import annotations
+
+import torch
+
+from llmaccel.engine.config import EngineConfig
+from llmaccel.engine.cuda_graph import default_capture_sizes
+from llmaccel.engine.kv_cache import bytes_per_block, num_blocks_for_budget
+from llmaccel.models.attention import AttentionMetadata
+from llmaccel.models.transformer import TransformerForCausalLM
+
+
+def rows_per_seq(config: EngineConfig, draft: bool = False) -> int:
+    """The most decode rows one sequence takes in a graphed step: 1, or with speculation the
+    last token and k drafts (a verify step), or 2 for the draft model (its catch-up: the
+    target's token after a fully accepted step, and the last draft)."""
+    spec = config.speculative_config
+    if spec is None:
+        return 1
+    return 2 if draft else 1 + spec.num_speculative_tokens
+
+
+def capture_sizes(config: EngineConfig, device: torch.device,
+                  draft: bool = False) -> list[int] | None:
+    """The decode row counts to capture as CUDA graphs (None: run eagerly)."""
+    if config.enforce_eager or device.type != "cuda":
+        return None
+    most = config.max_num_seqs * rows_per_seq(config, draft)
+    sizes = (list(config.cudagraph_capture_sizes) if config.cudagraph_capture_sizes is not None
+             else default_capture_sizes(most))
+    # A step never has more rows than this, so larger graphs would be dead weight.
+    return sorted({s for s in sizes if s <= most}) or None
+
+
+def profile_num_blocks(config: EngineConfig, model: TransformerForCausalLM, max_model_len: int,
+                       max_num_batched_tokens: int, kv_cache_dtype: torch.dtype,
+                       device: torch.device,
+                       draft_model: TransformerForCausalLM | None = None) -> int:
+    """KV blocks for the memory left: on GPU, run the largest step once without a cache to
+    measure activation memory; a draft model's KV takes its share of every block."""
+    if device.type == "cuda":
+        # Budget from this engine's own peak: weights + the profiling step (an earlier peak in
+        # the same process, e.g. another model since freed, must not count).
+        torch.cuda.reset_peak_memory_stats(device)
+        n = min(max_num_batched_tokens, max_model_len)
+        with torch.inference_mode():
+            hidden = model(torch.zeros(n, dtype=torch.long, device=device),
+                           torch.arange(n, device=device),
+                           AttentionMetadata.for_prefill([n], device))
+            # logits for the most rows a step samples (a verify step: k + 1 per sequence)
+            model.compute_logits(hidden[-min(n, config.max_num_seqs * rows_per_seq(config)):])
+        torch.cuda.synchronize(device)
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+    extra = (0 if draft_model is None else
+             bytes_per_block(draft_model, config.block_size, kv_cache_dtype))
+    return num_blocks_for_budget(model, config.block_size, kv_cache_dtype, device,
+                                 config.gpu_memory_utilization, config.cpu_kv_cache_gib, useful,
+                                 extra_bytes_per_block=extra)
