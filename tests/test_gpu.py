@@ -113,6 +113,32 @@ def test_cuda_graph_replay_equals_eager(tmp_path):
     assert greedy[0].long().tolist() == eager_logits.argmax(-1).tolist()
 
 
+def test_small_prefill_replays_a_graph_and_equals_eager(tmp_path):
+    """fp32, a dummy 1B shape: a prefill step of two prompts (one after a cached prefix)
+    replays a decode graph, one row per token, with the logits of the eager prefill path."""
+    llm = LLM("llama-3.2-1b", load_format="dummy", dtype="float32", device="cuda",
+              max_model_len=1024, max_num_seqs=64)
+    eng, runner = llm.engine, llm.engine.runner
+    prefix = [(11 * j) % 900 + 20 for j in range(48)]  # three full blocks
+    llm.generate([prefix + [5]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    prompts = [prefix + [(3 * j) % 700 + 9 for j in range(13)],
+               [(5 * j) % 800 + 7 for j in range(37)]]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=1))
+    step = eng.scheduler.schedule()
+    assert [(n, s.num_computed_tokens) for s, n in step.scheduled] == [(13, 48), (37, 0)]
+    assert runner._small_step_as_rows(step)
+    _, graph_logits, greedy = runner.execute(step)
+    assert greedy is not None  # the graph path ran
+    graph_logits = graph_logits.clone()
+    budget, runner.prefill_rows_kv_bytes = runner.prefill_rows_kv_bytes, 0
+    _, eager_logits, none = runner.execute(step)
+    runner.prefill_rows_kv_bytes = budget
+    assert none is None
+    torch.testing.assert_close(graph_logits, eager_logits, atol=1e-3, rtol=1e-3)
+    assert greedy[0].long().tolist() == eager_logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_logits_near_fp32(dtype, tmp_path):
     """fp16 (T4-class GPUs have no bf16) and bf16 through the Triton path: prefill logits

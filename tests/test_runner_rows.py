@@ -84,3 +84,66 @@ def test_rows_of_an_unfinished_chunk_are_not_returned(runner):
     a.num_computed_tokens, b.num_computed_tokens = 6, 4
     sampling, logits, _ = runner.execute(SchedulerOutput([(a, 3), (b, 3)]))
     assert sampling == [b] and logits.shape == (1, 160)
+
+
+def test_prefill_chunk_as_decode_rows_equals_prefill_kernel_path(runner):
+    """A prefill chunk after a cached prefix, run as one decode row per token (how a small
+    prefill replays a CUDA graph on a GPU), gives the logits of the prefill path."""
+    rng = random.Random(2)
+    seqs = [_seq(i, [rng.randrange(160) for _ in range(ln)], 8 * i)
+            for i, ln in enumerate([30, 11])]
+    outs = []
+    for max_rows in (1000, 0):
+        saved = mr.DECODE_ROWS_MAX
+        try:
+            mr.DECODE_ROWS_MAX = 0  # the cached prefixes: prefill path
+            for seq in seqs:
+                seq.num_computed_tokens = 0
+            runner.execute(SchedulerOutput([(seqs[0], 9), (seqs[1], 4)]))
+            for seq, n in zip(seqs, (9, 4)):
+                seq.num_computed_tokens = n
+            mr.DECODE_ROWS_MAX = max_rows
+            outs.append(runner.execute(SchedulerOutput([(seqs[0], 21), (seqs[1], 7)]))[1])
+        finally:
+            mr.DECODE_ROWS_MAX = saved
+    assert outs[0].shape == (2, 160)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+class _Graphs:
+    """Stands in for CUDAGraphRunner where only the decision is tested."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+
+    def can_run(self, n: int) -> bool:
+        return n <= self.max_rows
+
+
+def test_small_prefill_steps_choose_graph_rows_within_budget(runner):
+    """On a GPU, a prefill step runs as graph rows when it fits the largest graph and its
+    rows' K/V reads (quadratic in the run's length) stay within the budget."""
+    a = _seq(0, list(range(40)), 0)
+    per_key = runner._kv_bytes_per_key
+    assert per_key == 2 * 2 * 16 * 4  # K and V, tiny llama: 2 kv heads x head dim 16, fp32
+    saved = runner.graphs, runner.prefill_rows_kv_bytes
+    try:
+        assert not runner._small_step_as_rows(SchedulerOutput([(a, 40)]))  # no graphs (CPU)
+        runner.graphs = _Graphs(64)
+        runner.prefill_rows_kv_bytes = 820 * per_key  # 40 rows from 0 read 40 * 41 / 2 keys
+        assert runner._small_step_as_rows(SchedulerOutput([(a, 40)]))
+        runner.prefill_rows_kv_bytes = 819 * per_key
+        assert not runner._small_step_as_rows(SchedulerOutput([(a, 40)]))
+        a.num_computed_tokens = 30  # a cached prefix: 10 rows read 30 + 1 .. 30 + 10 keys
+        runner.prefill_rows_kv_bytes = 355 * per_key
+        assert runner._small_step_as_rows(SchedulerOutput([(a, 10)]))
+        runner.prefill_rows_kv_bytes = 354 * per_key
+        assert not runner._small_step_as_rows(SchedulerOutput([(a, 10)]))
+        runner.graphs, runner.prefill_rows_kv_bytes = _Graphs(39), 1 << 30
+        a.num_computed_tokens = 0
+        assert not runner._small_step_as_rows(SchedulerOutput([(a, 40)]))  # no graph holds it
+        runner.graphs, runner.prefill_rows_kv_bytes = _Graphs(64), 0
+        assert not runner._small_step_as_rows(SchedulerOutput([(a, 40)]))  # turned off
+    finally:
+        runner.graphs, runner.prefill_rows_kv_bytes = saved
+        a.num_computed_tokens = 0

@@ -179,6 +179,14 @@ def test_throughput_monitor_buckets_and_decays():
     assert math.isclose(m.rate(3, True), (0.5 * 100 + 300) / (0.5 * 1.0 + 1.0))
     assert m.rate(8, True) is None  # another bucket
     assert m.rate(4, False) is None  # plain steps are counted apart
+    # plain steps age the speculative sums of their bucket: the rate stays, and the next
+    # speculative step weighs as much as the decayed history
+    m.observe(4, False, 50, 1.0)
+    m.observe(4, False, 50, 1.0)
+    assert math.isclose(m.rate(4, True), (0.5 * 100 + 300) / (0.5 * 1.0 + 1.0))
+    assert math.isclose(m.rate(4, False), 50.0)
+    m.observe(4, True, 10, 1.0)  # history weighs 0.5 ** 3 of itself against this step
+    assert math.isclose(m.rate(4, True), (0.125 * 350 + 10) / (0.125 * 1.5 + 1.0))
 
 
 def test_measured_throughput_decides_and_off_is_probed():
@@ -236,8 +244,8 @@ def test_probes_back_off_while_speculation_stays_off():
             probes.append(r)
         spec.skip_round(1)  # as the engine counts every round, probe or not
     starts = [r for r in probes if r - 1 not in probes]
-    assert all(r + 1 in probes for r in starts)  # PROBE_LEN = 2 rounds each
-    assert PROBE_LEN == 2 and starts[0] == PROBE_EVERY - PROBE_LEN
+    assert all(r + j in probes for r in starts for j in range(PROBE_LEN))
+    assert len(probes) == PROBE_LEN * len(starts) and starts[0] == PROBE_EVERY - PROBE_LEN
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps[:4] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, 16 * PROBE_EVERY]
     assert max(gaps) == PROBE_EVERY_MAX

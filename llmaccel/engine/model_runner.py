@@ -1,8 +1,11 @@
 """Turns a scheduled step into one flat forward pass and returns the logits to sample from.
 
 Steps of a few tokens per sequence (decode, speculative verification, a draft's catch-up) run
-as decode rows and replay a captured CUDA graph when one fits (see cuda_graph.py); everything
-else (prefill, chunked prefill, mixed steps with a long chunk, CPU) runs eagerly.
+as decode rows and replay a captured CUDA graph when one fits (see cuda_graph.py). So do small
+prefill and mixed steps on a GPU (`prefill_rows_kv_bytes`): eagerly, a short prompt's prefill
+is bound by the host launching ~10 kernels per layer (16 ms for 120 tokens of a 1.5B model on
+an H100, of which the GPU works 2 ms), while as rows of a graph it costs one replay. Everything
+else (long prefill chunks, CPU) runs eagerly with the prefill kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ logger = logging.getLogger(__name__)
 # The most tokens of one sequence a step may run as separate decode rows (see `execute`):
 # enough for a verify step of 15 drafts; longer runs (prefill chunks) use the prefill kernel.
 DECODE_ROWS_MAX = 16
+# A step of longer runs still replays a decode graph, one row per token, while it fits the
+# largest graph and its rows read at most this many bytes of K/V per layer: row j of a run
+# attends over the first start + j + 1 positions by itself, so the reads grow with the square
+# of a prompt's length, where the prefill kernel reads each key tile once per query tile.
+# 32 MiB stays within an H100's 50 MB L2 (0: never; see benchmarks/prefill_graphs.py).
+PREFILL_ROWS_KV_BYTES = 32 << 20
 
 
 class ModelRunner:
@@ -36,6 +45,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = next(model.parameters()).device
         model.bind_kv_caches(kv_caches)
+        self.prefill_rows_kv_bytes = PREFILL_ROWS_KV_BYTES
+        # K/V bytes one layer reads per attended position
+        cache = kv_caches[0] if kv_caches else None
+        self._kv_bytes_per_key = (0 if cache is None else
+                                  2 * cache.shape[-2] * cache.shape[-1] * cache.element_size())
         self.graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda" and getattr(model.model.norm, "use_triton", False):
             from llmaccel.kernels import pdl
@@ -59,6 +73,17 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
+    def _small_step_as_rows(self, step: SchedulerOutput) -> bool:
+        """Whether a step with a longer run (a prefill chunk) still runs as decode rows in a
+        CUDA graph: it fits one, and its rows' K/V reads stay within the budget."""
+        if self.graphs is None or self.prefill_rows_kv_bytes <= 0:
+            return False
+        if not self.graphs.can_run(sum(n for _, n in step.scheduled)):
+            return False
+        # row j of a run starting at s attends over s + j + 1 positions
+        keys = sum(n * seq.num_computed_tokens + n * (n + 1) // 2 for seq, n in step.scheduled)
+        return keys * self._kv_bytes_per_key <= self.prefill_rows_kv_bytes
+
     def execute(self, step: SchedulerOutput, input_ids: torch.Tensor | None = None,
                 drafts: tuple[torch.Tensor, dict[Sequence, int]] | None = None
                 ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
@@ -85,7 +110,8 @@ class ModelRunner:
         # decode rows, one per token: token j of a sequence attends over its first
         # start + j + 1 positions, which is exactly the causal mask, so the decode kernel
         # (split-K over the context) and the decode CUDA graphs serve it.
-        as_rows = all(n <= DECODE_ROWS_MAX for _, n in step.scheduled)
+        as_rows = (all(n <= DECODE_ROWS_MAX for _, n in step.scheduled)
+                   or self._small_step_as_rows(step))
         for seq, n in step.scheduled:
             start = seq.num_computed_tokens
             table = seq.block_table

@@ -45,14 +45,15 @@ NGRAM_COST_RATIO = 0.05
 DRAFT_COST_RATIO = 0.35
 # While speculation is off (automatic), PROBE_LEN rounds speculate after PROBE_EVERY, to
 # measure it again (spec/costs.ThroughputMonitor); the first of them is not measured (a draft
-# model catching up on the tokens it skipped). Each probe that leaves speculation off doubles
+# model catching up on the tokens it skipped), so two are: their rate decides almost alone
+# (the monitor ages the off rounds' predecessors), and one round's acceptance is noisy. Each probe that leaves speculation off doubles
 # the wait, up to PROBE_EVERY_MAX: a draft model's catch-up is a prefill of every skipped
 # token (13-20 ms for a 0.5B draft on an H100, 7-10 plain decode steps of its 1.5B target),
 # which at a fixed interval of 32 rounds cost a quarter of plain decoding's throughput
 # (2026-11-23-W5-devdrafts-draft-h100: batch 16 and 64, speculation mostly off, 0.71-0.82x).
 PROBE_EVERY = 32
 PROBE_EVERY_MAX = 512
-PROBE_LEN = 2
+PROBE_LEN = 3
 # Measured rates decide with this much hysteresis: switching costs a draft model a catch-up,
 # so the mode a batch size is in changes only when the other is this much faster.
 HYSTERESIS = 0.05

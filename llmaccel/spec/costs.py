@@ -103,10 +103,20 @@ class ThroughputMonitor:
         self._rates: dict[tuple[int, bool], _Rate] = {}
 
     def observe(self, batch: int, speculative: bool, tokens: float, seconds: float) -> None:
-        r = self._rates.setdefault((batch_bucket(batch), speculative), _Rate())
+        """One step's tokens (per sequence) and seconds. The other mode's sums at this batch
+        size age too (their rate stays, their weight fades): a probe after many rounds in one
+        mode then measures the other afresh instead of averaging into stale rounds (with
+        speculation off for 30 rounds at batch 1 after a stretch of poor acceptance, the
+        probes' rounds had weighed little against it, and backing off kept it off)."""
+        bucket = batch_bucket(batch)
+        r = self._rates.setdefault((bucket, speculative), _Rate())
         r.tokens = self.decay * r.tokens + tokens
         r.seconds = self.decay * r.seconds + seconds
         r.samples += 1
+        other = self._rates.get((bucket, not speculative))
+        if other is not None:
+            other.tokens *= self.decay
+            other.seconds *= self.decay
 
     def rate(self, batch: int, speculative: bool) -> float | None:
         """Tokens per second at this batch size, or None before enough steps."""
