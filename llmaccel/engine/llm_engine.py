@@ -96,7 +96,7 @@ class LLMEngine:
                                    self.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, allocate_kv_caches(
             self.model, num_blocks, bs, self.kv_cache_dtype, device), bs, mc.max_model_len,
-            capture_sizes(config, device))
+            capture_sizes(config, device, max_num_batched_tokens=self.max_num_batched_tokens))
         self.stop_checker = StopChecker(eos_token_ids(mc, self.tokenizer), mc.max_model_len,
                                         self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -110,7 +110,9 @@ class LLMEngine:
             if self.draft_model is not None:
                 draft = DraftModelProposer(self.draft_model, num_blocks, bs, mc.max_model_len,
                                            self.kv_cache_dtype, device,
-                                           capture_sizes(config, device, draft=True))
+                                           capture_sizes(config, device, draft=True,
+                                                         max_num_batched_tokens=(
+                                                             self.max_num_batched_tokens)))
             self.spec = SpecDecoder(config.speculative_config, mc.max_model_len,
                                     self.stop_checker, draft)
             self.spec.costs = measure_step_costs(self.runner, draft)

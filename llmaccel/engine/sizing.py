@@ -22,15 +22,24 @@ def rows_per_seq(config: EngineConfig, draft: bool = False) -> int:
     return 2 if draft else 1 + spec.num_speculative_tokens
 
 
-def capture_sizes(config: EngineConfig, device: torch.device,
-                  draft: bool = False) -> list[int] | None:
-    """The decode row counts to capture as CUDA graphs (None: run eagerly)."""
+# Graphs are captured up to at least this many rows, even where decode steps never have as
+# many: small prefill steps replay them, one row per token (ModelRunner.prefill_rows_kv_bytes),
+# instead of launching ~10 kernels per layer from the host (vLLM's default largest capture
+# size is 512 too).
+PREFILL_GRAPH_ROWS = 512
+
+
+def capture_sizes(config: EngineConfig, device: torch.device, draft: bool = False,
+                  max_num_batched_tokens: int | None = None) -> list[int] | None:
+    """The row counts to capture as CUDA graphs (None: run eagerly): every decode step's, and
+    prefill steps' up to PREFILL_GRAPH_ROWS (within the step token budget)."""
     if config.enforce_eager or device.type != "cuda":
         return None
-    most = config.max_num_seqs * rows_per_seq(config, draft)
+    most = max(config.max_num_seqs * rows_per_seq(config, draft),
+               min(PREFILL_GRAPH_ROWS, max_num_batched_tokens or PREFILL_GRAPH_ROWS))
     sizes = (list(config.cudagraph_capture_sizes) if config.cudagraph_capture_sizes is not None
              else default_capture_sizes(most))
-    # A step never has more rows than this, so larger graphs would be dead weight.
+    # A step that runs as rows never has more, so larger graphs would be dead weight.
     return sorted({s for s in sizes if s <= most}) or None
 
 

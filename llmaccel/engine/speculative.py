@@ -46,9 +46,10 @@ DRAFT_COST_RATIO = 0.35
 # While speculation is off (automatic), PROBE_LEN rounds speculate after PROBE_EVERY, to
 # measure it again (spec/costs.ThroughputMonitor); the first of them is not measured (a draft
 # model catching up on the tokens it skipped), so two are: their rate decides almost alone
-# (the monitor ages the off rounds' predecessors), and one round's acceptance is noisy. Each probe that leaves speculation off doubles
-# the wait, up to PROBE_EVERY_MAX: a draft model's catch-up is a prefill of every skipped
-# token (13-20 ms for a 0.5B draft on an H100, 7-10 plain decode steps of its 1.5B target),
+# (the monitor ages the off rounds' predecessors), and one round's acceptance is noisy. Each
+# probe that leaves speculation off doubles the wait, up to PROBE_EVERY_MAX: a draft model's
+# catch-up is a prefill of every skipped token (13-20 ms for a 0.5B draft on an H100 when it
+# ran eagerly, 7-10 plain decode steps of its 1.5B target; small ones now replay graphs),
 # which at a fixed interval of 32 rounds cost a quarter of plain decoding's throughput
 # (2026-11-23-W5-devdrafts-draft-h100: batch 16 and 64, speculation mostly off, 0.71-0.82x).
 PROBE_EVERY = 32
