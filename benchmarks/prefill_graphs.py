@@ -8,7 +8,8 @@ the context (cached once per cell, one per sequence) hits the prefix cache.
     python benchmarks/prefill_graphs.py --models qwen2.5-1.5b --batches 1,4,16 \
         --tokens 32,128,512 --contexts 0,512 --budgets-mib 0,32,128 --out benchmarks/results
 
-`path` says what ran under each budget: graph-rows, eager, or mixed (some steps each).
+`path` says what ran under each budget: graph-rows, eager, or mixed (some steps each). Runs of
+at most 16 new tokens per sequence are decode rows under any budget (DECODE_ROWS_MAX).
 """
 
 from __future__ import annotations
@@ -67,9 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         llm = LLM(model, dtype=args.dtype, max_model_len=4096, enable_prefix_caching=True)
         runner = llm.engine.runner
-        decide = runner._small_step_as_rows
+        # which path each step took: a graph replay (decode rows) or the eager forward
         chosen: list[bool] = []
-        runner._small_step_as_rows = lambda step: chosen.append(decide(step)) or chosen[-1]
+        execute, replay = runner.execute, runner.graphs.run
+
+        def counted_execute(*a, **kw):
+            chosen.append(False)
+            return execute(*a, **kw)
+
+        def counted_replay(*a, **kw):
+            chosen[-1] = True
+            return replay(*a, **kw)
+
+        runner.execute, runner.graphs.run = counted_execute, counted_replay
         gen = torch.Generator().manual_seed(0)
         for ctx_len in [int(x) for x in args.contexts.split(",")]:
             for b in [int(x) for x in args.batches.split(",")]:
