@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                 rec["config"]["mean_k"] = round(mean_k, 3)
                 rec["config"]["off_steps"] = off  # engine steps that ran without speculation
                 rec["config"]["spec_steps"] = steps
+                monitor = llm.engine.spec.monitor  # the off switch's view after the cell
+                for mode, key in ((True, "monitor_spec_tok_s"), (False, "monitor_plain_tok_s")):
+                    rate = monitor.rate(b, mode)  # tokens/s per sequence, this batch's bucket
+                    rec["config"][key] = None if rate is None else round(rate, 1)
                 if method == "draft" and (kind, b) in draft_wall and steps:
                     c = draft_wall[kind, b] / base_wall  # per-step time ratio, same batch
                     # issue 6's bound E[tokens per step] / (1 + k c) of the speculative steps,
