@@ -107,6 +107,7 @@ def test_prefill_chunk_as_decode_rows_equals_prefill_kernel_path(runner):
         finally:
             mr.DECODE_ROWS_MAX = saved
     assert outs[0].shape == (2, 160)
+    assert all(torch.is_inference(o) for o in outs)  # execute runs under inference_mode
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 

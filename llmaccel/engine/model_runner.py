@@ -75,7 +75,6 @@ class ModelRunner:
         for cache in self._copy_views:
             cache[:, dst] = cache[:, src]
 
-    @torch.inference_mode()
     def _small_step_as_rows(self, step: SchedulerOutput) -> bool:
         """Whether a step with a longer run (a prefill chunk) still runs as decode rows in a
         CUDA graph: it fits one, and its rows' K/V reads stay within the budget."""
@@ -87,6 +86,7 @@ class ModelRunner:
         keys = sum(n * seq.num_computed_tokens + n * (n + 1) // 2 for seq, n in step.scheduled)
         return keys * self._kv_bytes_per_key <= self.prefill_rows_kv_bytes
 
+    @torch.inference_mode()
     def execute(self, step: SchedulerOutput, input_ids: torch.Tensor | None = None,
                 drafts: tuple[torch.Tensor, dict[Sequence, int]] | None = None
                 ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
