@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step_trace import StepTrace, brief  # noqa: E402
 
 CODE = '''def merge_intervals(intervals):
     """Merge overlapping [start, end] intervals."""
@@ -64,19 +68,22 @@ def _requests(tok, kind: str, batch: int) -> list[list[int]]:
     return [format_prompt(tok, base[i % len(base)], None) for i in range(batch)]
 
 
-def _run(llm, prompts, params, repeats: int = 1) -> tuple[float, list[list[int]]]:
-    """Median wall time of `repeats` timed runs (and the last run's tokens)."""
+def _run(llm, prompts, params, repeats: int = 1) -> tuple[float, list[list[int]], dict]:
+    """Median wall time of `repeats` timed runs, the last run's tokens, and the timed runs'
+    steps by class (step_trace.py: summed over the repeats)."""
     # Warm-up with the whole batch (a short run): Triton compiles kernel variants on first use
     # (e.g. the prefill/extend shapes of this batch), which must not land in the timed run.
     # Prefix caching is off (see main), so the timed run recomputes its prompts.
     warm = dataclasses.replace(params, max_tokens=8)
     llm.generate(prompts, warm, use_tqdm=False)
     walls = []
+    trace = StepTrace(llm.engine)
     for _ in range(repeats):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        walls.append(time.perf_counter() - start)
-    return statistics.median(walls), [o.outputs[0].token_ids for o in outs]
+        with trace:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            walls.append(time.perf_counter() - start)
+    return statistics.median(walls), [o.outputs[0].token_ids for o in outs], trace.summary()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--methods", default="draft,ngram")
+    ap.add_argument("--switch", default="auto",
+                    help="comma-separated: auto (the engine's off switch decides per step), on "
+                         "(speculate at every step: what the switch chooses against)")
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--kinds", default="code,prose")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -113,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = plain.get_tokenizer()
     draft_alone = LLM(args.draft, **kw) if args.draft and "draft" in args.methods else None
     batches = [int(b) for b in args.batches.split(",")]
-    base: dict[tuple[str, int], tuple[float, list]] = {}
+    base: dict[tuple[str, int], tuple[float, list, dict]] = {}
     draft_wall: dict[tuple[str, int], float] = {}
     for kind in args.kinds.split(","):
         for b in batches:
@@ -123,27 +133,31 @@ def main(argv: list[str] | None = None) -> int:
                 draft_wall[kind, b] = _run(draft_alone, prompts, params, args.repeats)[0]
     del plain, draft_alone
     torch.cuda.empty_cache() if device == "cuda" else None
-    for method in args.methods.split(","):
+    runs = [(m, s) for m in args.methods.split(",") for s in args.switch.split(",")]
+    for method, switch in runs:
         spec = {"method": method, "num_speculative_tokens": args.k}
         if method == "draft":
             spec["model"] = args.draft
+        if switch == "on":  # never off: what speculating at every step gives (adaptive k >= 1)
+            spec["disable_by_batch_size"] = 1 << 30
         llm = LLM(args.target, speculative_config=spec, **kw)
         for kind in args.kinds.split(","):
             for b in batches:
                 prompts = _requests(tok, kind, b)
                 before = llm.get_stats().spec_decode
-                wall, tokens = _run(llm, prompts, params, args.repeats)
+                wall, tokens, steps_spec = _run(llm, prompts, params, args.repeats)
                 after = llm.get_stats().spec_decode
                 steps = after["num_steps"] - before["num_steps"]
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
                 accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
                 emitted = after["num_emitted_tokens"] - before["num_emitted_tokens"]
                 acc = accepted / drafted if drafted else 0.0
-                base_wall, base_tokens = base[kind, b]
+                base_wall, base_tokens, steps_plain = base[kind, b]
                 n_out = sum(len(t) for t in tokens)
                 rec = {"workload": "W5", "model": Path(args.target).name,
                        "load_format": "auto", "backend": "llmaccel",
-                       "config": {"batch": b, "method": method, "kind": kind, "k": args.k,
+                       "config": {"batch": b, "method": method, "switch": switch,
+                                  "kind": kind, "k": args.k,
                                   "max_tokens": args.max_tokens, "draft": args.draft,
                                   "identical_to_plain": tokens == base_tokens,
                                   "plain_out_tok_s": round(n_out / base_wall, 2),
@@ -159,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
                 rec["config"]["mean_k"] = round(mean_k, 3)
                 rec["config"]["off_steps"] = off  # engine steps that ran without speculation
                 rec["config"]["spec_steps"] = steps
+                # the timed runs' engine steps by class, summed over the repeats: where a
+                # speculative run's time went against the plain engine's (step_trace.py)
+                rec["config"]["steps_plain"] = steps_plain
+                rec["config"]["steps_spec"] = steps_spec
+                print(f"  steps, plain: {brief(steps_plain)}\n  steps, spec:  {brief(steps_spec)}",
+                      flush=True)
                 monitor = llm.engine.spec.monitor  # the off switch's view after the cell
                 for mode, key in ((True, "monitor_spec_tok_s"), (False, "monitor_plain_tok_s")):
                     rate = monitor.rate(b, mode)  # tokens/s per sequence, this batch's bucket
@@ -173,20 +193,23 @@ def main(argv: list[str] | None = None) -> int:
                     rec["speedup_bound"] = round(bound, 3)
                     rec["share_of_bound"] = round(rec["value"] / bound, 3) if bound else None
                 records.append(rec)
-                rows.append(f"| {method} | {kind} | {b} | {rec['config']['plain_out_tok_s']} | "
+                rows.append(f"| {method} | {switch} | {kind} | {b} | "
+                            f"{rec['config']['plain_out_tok_s']} | "
                             f"{rec['config']['spec_out_tok_s']} | {rec['value']} | {acc:.2f} | "
                             f"{rec['mean_accepted_len']} | {mean_k:.2f} | {steps} / {off} | "
                             f"{rec.get('speedup_bound', '-')} | "
                             f"{rec['config']['identical_to_plain']} |")
                 print(rows[-1], flush=True)
         del llm
+        gc.collect()  # the next engine sizes its KV cache from free memory
+        torch.cuda.empty_cache() if device == "cuda" else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"{args.name}.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    table = ("| method | prompts | batch | plain out tok/s | spec out tok/s | speedup | "
+    table = ("| method | switch | prompts | batch | plain out tok/s | spec out tok/s | speedup | "
              "acceptance | tokens/step | mean k | spec / off steps | bound | identical |\n"
-             "|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
     (out / f"{args.name}.md").write_text(f"# {args.name}\n\nCommand: `{command}`\n\n{table}\n")
     print(table)
     return 0

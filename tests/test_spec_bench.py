@@ -27,4 +27,10 @@ def test_spec_bench_writes_w5_records(smollm2_gguf, tmp_path):
         assert abs(r["value"] - c["spec_out_tok_s"] / c["plain_out_tok_s"]) < 0.01
         assert 0.0 <= r["acceptance_rate"] <= 1.0 and c["spec_steps"] >= 0
         assert c["monitor_spec_tok_s"] is None  # CPU: no measured step costs, no switch
-    assert "| ngram | code | 1 |" in (tmp_path / "w5.md").read_text()
+        # the step trace accounts for every token of the timed runs (2 repeats x batch x 12)
+        for steps in (c["steps_plain"], c["steps_spec"]):
+            classes = {k: v for k, v in steps.items() if k != "outside_steps_ms"}
+            assert sum(v["tokens"] for v in classes.values()) == 2 * c["batch"] * 12
+            assert classes["prefill"]["calls"] >= 2 and "spec" not in c["steps_plain"]
+        assert ("spec" in c["steps_spec"]) == (c["spec_steps"] > 0)
+    assert "| ngram | auto | code | 1 |" in (tmp_path / "w5.md").read_text()
