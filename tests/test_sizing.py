@@ -19,5 +19,8 @@ def test_graphs_cover_small_prefill_steps_beyond_decode_rows():
     # explicit sizes are kept as given (up to what a step can hold)
     cfg = EngineConfig(model="m", max_num_seqs=8, cudagraph_capture_sizes=(1, 2, 4, 8))
     assert capture_sizes(cfg, CUDA, max_num_batched_tokens=8192) == [1, 2, 4, 8]
+    # ... beyond the decode steps' rows too (prefill steps replay them), not past the budget
+    cfg = EngineConfig(model="m", max_num_seqs=8, cudagraph_capture_sizes=(8, 1024, 9000))
+    assert capture_sizes(cfg, CUDA, max_num_batched_tokens=8192) == [8, 1024]
     assert capture_sizes(cfg, torch.device("cpu")) is None
     assert capture_sizes(EngineConfig(model="m", enforce_eager=True), CUDA) is None

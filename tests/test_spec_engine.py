@@ -108,8 +108,8 @@ def test_measured_costs_switch_speculation_off_where_it_does_not_pay(tiny):
         spec.costs = StepCosts({r: t * scale for r, t in shape.items()})
         record = spec.record_step
 
-        def scaled(kind, tokens, seconds, record=record, scale=scale):
-            record(kind, tokens, seconds / scale if kind and kind[1] else seconds)
+        def scaled(kind, tokens, seconds, steady=True, record=record, scale=scale):
+            record(kind, tokens, seconds / scale if kind and kind[1] else seconds, steady)
         spec.record_step = scaled
         outs = llm.generate(prompts, params, use_tqdm=False)
         want = plain.generate(prompts, params, use_tqdm=False)

@@ -257,7 +257,58 @@ def test_probes_back_off_while_speculation_stays_off():
     assert spec.speculate_at(1)
     for _ in range(PROBE_EVERY_MAX + 1):
         spec.skip_round(1)
-    assert spec._probe_every == PROBE_EVERY
+    assert spec._probes[1].every == PROBE_EVERY
+
+
+def test_probe_schedules_are_per_batch_size():
+    """Rounds at a batch size where speculation is on do not reset the back-off of one where
+    it is off (with one global schedule, a batch of 64 on an H100 was probed every 32 rounds:
+    2026-11-23-W5-trace-ngram-h100)."""
+    from llmaccel.engine.speculative import PROBE_EVERY, SpecDecoder
+    from llmaccel.spec.costs import StepCosts
+
+    spec = SpecDecoder(SpeculativeConfig(), 2048, None)
+    spec.costs = StepCosts({1: 2.0, 64: 2.0})
+    for batch, tokens in ((64, 2), (1, 100)):  # batch 64: 50 tok/s, off; batch 1: 2500, on
+        for _ in range(3):
+            spec.record_step((batch, True), tokens * batch, 0.04)
+    assert not spec.speculate_at(64, 0) and spec.speculate_at(1, 0)
+    seen = []  # (round, probing) of batch 64's rounds; every other round is batch 1's
+    for r in range(4000):
+        batch = 64 if r % 2 == 0 else 1
+        if batch == 64:
+            seen.append((r, spec.speculate_at(64)))
+        spec.skip_round(batch)
+    starts = [r for i, (r, p) in enumerate(seen) if p and (i == 0 or not seen[i - 1][1])]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    # the waits double (within a round: batch 64 runs on even rounds only)
+    assert all(abs(g - 2 ** (i + 1) * PROBE_EVERY) <= 2 for i, g in enumerate(gaps[:3])), gaps
+
+
+def test_unsteady_plain_steps_and_cut_short_rounds_are_not_measured():
+    """Plain steps launched without async scheduling where it could have run (after a
+    change of the running set, or after speculating) are slower than plain decoding runs
+    steadily; rounds whose drafts max_tokens cut short emit fewer tokens than speculation
+    does. Neither stands for its mode's rate."""
+    from llmaccel.engine.sampling_params import SamplingParams
+    from llmaccel.engine.scheduler import SchedulerOutput
+    from llmaccel.engine.sequence import Sequence
+    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.costs import StepCosts
+
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4), 2048, None)
+    spec.costs = StepCosts({1: 2.0})
+    for steady in (True, True, True, False, False):  # the first is not counted
+        spec.record_step((1, False), 1, 0.002 if steady else 0.004, steady)
+    assert math.isclose(spec.monitor.rate(1, False), 500.0)
+    seq = Sequence("r", 0, [1, 2, 3], SamplingParams(max_tokens=10))
+    seq.output_token_ids = [5] * 7  # two tokens of room: at most 2 drafts
+    assert spec._k(seq, lambda k: 1.0) == 2 and spec._capped
+    seq.spec_token_ids = [6, 7]
+    sched = SchedulerOutput(scheduled=[(seq, 3)])
+    assert spec.step_kind(sched) is None  # not measured
+    spec._capped = False
+    assert spec.step_kind(sched) == (1, True)
 
 
 def test_measured_choice_has_hysteresis():

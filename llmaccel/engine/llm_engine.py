@@ -182,6 +182,7 @@ class LLMEngine:
         """
         start = time.perf_counter()
         launched, self._ahead = self._ahead, None
+        ahead = launched is not None  # launched by the previous call (async scheduling)
         if launched is None:
             if self.spec is not None:
                 self.spec.propose(self.scheduler.running)
@@ -208,7 +209,9 @@ class LLMEngine:
                 self.spec.skip_round(len(self.scheduler.running))
         emitted = self._complete(launched)
         if self.spec is not None:  # measured throughput of speculating or not, per batch size
-            self.spec.record_step(kind, emitted, time.perf_counter() - start)
+            # a plain step is steady when launched ahead, or where it could not have been
+            steady = ahead or not (self.config.async_scheduling and launched.plain)
+            self.spec.record_step(kind, emitted, time.perf_counter() - start, steady)
         return outputs
 
     def _launch(self, sched: SchedulerOutput,

@@ -35,12 +35,16 @@ def capture_sizes(config: EngineConfig, device: torch.device, draft: bool = Fals
     prefill steps' up to PREFILL_GRAPH_ROWS (within the step token budget)."""
     if config.enforce_eager or device.type != "cuda":
         return None
+    if config.cudagraph_capture_sizes is not None:
+        # As given, up to what a step can hold: sizes beyond the decode steps' serve prefill
+        # steps as rows (benchmarks give a plain engine the sizes a speculative one captures,
+        # so both prefill the same way).
+        cap = max_num_batched_tokens or max(config.cudagraph_capture_sizes)
+        return sorted({s for s in config.cudagraph_capture_sizes if s <= cap}) or None
     most = max(config.max_num_seqs * rows_per_seq(config, draft),
                min(PREFILL_GRAPH_ROWS, max_num_batched_tokens or PREFILL_GRAPH_ROWS))
-    sizes = (list(config.cudagraph_capture_sizes) if config.cudagraph_capture_sizes is not None
-             else default_capture_sizes(most))
     # A step that runs as rows never has more, so larger graphs would be dead weight.
-    return sorted({s for s in sizes if s <= most}) or None
+    return default_capture_sizes(most)
 
 
 def profile_num_blocks(config: EngineConfig, model: TransformerForCausalLM, max_model_len: int,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -43,11 +44,15 @@ NGRAM_COST_RATIO = 0.05
 # A draft model's step relative to the target's, for the adaptive k until measured: a 3x
 # smaller model runs a decode step in about a third of the time or more (launch-bound).
 DRAFT_COST_RATIO = 0.35
-# While speculation is off (automatic), PROBE_LEN rounds speculate after PROBE_EVERY, to
+# While speculation is off (automatic) at a batch size, PROBE_LEN rounds there speculate after
+# PROBE_EVERY, to
 # measure it again (spec/costs.ThroughputMonitor); the first of them is not measured (a draft
 # model catching up on the tokens it skipped), so two are: their rate decides almost alone
 # (the monitor ages the off rounds' predecessors), and one round's acceptance is noisy. Each
-# probe that leaves speculation off doubles the wait, up to PROBE_EVERY_MAX: a draft model's
+# probe that leaves speculation off doubles that batch size's wait, up to PROBE_EVERY_MAX (per
+# batch-size bucket: with one global schedule, rounds at another batch size where speculation
+# was on reset the wait, and a batch of 64 on an H100 probed every 32 rounds at ~2.7x a plain
+# step's time per round, 2026-11-23-W5-trace-ngram-h100: 0.85x plain): a draft model's
 # catch-up is a prefill of every skipped token (13-20 ms for a 0.5B draft on an H100 when it
 # ran eagerly, 7-10 plain decode steps of its 1.5B target; small ones now replay graphs),
 # which at a fixed interval of 32 rounds cost a quarter of plain decoding's throughput
@@ -58,6 +63,13 @@ PROBE_LEN = 3
 # Measured rates decide with this much hysteresis: switching costs a draft model a catch-up,
 # so the mode a batch size is in changes only when the other is this much faster.
 HYSTERESIS = 0.05
+
+
+@dataclass
+class _Probe:
+    """When a batch-size bucket next probes speculation while it is off there."""
+    start: int  # the round where its next probe starts
+    every: int = PROBE_EVERY  # rounds from one probe to the next
 
 
 class SpecDecoder:
@@ -84,10 +96,10 @@ class SpecDecoder:
         self.monitor = ThroughputMonitor()
         self.off = False  # the last round left speculation off for the whole batch
         self._round = 0  # decode rounds seen while the choice is automatic
-        self._probe_every = PROBE_EVERY  # rounds from one probe to the next while off
+        self._probes: dict[int, _Probe] = {}  # batch bucket -> its probe schedule
         self._mode: dict[int, bool] = {}  # batch bucket -> the last measured choice
-        self._next_probe = PROBE_EVERY - PROBE_LEN  # the round where the next probe starts
         self._last_mode: bool | None = None  # whether the last measured step speculated
+        self._capped = False  # this round's drafts were cut short by max_tokens / the context
         # This round's draft-model proposals still on the device (spec/draft_model.py): the
         # verify step reads them there; `complete` brings them to the host.
         self.pending: DeviceDrafts | None = None
@@ -113,19 +125,28 @@ class SpecDecoder:
         if not self.automatic:
             return self.config.speculate_at(batch)
         return self._chosen(batch) or self._probing(
-            self._round if round_index is None else round_index)
+            batch, self._round if round_index is None else round_index)
 
-    def _probing(self, round_index: int) -> bool:
-        return self._next_probe <= round_index < self._next_probe + PROBE_LEN
+    def _probe(self, batch: int) -> _Probe:
+        bucket = batch_bucket(batch)
+        probe = self._probes.get(bucket)
+        if probe is None:
+            probe = self._probes[bucket] = _Probe(self._round + PROBE_EVERY - PROBE_LEN)
+        return probe
 
-    def _next_round(self, chosen: bool) -> None:
-        """Count a round; once a probe's rounds are over, place the next probe: PROBE_EVERY
-        rounds on while speculation is chosen, else twice the last wait (up to the max)."""
+    def _probing(self, batch: int, round_index: int) -> bool:
+        start = self._probe(batch).start
+        return start <= round_index < start + PROBE_LEN
+
+    def _next_round(self, batch: int, chosen: bool) -> None:
+        """Count a round; once a probe's rounds at this batch size are over (or passed while
+        the batch was elsewhere), place its next probe: PROBE_EVERY rounds on while
+        speculation is chosen there, else twice the last wait (up to the max)."""
         self._round += 1
-        if self._round >= self._next_probe + PROBE_LEN:
-            self._probe_every = (PROBE_EVERY if chosen else
-                                 min(2 * self._probe_every, PROBE_EVERY_MAX))
-            self._next_probe = self._round + self._probe_every - PROBE_LEN
+        probe = self._probe(batch)
+        if self._round >= probe.start + PROBE_LEN:
+            probe.every = PROBE_EVERY if chosen else min(2 * probe.every, PROBE_EVERY_MAX)
+            probe.start = self._round + probe.every - PROBE_LEN
 
     def _chosen(self, batch: int) -> bool:
         measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
@@ -151,12 +172,15 @@ class SpecDecoder:
     def skip_round(self, batch: int) -> None:
         """A plain step launched ahead: a round without a proposal."""
         if self.automatic:
-            self._next_round(self._chosen(batch))
+            self._next_round(batch, self._chosen(batch))
         self.stats.num_off_steps += 1
 
     def step_kind(self, sched) -> tuple[int, bool] | None:
         """(batch, speculative) of a step to measure: every sequence decodes (one real token
-        plus its drafts, no prefill chunk); None for other steps."""
+        plus its drafts, no prefill chunk); None for other steps, and for speculative steps
+        whose drafts were cut short by max_tokens or the context (the last rounds of a batch:
+        they emit fewer tokens than speculation does, and their low rate would stand for the
+        batch size in later requests)."""
         if not self.automatic or not sched.scheduled:
             return None
         drafted = False
@@ -164,20 +188,28 @@ class SpecDecoder:
             if n != 1 + len(seq.spec_token_ids):
                 return None
             drafted = drafted or bool(seq.spec_token_ids)
+        if drafted and self._capped:
+            return None
         return len(sched.scheduled), drafted
 
-    def record_step(self, kind: tuple[int, bool] | None, tokens: int, seconds: float) -> None:
+    def record_step(self, kind: tuple[int, bool] | None, tokens: int, seconds: float,
+                    steady: bool = True) -> None:
         """Feed the throughput monitor one decode step (from `step_kind`), unless it is the
         first of its kind after the other (a draft model catching up on the tokens it
         skipped; a plain step not yet overlapped with the next by async scheduling) or after
         a step that was not all decoding (`kind` None: a prefill, whose requests' first
         speculative step has the draft model prefill their prompts -- measured at 17 ms of
-        a 0.5B draft's time at batch 4 on an H100, where a round takes 5 ms)."""
+        a 0.5B draft's time at batch 4 on an H100, where a round takes 5 ms), or a plain
+        step that is not `steady`: launched without async scheduling where it could have
+        been (after a change of the running set, or the round after speculating). Plain
+        decoding's rate is what it does steadily, launched ahead: at batch 64 on an H100,
+        those steps took 2.3 ms and the others 3.9 (2026-11-23-W5-trace-ngram-h100), and
+        counting the latter made speculation look faster there than it was."""
         if kind is None:
             self._last_mode = None
             return
         batch, speculative = kind
-        if speculative == self._last_mode:
+        if speculative == self._last_mode and (speculative or steady):
             self.monitor.observe(batch, speculative, tokens / batch, seconds)
         self._last_mode = speculative
 
@@ -196,6 +228,7 @@ class SpecDecoder:
         room = self.max_model_len - seq.num_tokens - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        self._capped = self._capped or room < self.config.num_speculative_tokens
         return max(0, min(k, room))
 
     def propose(self, running: list[Sequence]) -> None:
@@ -203,13 +236,14 @@ class SpecDecoder:
         speculate)."""
         start = time.perf_counter()
         self.pending = None
+        self._capped = False
         batch = len(running)
         if running and self.automatic:
             chosen = self._chosen(batch)
-            on = chosen or self._probing(self._round)
+            on = chosen or self._probing(batch, self._round)
             if self.monitor.rate(batch, True) is not None:  # a measured choice: its mode
                 self._mode[batch_bucket(batch)] = chosen
-            self._next_round(chosen)
+            self._next_round(batch, chosen)
         else:
             on = self.speculate_at(batch)
         self.off = not on
