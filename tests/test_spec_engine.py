@@ -125,6 +125,28 @@ def test_measured_costs_switch_speculation_off_where_it_does_not_pay(tiny):
                                                         for o in outs), spec
 
 
+def test_plain_rounds_are_probed_while_speculation_is_on(tiny):
+    """Where speculation was measured faster and stays on, probes decode a few rounds plainly
+    (async scheduling included) to measure plain decoding again: a plain rate measured once
+    must not stand forever (a slow one kept a draft model on at 0.64x plain on an H100).
+    Outputs equal plain greedy."""
+    from llmaccel.engine.speculative import PROBE_EVERY
+    from llmaccel.spec.costs import StepCosts
+
+    params = SamplingParams(temperature=0, max_tokens=4 * PROBE_EVERY, ignore_eos=True)
+    prompt = [[1, 2, 3, 4]]  # little to look up: short runs of drafts, many rounds
+    llm = _llm(tiny, SPEC)
+    spec = llm.engine.spec
+    # plain decoding "at its best" is slow, verifying up to 8 rows costs a decode step: speculate
+    spec.costs = StepCosts({1: 1e6, 8: 1e6})
+    outs = llm.generate(prompt, params, use_tqdm=False)
+    want = _llm(tiny, None).generate(prompt, params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    stats = llm.get_stats()
+    assert stats.spec_decode["num_off_steps"] > 0 and stats.num_async_steps > 0
+    assert spec.monitor.rate(1, True) is not None and spec.monitor.rate(1, False) is not None
+
+
 def test_adaptive_k_backs_off_when_drafts_fail(tiny):
     """With the adaptive k, a request whose drafts keep failing drafts fewer tokens: fewer
     drafts per verify step than the fixed k."""

@@ -198,7 +198,8 @@ def test_measured_throughput_decides_and_off_is_probed():
     # plain decode steps of 2 ms (batch 1) and 4 ms (batch 8 and more); verifying is free
     spec.costs = StepCosts({1: 2.0, 8: 4.0, 64: 4.0})
     assert spec.automatic
-    assert all(spec.speculate_at(1, r) for r in range(PROBE_EVERY))  # the cost model: on
+    # the cost model: on (no plain probes before speculation is measured)
+    assert all(spec.speculate_at(1, r) for r in range(PROBE_EVERY))
     # measured at batch 1: 10 tokens per 40 ms = 250 tok/s per sequence; plain decoding at
     # its best (the graph's 2 ms) does 500
     for _ in range(3):
@@ -221,7 +222,9 @@ def test_measured_throughput_decides_and_off_is_probed():
     assert spec.monitor.rate(1, False) is None
     spec.record_step((1, False), 1, 0.005)
     assert math.isclose(spec.monitor.rate(1, False), 200.0)
-    assert all(spec.speculate_at(1, r) for r in range(PROBE_EVERY))
+    # on, but for the probe rounds: now they decode plainly, to measure plain decoding again
+    assert [spec.speculate_at(1, r) for r in range(PROBE_EVERY)] == (
+        [True] * (PROBE_EVERY - PROBE_LEN) + [False] * PROBE_LEN)
     # batch 8 has no measurement: the cost model decides (on)
     assert spec.speculate_at(8, 0)
 
@@ -250,14 +253,15 @@ def test_probes_back_off_while_speculation_stays_off():
     assert gaps[:4] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, 16 * PROBE_EVERY]
     assert max(gaps) == PROBE_EVERY_MAX
     # plain steps measured slower (1 token per 5 ms: 200 tok/s; the first after speculative
-    # steps is not counted): speculation is chosen, and once the current wait is over, the
-    # next probe is placed PROBE_EVERY rounds on
+    # steps is not counted): speculation is chosen; the change resets the wait, and the next
+    # probe, within PROBE_EVERY rounds, runs plain rounds (speculation is measured now)
     for _ in range(3):
         spec.record_step((1, False), 1, 0.005)
     assert spec.speculate_at(1)
-    for _ in range(PROBE_EVERY_MAX + 1):
-        spec.skip_round(1)
+    spec.skip_round(1)
     assert spec._probes[1].every == PROBE_EVERY
+    plain = [r for r in range(PROBE_EVERY) if not spec.speculate_at(1, spec._round + r)]
+    assert len(plain) == PROBE_LEN and plain == list(range(plain[0], plain[0] + PROBE_LEN))
 
 
 def test_probe_schedules_are_per_batch_size():

@@ -44,18 +44,21 @@ NGRAM_COST_RATIO = 0.05
 # A draft model's step relative to the target's, for the adaptive k until measured: a 3x
 # smaller model runs a decode step in about a third of the time or more (launch-bound).
 DRAFT_COST_RATIO = 0.35
-# While speculation is off (automatic) at a batch size, PROBE_LEN rounds there speculate after
-# PROBE_EVERY, to
-# measure it again (spec/costs.ThroughputMonitor); the first of them is not measured (a draft
-# model catching up on the tokens it skipped), so two are: their rate decides almost alone
-# (the monitor ages the off rounds' predecessors), and one round's acceptance is noisy. Each
-# probe that leaves speculation off doubles that batch size's wait, up to PROBE_EVERY_MAX (per
-# batch-size bucket: with one global schedule, rounds at another batch size where speculation
-# was on reset the wait, and a batch of 64 on an H100 probed every 32 rounds at ~2.7x a plain
-# step's time per round, 2026-11-23-W5-trace-ngram-h100: 0.85x plain): a draft model's
-# catch-up is a prefill of every skipped token (13-20 ms for a 0.5B draft on an H100 when it
-# ran eagerly, 7-10 plain decode steps of its 1.5B target; small ones now replay graphs),
-# which at a fixed interval of 32 rounds cost a quarter of plain decoding's throughput
+# Probes (automatic choice): every PROBE_EVERY rounds at a batch size, PROBE_LEN rounds run
+# the mode not chosen there, to measure it again (spec/costs.ThroughputMonitor). Both ways:
+# while speculation is off, a probe speculates (the first round is not measured: a draft model
+# catching up on the tokens it skipped); while it is on, a probe decodes plainly (the first
+# round is not measured: launched without async scheduling). Two measured rounds then decide
+# almost alone (the monitor ages the other rounds' predecessors). Without plain probes, a low
+# plain rate measured once stood while speculation stayed on: at batch 16 and 64 on an H100 a
+# 0.5B draft stayed on at 0.64-0.84x plain (2026-11-23-W5-switch-h100). Each probe that leaves
+# the choice as it was doubles that batch size's wait, up to PROBE_EVERY_MAX; one that changes
+# it resets the wait. Schedules are per batch-size bucket: with one global schedule, rounds at
+# another batch size reset the wait, and a batch of 64 on an H100 probed every 32 rounds at
+# ~2.7x a plain step's time per round (2026-11-23-W5-trace-ngram-h100: 0.85x plain). A draft
+# model's catch-up after a long off stretch is a prefill of every skipped token (13-20 ms for
+# a 0.5B draft on an H100 when it ran eagerly; small ones now replay graphs), which at a fixed
+# interval of 32 rounds cost a quarter of plain decoding's throughput
 # (2026-11-23-W5-devdrafts-draft-h100: batch 16 and 64, speculation mostly off, 0.71-0.82x).
 PROBE_EVERY = 32
 PROBE_EVERY_MAX = 512
@@ -67,9 +70,11 @@ HYSTERESIS = 0.05
 
 @dataclass
 class _Probe:
-    """When a batch-size bucket next probes speculation while it is off there."""
+    """When a batch-size bucket next runs the mode not chosen there, to measure it again."""
     start: int  # the round where its next probe starts
     every: int = PROBE_EVERY  # rounds from one probe to the next
+    mode: bool | None = None  # the choice when the current probe began (None: not begun)
+    choice: bool | None = None  # the choice at the last round counted here
 
 
 class SpecDecoder:
@@ -120,12 +125,21 @@ class SpecDecoder:
         """Whether a round with `batch` running requests speculates: below an explicit
         disable_by_batch_size; else (automatic) where speculating was measured faster than
         plain decoding at this batch size or, before a measurement, where the step costs pay
-        at the recent acceptance. While off, the PROBE_LEN rounds of a probe speculate anyway,
-        to measure again (`round_index`: default the next round)."""
+        at the recent acceptance. The PROBE_LEN rounds of a probe run the other mode, to
+        measure it again (`round_index`: default the next round)."""
         if not self.automatic:
             return self.config.speculate_at(batch)
-        return self._chosen(batch) or self._probing(
-            batch, self._round if round_index is None else round_index)
+        return self._decide(batch, self._round if round_index is None else round_index)[0]
+
+    def _decide(self, batch: int, round_index: int) -> tuple[bool, bool]:
+        """(speculate, chosen) for a round: the chosen mode, or the other one in a probe's
+        rounds -- plain rounds only once speculation's choice is a measured one (before
+        that, speculative rounds are about to measure it)."""
+        chosen = self._chosen(batch)
+        if self._probing(batch, round_index) and (
+                not chosen or self.monitor.rate(batch, True) is not None):
+            return not chosen, chosen
+        return chosen, chosen
 
     def _probe(self, batch: int) -> _Probe:
         bucket = batch_bucket(batch)
@@ -140,13 +154,21 @@ class SpecDecoder:
 
     def _next_round(self, batch: int, chosen: bool) -> None:
         """Count a round; once a probe's rounds at this batch size are over (or passed while
-        the batch was elsewhere), place its next probe: PROBE_EVERY rounds on while
-        speculation is chosen there, else twice the last wait (up to the max)."""
+        the batch was elsewhere), place its next probe: PROBE_EVERY rounds on if the choice
+        changed since the probe began, else twice the last wait (up to the max)."""
         self._round += 1
         probe = self._probe(batch)
+        if probe.choice is not None and chosen != probe.choice:
+            # the choice changed: the mode left is measured again soon
+            probe.every = PROBE_EVERY
+            probe.start = min(probe.start, self._round + PROBE_EVERY - PROBE_LEN)
+        probe.choice = chosen
         if self._round >= probe.start + PROBE_LEN:
-            probe.every = PROBE_EVERY if chosen else min(2 * probe.every, PROBE_EVERY_MAX)
-            probe.start = self._round + probe.every - PROBE_LEN
+            if probe.mode is not None and chosen == probe.mode:
+                probe.every = min(2 * probe.every, PROBE_EVERY_MAX)
+            probe.start, probe.mode = self._round + probe.every - PROBE_LEN, None
+        elif self._round >= probe.start and probe.mode is None:
+            probe.mode = chosen  # the choice the probe runs against
 
     def _chosen(self, batch: int) -> bool:
         measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
@@ -239,8 +261,7 @@ class SpecDecoder:
         self._capped = False
         batch = len(running)
         if running and self.automatic:
-            chosen = self._chosen(batch)
-            on = chosen or self._probing(batch, self._round)
+            on, chosen = self._decide(batch, self._round)
             if self.monitor.rate(batch, True) is not None:  # a measured choice: its mode
                 self._mode[batch_bucket(batch)] = chosen
             self._next_round(batch, chosen)
