@@ -124,13 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         # a plain engine (graphs up to 512 rows) would prefill 512-1024 tokens eagerly and the
         # speculative one from a graph (~15 ms apart on an H100: a few % of a batch-4 cell).
         from llmaccel.engine.config import EngineConfig
-        from llmaccel.engine.cuda_graph import default_capture_sizes
-        from llmaccel.engine.sizing import rows_per_seq
+        from llmaccel.engine.sizing import capture_sizes
 
         spec_cfg = EngineConfig(model=args.target, speculative_config={
             "method": "ngram", "num_speculative_tokens": args.k})
-        plain_kw["cudagraph_capture_sizes"] = tuple(default_capture_sizes(
-            max(512, spec_cfg.max_num_seqs * rows_per_seq(spec_cfg))))
+        plain_kw["cudagraph_capture_sizes"] = tuple(
+            capture_sizes(spec_cfg, torch.device("cuda")))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     commit = os.environ.get("LLMACCEL_COMMIT", "unknown")
     command = "python benchmarks/spec_bench.py " + " ".join(

@@ -19,14 +19,15 @@ from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
 from llmaccel.engine.sequence import Sequence, SequenceStatus
 from llmaccel.engine.sizing import capture_sizes, profile_num_blocks
-from llmaccel.engine.speculative import SpecDecoder, load_draft_model, measure_step_costs
-from llmaccel.spec.draft_model import DraftModelProposer
+from llmaccel.engine.speculative import SpecDecoder
 from llmaccel.engine.stats import EngineStats
 from llmaccel.engine.stop_checker import StopChecker
 from llmaccel.errors import LLMAccelError
 from llmaccel.models.config import make_model_config
 from llmaccel.models.loader import get_model
 from llmaccel.models.tokenizer import eos_token_ids, get_tokenizer
+from llmaccel.spec.costs import measure_step_costs
+from llmaccel.spec.draft_model import DraftModelProposer, load_draft_model
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ plain decoding, async scheduling included (`off`).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -34,8 +33,6 @@ from llmaccel.spec.draft_model import DeviceDrafts
 from llmaccel.spec.metrics import SpecDecodeStats
 from llmaccel.spec.ngram import NgramIndex
 from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
-
-logger = logging.getLogger(__name__)
 
 # Cost of one more token in a verify step relative to a decode step, for the adaptive k of the
 # n-gram proposer, which has no draft model to time: small on a GPU at low batch (decode is
@@ -74,7 +71,6 @@ class _Probe:
     start: int  # the round where its next probe starts
     every: int = PROBE_EVERY  # rounds from one probe to the next
     mode: bool | None = None  # the choice when the current probe began (None: not begun)
-    choice: bool | None = None  # the choice at the last round counted here
 
 
 class SpecDecoder:
@@ -153,16 +149,19 @@ class SpecDecoder:
         return start <= round_index < start + PROBE_LEN
 
     def _next_round(self, batch: int, chosen: bool) -> None:
-        """Count a round; once a probe's rounds at this batch size are over (or passed while
-        the batch was elsewhere), place its next probe: PROBE_EVERY rounds on if the choice
-        changed since the probe began, else twice the last wait (up to the max)."""
+        """Count a round and book its choice where it is a measured one (the mode the
+        hysteresis holds to); once a probe's rounds at this batch size are over (or passed
+        while the batch was elsewhere), place its next probe: PROBE_EVERY rounds on if the
+        choice changed since the probe began, else twice the last wait (up to the max)."""
         self._round += 1
         probe = self._probe(batch)
-        if probe.choice is not None and chosen != probe.choice:
-            # the choice changed: the mode left is measured again soon
-            probe.every = PROBE_EVERY
-            probe.start = min(probe.start, self._round + PROBE_EVERY - PROBE_LEN)
-        probe.choice = chosen
+        bucket = batch_bucket(batch)
+        if self.monitor.rate(batch, True) is not None:
+            if self._mode.get(bucket, chosen) != chosen:
+                # the choice changed: the mode left is measured again soon
+                probe.every = PROBE_EVERY
+                probe.start = min(probe.start, self._round + PROBE_EVERY - PROBE_LEN)
+            self._mode[bucket] = chosen
         if self._round >= probe.start + PROBE_LEN:
             if probe.mode is not None and chosen == probe.mode:
                 probe.every = min(2 * probe.every, PROBE_EVERY_MAX)
@@ -262,8 +261,6 @@ class SpecDecoder:
         batch = len(running)
         if running and self.automatic:
             on, chosen = self._decide(batch, self._round)
-            if self.monitor.rate(batch, True) is not None:  # a measured choice: its mode
-                self._mode[batch_bucket(batch)] = chosen
             self._next_round(batch, chosen)
         else:
             on = self.speculate_at(batch)
@@ -401,38 +398,3 @@ class SpecDecoder:
         keep = -(-seq.num_tokens // block_manager.block_size)
         if len(seq.block_table) > keep:
             block_manager.truncate(seq, keep)
-
-
-def load_draft_model(config, target_model_config, device: torch.device):
-    """The draft model of a speculative_config with method 'draft' (else None), loaded like
-    the target (dtype, load format, max_model_len) and checked to share its vocabulary."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "draft":
-        return None
-    from llmaccel.models.config import make_model_config
-    from llmaccel.models.loader import get_model
-    from llmaccel.models.tokenizer import get_tokenizer
-    from llmaccel.spec.draft_model import check_vocab_compatible
-
-    tmc = target_model_config
-    dmc = make_model_config(spec.model, dtype=config.dtype, max_model_len=tmc.max_model_len,
-                            load_format=config.load_format, device=device)
-    tokenizers = (None, None)
-    if not config.skip_tokenizer_init and tmc.source.kind != "shape":
-        tokenizers = (get_tokenizer(tmc, config.tokenizer), get_tokenizer(dmc))
-    check_vocab_compatible(tmc.hf_config, dmc.hf_config, *tokenizers, draft_name=spec.model)
-    return get_model(dmc, device, attention_backend=config.attention_backend, seed=config.seed)
-
-
-def measure_step_costs(runner, draft=None) -> StepCosts | None:
-    """Replay times of the target's captured graphs (and the draft model's), for the cost of
-    speculative steps by batch size (spec/costs.py); None without CUDA graphs."""
-    if runner.graphs is None:
-        return None
-    draft_graphs = None if draft is None else draft.runner.graphs
-    costs = StepCosts(runner.graphs.time_replays(),
-                      None if draft_graphs is None else draft_graphs.time_replays())
-    logger.info("speculative step cost relative to a decode step (k = 1 / 4) at batch "
-                "1, 4, 16, 64: %s", "; ".join(
-                    f"{costs.cost(b, 1):.2f} / {costs.cost(b, 4):.2f}" for b in (1, 4, 16, 64)))
-    return costs

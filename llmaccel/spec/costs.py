@@ -26,8 +26,11 @@ off, SpecDecoder speculates for a couple of rounds now and then to measure again
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 
 class StepCosts:
@@ -124,3 +127,17 @@ class ThroughputMonitor:
         if r is None or r.samples < self.MIN_SAMPLES or r.seconds <= 0:
             return None
         return r.tokens / r.seconds
+
+
+def measure_step_costs(runner, draft=None) -> StepCosts | None:
+    """Replay times of the target's captured graphs (and the draft model's), for the cost of
+    speculative steps by batch size (spec/costs.py); None without CUDA graphs."""
+    if runner.graphs is None:
+        return None
+    draft_graphs = None if draft is None else draft.runner.graphs
+    costs = StepCosts(runner.graphs.time_replays(),
+                      None if draft_graphs is None else draft_graphs.time_replays())
+    logger.info("speculative step cost relative to a decode step (k = 1 / 4) at batch "
+                "1, 4, 16, 64: %s", "; ".join(
+                    f"{costs.cost(b, 1):.2f} / {costs.cost(b, 4):.2f}" for b in (1, 4, 16, 64)))
+    return costs

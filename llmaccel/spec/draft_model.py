@@ -250,3 +250,23 @@ class DraftModelProposer:
         keep = -(-(view.num_computed_tokens + 1) // self.block_manager.block_size)
         if len(view.block_table) > keep:
             self.block_manager.truncate(view, keep)
+
+
+def load_draft_model(config, target_model_config, device: torch.device):
+    """The draft model of a speculative_config with method 'draft' (else None), loaded like
+    the target (dtype, load format, max_model_len) and checked to share its vocabulary."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft":
+        return None
+    from llmaccel.models.config import make_model_config
+    from llmaccel.models.loader import get_model
+    from llmaccel.models.tokenizer import get_tokenizer
+
+    tmc = target_model_config
+    dmc = make_model_config(spec.model, dtype=config.dtype, max_model_len=tmc.max_model_len,
+                            load_format=config.load_format, device=device)
+    tokenizers = (None, None)
+    if not config.skip_tokenizer_init and tmc.source.kind != "shape":
+        tokenizers = (get_tokenizer(tmc, config.tokenizer), get_tokenizer(dmc))
+    check_vocab_compatible(tmc.hf_config, dmc.hf_config, *tokenizers, draft_name=spec.model)
+    return get_model(dmc, device, attention_backend=config.attention_backend, seed=config.seed)
