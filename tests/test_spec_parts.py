@@ -86,6 +86,36 @@ def test_ngram_index_equals_the_lookup_as_a_sequence_grows():
             seq.output_token_ids += [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
 
 
+def test_ngram_indexes_kept_current_while_the_gpu_runs():
+    """SpecDecoder.index_running updates a 1/INDEX_SPREAD share of the running sequences per
+    call, round robin: after INDEX_SPREAD calls every sequence is indexed up to its
+    next-to-last token, and proposals interleaved with such updates (and with growth between
+    them) equal a fresh lookup's."""
+    from llmaccel.engine.sampling_params import SamplingParams
+    from llmaccel.engine.sequence import Sequence
+    from llmaccel.engine.speculative import INDEX_SPREAD, SpecDecoder
+    from llmaccel.spec.config import SpeculativeConfig
+
+    rng = random.Random(2)
+    spec = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                         prompt_lookup_min=1, prompt_lookup_max=3),
+                       max_model_len=4096, stop_checker=None)
+    running = [Sequence(f"r{i}", 0, [rng.randrange(5) for _ in range(rng.randint(1, 30))],
+                        SamplingParams()) for i in range(21)]
+    for _ in range(INDEX_SPREAD):
+        spec.index_running(running)
+    for seq in running:
+        assert seq.ngram_index.indexed == seq.num_tokens - 1
+    for step in range(60):
+        for seq in running:
+            seq.output_token_ids += [rng.randrange(5) for _ in range(rng.randint(1, 3))]
+        spec.index_running(running)
+        if step % 7 == 0:
+            for seq in running:
+                assert seq.ngram_index.propose(seq, 4) == ngram_propose(seq.all_token_ids,
+                                                                        4, 1, 3)
+
+
 def test_expected_tokens_and_the_best_k():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
@@ -262,6 +292,43 @@ def test_probes_back_off_while_speculation_stays_off():
     assert spec._probes[1].every == PROBE_EVERY
     plain = [r for r in range(PROBE_EVERY) if not spec.speculate_at(1, spec._round + r)]
     assert len(plain) == PROBE_LEN and plain == list(range(plain[0], plain[0] + PROBE_LEN))
+
+
+def test_dear_switches_make_probes_rarer():
+    """A probe whose first round costs much more than the mode's steady rate (a draft
+    model's catch-up) waits long enough for such switches to cost PROBE_COST_SHARE of the
+    time, instead of doubling from PROBE_EVERY; cheap switches keep the doubling."""
+    from llmaccel.engine.speculative import (PROBE_COST_SHARE, PROBE_EVERY, PROBE_EVERY_MAX,
+                                             SpecDecoder)
+    from llmaccel.spec.costs import StepCosts
+
+    def probe_gaps(extra_s: float) -> list[int]:
+        spec = SpecDecoder(SpeculativeConfig(), 2048, None)
+        spec.costs = StepCosts({1: 2.0})
+        spec.record_step(None, 0, 0.0)
+        for _ in range(3):  # 250 tok/s per sequence speculating
+            spec.record_step((1, True), 10, 0.04)
+        for _ in range(3):  # plain: 500 (2 ms a token), so speculation is off
+            spec.record_step((1, False), 1, 0.002)
+        starts, last = [], False
+        for r in range(3000):
+            on = spec.speculate_at(1)
+            spec.skip_round(1)
+            if on and not last:
+                starts.append(r)
+            # a probe's first speculative round costs `extra_s` more than its rate says
+            spec.record_step((1, on), 10 if on else 1,
+                             (0.04 + (extra_s if on and not last else 0.0)) if on else 0.002)
+            last = on
+        return [b - a for a, b in zip(starts, starts[1:])]
+
+    cheap = probe_gaps(0.0)
+    assert cheap[:3] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
+    # 0.1 s of catch-up per probe at 2 ms per plain round: 2,500 rounds for a 2% share
+    assert 0.1 / (PROBE_COST_SHARE * 0.002) > PROBE_EVERY_MAX
+    assert probe_gaps(0.1)[:3] == [PROBE_EVERY_MAX] * 3
+    # 4 ms: 100 rounds, more than doubling's 64 for the first wait, then doubling again
+    assert probe_gaps(0.004)[:3] == [100, 200, 400]
 
 
 def test_probe_schedules_are_per_batch_size():

@@ -200,6 +200,8 @@ class LLMEngine:
                 return outputs
             launched = self._launch(sched)
         outputs = self._process_outputs()  # overlaps the GPU
+        if self.spec is not None:
+            self.spec.index_running(self.scheduler.running)  # so does n-gram indexing
         kind = None if self.spec is None else self.spec.step_kind(launched.sched)
         # With speculation off for this batch (spec.off), steps run as plain decoding, async
         # scheduling included, until the running set changes or the next round probes.

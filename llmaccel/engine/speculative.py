@@ -60,9 +60,23 @@ DRAFT_COST_RATIO = 0.35
 PROBE_EVERY = 32
 PROBE_EVERY_MAX = 512
 PROBE_LEN = 3
+# What probes may cost, as a share of decoding time at their batch size. A probe's switches
+# cost more than its rounds' measured rates say (the first round of each mode is not
+# measured): a draft model's catch-up, a plain round launched without async scheduling. At
+# batch 64 on an H100 a 0.5B draft's catch-up round took ~28 ms against a 2.3 ms plain step
+# (2026-11-23-W5-draft-s7-h100), so doubling the wait from 32 rounds spent ~10% of the time
+# probing. A probe that confirms the choice therefore waits at least long enough for its
+# switches' measured excess to be this share of the plain rounds in between (still capped
+# at PROBE_EVERY_MAX).
+PROBE_COST_SHARE = 0.02
 # Measured rates decide with this much hysteresis: switching costs a draft model a catch-up,
 # so the mode a batch size is in changes only when the other is this much faster.
 HYSTERESIS = 0.05
+# n-gram indexes are kept current while the GPU runs a step (index_running), a 1/INDEX_SPREAD
+# share of the running sequences per step, round robin: each sequence catches up every
+# INDEX_SPREAD steps on what it decoded since, and the host work per step stays small (one
+# call per sequence costs more than the few tokens it adds).
+INDEX_SPREAD = 8
 
 
 @dataclass
@@ -71,6 +85,7 @@ class _Probe:
     start: int  # the round where its next probe starts
     every: int = PROBE_EVERY  # rounds from one probe to the next
     mode: bool | None = None  # the choice when the current probe began (None: not begun)
+    cost: float = 0.0  # seconds the mode switches here cost beyond steady rounds, this probe
 
 
 class SpecDecoder:
@@ -104,6 +119,7 @@ class SpecDecoder:
         # This round's draft-model proposals still on the device (spec/draft_model.py): the
         # verify step reads them there; `complete` brings them to the host.
         self.pending: DeviceDrafts | None = None
+        self._index_cursor = 0  # index_running: where the next share of sequences starts
         self.stats = SpecDecodeStats()
 
     def _cost(self, batch: int):
@@ -164,8 +180,14 @@ class SpecDecoder:
             self._mode[bucket] = chosen
         if self._round >= probe.start + PROBE_LEN:
             if probe.mode is not None and chosen == probe.mode:
-                probe.every = min(2 * probe.every, PROBE_EVERY_MAX)
-            probe.start, probe.mode = self._round + probe.every - PROBE_LEN, None
+                wait = 2 * probe.every
+                plain = self.monitor.rate(batch, False)  # a plain round: 1 token/sequence
+                round_s = 1.0 / plain if plain else self.costs.step_ms(batch) / 1000.0
+                wait = max(wait, probe.cost / (PROBE_COST_SHARE * round_s))
+                probe.every = round(min(wait, PROBE_EVERY_MAX))
+            # (the switch back after the probe lands in the next probe's cost: one probe's
+            # switches either way per wait)
+            probe.start, probe.mode, probe.cost = self._round + probe.every - PROBE_LEN, None, 0.0
         elif self._round >= probe.start and probe.mode is None:
             probe.mode = chosen  # the choice the probe runs against
 
@@ -232,6 +254,12 @@ class SpecDecoder:
         batch, speculative = kind
         if speculative == self._last_mode and (speculative or steady):
             self.monitor.observe(batch, speculative, tokens / batch, seconds)
+        elif self._last_mode is not None and speculative != self._last_mode:
+            # a switch: what its first round cost beyond the new mode's steady rate is the
+            # price of switching, which sets how often probes may switch (PROBE_COST_SHARE)
+            rate = self.monitor.rate(batch, speculative)
+            if rate:
+                self._probe(batch).cost += max(0.0, seconds - tokens / batch / rate)
         self._last_mode = speculative
 
     # -- before scheduling ---------------------------------------------------------------------
@@ -277,16 +305,38 @@ class SpecDecoder:
                     ks.append(k)
         if self.draft is None:
             for seq, k in zip(drafting, ks):
-                if seq.ngram_index is None:
-                    seq.ngram_index = NgramIndex(self.config.prompt_lookup_min,
-                                                 self.config.prompt_lookup_max)
-                seq.spec_token_ids = seq.ngram_index.propose(seq, k)
+                seq.spec_token_ids = self._ngram_index(seq).propose(seq, k)
         elif drafting:
             drafts, qs, self.pending = self.draft.propose(
                 drafting, ks, self.config.draft_confidence_threshold, keep_on_device=True)
             for seq, d, q in zip(drafting, drafts, qs):
                 seq.spec_token_ids, seq.spec_draft_probs = d, q
         self.stats.draft_time_s += time.perf_counter() - start
+
+    def _ngram_index(self, seq: Sequence) -> NgramIndex:
+        if seq.ngram_index is None:
+            seq.ngram_index = NgramIndex(self.config.prompt_lookup_min,
+                                         self.config.prompt_lookup_max)
+        return seq.ngram_index
+
+    def index_running(self, running: list[Sequence]) -> None:
+        """Called while the GPU runs a step: bring a share of the running sequences' n-gram
+        indexes up to date, so the next speculative round (a probe after plain rounds, the
+        first round after a prefill) only indexes the tokens of the last few steps. Without
+        this, a probe at batch 64 indexed every prompt and all tokens decoded since, ~10-20
+        ms of host time before its verify step on an H100 host (2026-11-23-W5-ngram-s7-h100,
+        profile_spec --gaps: 10.3 ms idle before each such verify): a probe cost several
+        plain steps. Indexing stops at a sequence's next-to-last token (NgramIndex.update),
+        so a placeholder for a token still being computed is never read."""
+        if self.draft is not None or not running:
+            return
+        n = len(running)
+        start = self._index_cursor if self._index_cursor < n else 0
+        end = min(n, start + -(-n // INDEX_SPREAD))
+        for seq in running[start:end]:
+            if not seq.is_finished:
+                self._ngram_index(seq).update(seq)
+        self._index_cursor = end
 
     def device_drafts(self) -> tuple[torch.Tensor, dict[Sequence, int]] | None:
         """For ModelRunner.execute: the drafts the verify step reads on the device."""

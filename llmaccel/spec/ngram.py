@@ -40,24 +40,44 @@ class NgramIndex:
         self.last_end: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in last_end
 
+    def update(self, seq) -> None:
+        """Index the n-grams ending at `indexed` .. length - 2: every position but the last,
+        never the suffix itself, so the latest entry of a suffix is its latest earlier match.
+        The engine also calls this while the GPU runs a step (SpecDecoder.index_running), so
+        a sequence that had no drafts for a while (speculation off at its batch size, a new
+        prompt) does not catch up on every token at once in the next speculative round."""
+        length = seq.num_tokens
+        first = self.indexed  # the first end position to index
+        if first >= length - 1:
+            return
+        lo = max(0, first - self.max_n + 1)
+        toks = seq.token_slice(lo, length - 1)
+        last = self.last_end
+        # One dict.update per n over zipped windows (C loops, ~2x a loop per token and n:
+        # catching up on 100 tokens each took ~10 ms at batch 64 on an H100 host with that
+        # loop, a gap before the verify step; profile_spec --gaps,
+        # 2026-11-23-W5-ngram-s7-h100). Later windows overwrite earlier ones: the latest end
+        # wins, as a lookup needs.
+        for n in range(self.min_n, self.max_n + 1):
+            start = max(first - n + 1, 0)  # the first window of n tokens ending >= first
+            if start + n > length - 1:
+                continue  # no window of n tokens ends before the last token
+            # zip of n shifted slices: the n-token windows (1-tuples for n = 1)
+            windows = zip(*(toks[start - lo + j:] for j in range(n)))
+            last.update(zip(windows, range(start + n - 1, length - 1)))
+        self.indexed = length - 1
+
     def propose(self, seq, k: int) -> list[int]:
         """Up to k drafts for `seq` (an engine Sequence: token_slice, num_tokens)."""
         length = seq.num_tokens
         if k <= 0 or length < 2:
             return []
-        # Index the n-grams ending at indexed .. length - 2: every earlier position, never the
-        # suffix itself, so the latest entry is the latest earlier match.
-        lo = max(0, self.indexed - self.max_n + 1)
-        toks = seq.token_slice(lo, length)
+        self.update(seq)
         last = self.last_end
-        for end in range(self.indexed, length - 1):
-            i = end - lo
-            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                last[tuple(toks[i - n + 1:i + 1])] = end
-        self.indexed = max(self.indexed, length - 1)
-        tail = len(toks)
+        suffix = seq.token_slice(max(0, length - self.max_n), length)
+        tail = len(suffix)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            end = last.get(tuple(toks[tail - n:]))
+            end = last.get(tuple(suffix[tail - n:]))
             if end is not None:
                 return seq.token_slice(end + 1, min(end + 1 + k, length))
         return []
