@@ -41,33 +41,34 @@ NGRAM_COST_RATIO = 0.05
 # A draft model's step relative to the target's, for the adaptive k until measured: a 3x
 # smaller model runs a decode step in about a third of the time or more (launch-bound).
 DRAFT_COST_RATIO = 0.35
-# Probes (automatic choice): every PROBE_EVERY rounds at a batch size, PROBE_LEN rounds run
-# the mode not chosen there, to measure it again (spec/costs.ThroughputMonitor). Both ways:
-# while speculation is off, a probe speculates (the first round is not measured: a draft model
+# Probes (automatic choice): every so many rounds at a batch size, PROBE_LEN rounds run the
+# mode not chosen there, to measure it again (spec/costs.ThroughputMonitor). Both ways: while
+# speculation is off, a probe speculates (the first round is not measured: a draft model
 # catching up on the tokens it skipped); while it is on, a probe decodes plainly (the first
 # round is not measured: launched without async scheduling). Two measured rounds then decide
 # almost alone (the monitor ages the other rounds' predecessors). Without plain probes, a low
 # plain rate measured once stood while speculation stayed on: at batch 16 and 64 on an H100 a
-# 0.5B draft stayed on at 0.64-0.84x plain (2026-11-23-W5-switch-h100). Each probe that leaves
-# the choice as it was doubles that batch size's wait, up to PROBE_EVERY_MAX; one that changes
-# it resets the wait. Schedules are per batch-size bucket: with one global schedule, rounds at
-# another batch size reset the wait, and a batch of 64 on an H100 probed every 32 rounds at
-# ~2.7x a plain step's time per round (2026-11-23-W5-trace-ngram-h100: 0.85x plain). A draft
-# model's catch-up after a long off stretch is a prefill of every skipped token (13-20 ms for
-# a 0.5B draft on an H100 when it ran eagerly; small ones now replay graphs), which at a fixed
-# interval of 32 rounds cost a quarter of plain decoding's throughput
-# (2026-11-23-W5-devdrafts-draft-h100: batch 16 and 64, speculation mostly off, 0.71-0.82x).
+# 0.5B draft stayed on at 0.64-0.84x plain (2026-11-23-W5-switch-h100). Schedules are per
+# batch-size bucket: with one global schedule, rounds at another batch size reset the wait,
+# and a batch of 64 on an H100 probed every 32 rounds at ~2.7x a plain step's time per round
+# (2026-11-23-W5-trace-ngram-h100: 0.85x plain).
+#
+# How long a bucket waits between probes follows what its probes cost: a probe's switches
+# cost more than its rounds' measured rates say (the first round of each mode is not
+# measured): a draft model's catch-up after the plain rounds it skipped (~28 ms at batch 64
+# for a 0.5B draft on an H100, against a 2.3 ms plain step: 2026-11-23-W5-draft-s7-h100), a
+# plain round launched without async scheduling. The wait is the number of plain rounds for
+# which the last probe's switches cost PROBE_COST_SHARE of the time, within PROBE_EVERY ..
+# PROBE_EVERY_MAX; a change of choice brings the next probe to within PROBE_EVERY rounds.
+# Cheap switches (n-gram lookup, whose indexes are kept current) therefore probe often, so
+# the choice follows acceptance that changes within a request (a code rewrite copies the
+# code, then explains it). An earlier rule doubled the wait after every probe that left the
+# choice as it was: once a stretch of low acceptance had turned n-gram lookup off at batch
+# 4, it stayed off for most later rounds (2026-11-23-W5-s7b-h100: 0.92x plain; 1.47x in the
+# run before, where its measured rate had stayed just above plain decoding's).
 PROBE_EVERY = 32
 PROBE_EVERY_MAX = 512
 PROBE_LEN = 3
-# What probes may cost, as a share of decoding time at their batch size. A probe's switches
-# cost more than its rounds' measured rates say (the first round of each mode is not
-# measured): a draft model's catch-up, a plain round launched without async scheduling. At
-# batch 64 on an H100 a 0.5B draft's catch-up round took ~28 ms against a 2.3 ms plain step
-# (2026-11-23-W5-draft-s7-h100), so doubling the wait from 32 rounds spent ~10% of the time
-# probing. A probe that confirms the choice therefore waits at least long enough for its
-# switches' measured excess to be this share of the plain rounds in between (still capped
-# at PROBE_EVERY_MAX).
 PROBE_COST_SHARE = 0.02
 # Measured rates decide with this much hysteresis: switching costs a draft model a catch-up,
 # so the mode a batch size is in changes only when the other is this much faster.
@@ -168,7 +169,8 @@ class SpecDecoder:
         """Count a round and book its choice where it is a measured one (the mode the
         hysteresis holds to); once a probe's rounds at this batch size are over (or passed
         while the batch was elsewhere), place its next probe: PROBE_EVERY rounds on if the
-        choice changed since the probe began, else twice the last wait (up to the max)."""
+        choice changed since the probe began, else as far as its switches' cost allows
+        (PROBE_COST_SHARE)."""
         self._round += 1
         probe = self._probe(batch)
         bucket = batch_bucket(batch)
@@ -180,11 +182,10 @@ class SpecDecoder:
             self._mode[bucket] = chosen
         if self._round >= probe.start + PROBE_LEN:
             if probe.mode is not None and chosen == probe.mode:
-                wait = 2 * probe.every
                 plain = self.monitor.rate(batch, False)  # a plain round: 1 token/sequence
                 round_s = 1.0 / plain if plain else self.costs.step_ms(batch) / 1000.0
-                wait = max(wait, probe.cost / (PROBE_COST_SHARE * round_s))
-                probe.every = round(min(wait, PROBE_EVERY_MAX))
+                wait = probe.cost / (PROBE_COST_SHARE * round_s)
+                probe.every = round(min(max(wait, PROBE_EVERY), PROBE_EVERY_MAX))
             # (the switch back after the probe lands in the next probe's cost: one probe's
             # switches either way per wait)
             probe.start, probe.mode, probe.cost = self._round + probe.every - PROBE_LEN, None, 0.0
