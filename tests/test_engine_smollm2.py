@@ -40,8 +40,15 @@ def workload(smollm2_hf):
 
 
 # sync-all-three and spec-ngram run on the tiny models only: each real-model mode costs a
-# minute of CI (spec-ngram-all-three runs here: real text gives n-gram drafts a real chance)
-@pytest.mark.parametrize("mode", [m for m in MODES if m not in ("sync-all-three", "spec-ngram")])
+# minute or more of CI (spec-ngram-all-three runs here: real text gives n-gram drafts a real
+# chance). chunked-prefill and preemption alone are `slow` here (all-three covers them
+# together on this model; the tiny models run each alone in every CI run).
+REAL_SLOW = ("chunked-prefill", "preemption")
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param(m, marks=pytest.mark.slow) if m in REAL_SLOW else m
+    for m in MODES if m not in ("sync-all-three", "spec-ngram")])
 def test_smollm2_matches_transformers(workload, mode):
     model, prompts, max_tokens, expected = workload
     llm, got = run_engine(model, mode, prompts, max_tokens, max_num_batched_tokens=16)
