@@ -182,8 +182,7 @@ class SpecDecoder:
             self._mode[bucket] = chosen
         if self._round >= probe.start + PROBE_LEN:
             if probe.mode is not None and chosen == probe.mode:
-                plain = self.monitor.rate(batch, False)  # a plain round: 1 token/sequence
-                round_s = 1.0 / plain if plain else self.costs.step_ms(batch) / 1000.0
+                round_s = 1.0 / self._plain_rate(batch)  # a plain round: 1 token/sequence
                 wait = probe.cost / (PROBE_COST_SHARE * round_s)
                 probe.every = round(min(max(wait, PROBE_EVERY), PROBE_EVERY_MAX))
             # (the switch back after the probe lands in the next probe's cost: one probe's
@@ -192,15 +191,16 @@ class SpecDecoder:
         elif self._round >= probe.start and probe.mode is None:
             probe.mode = chosen  # the choice the probe runs against
 
+    def _plain_rate(self, batch: int) -> float:
+        """Plain decoding's tokens/s per sequence at this batch size: measured or, before
+        that, at its best, from its graph's replay time (host work only slows it). Losing to
+        the latter turns speculation off, and the plain steps then run are measured."""
+        return self.monitor.rate(batch, False) or 1000.0 / self.costs.step_ms(batch)
+
     def _chosen(self, batch: int) -> bool:
         measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
         if measured is not None:
-            plain = self.monitor.rate(batch, False)
-            if plain is None:
-                # Not measured yet: plain decoding at its best, from its graph's replay time
-                # (host work only slows it). Losing to that turns speculation off, and the
-                # plain steps then run are measured for the next comparison.
-                plain = 1000.0 / self.costs.step_ms(batch)
+            plain = self._plain_rate(batch)
             mode = self._mode.get(batch_bucket(batch))
             if mode is not None:  # stay unless the other mode is clearly faster
                 plain *= 1.0 - HYSTERESIS if mode else 1.0 + HYSTERESIS
