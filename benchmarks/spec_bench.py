@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             for b in batches:
                 prompts = _requests(tok, kind, b)
                 before = llm.get_stats().spec_decode
+                sw = llm.engine.spec.switch
+                switches = 0 if sw is None else sw.num_switches
                 wall, tokens, steps_spec = _run(llm, prompts, params, args.repeats)
                 after = llm.get_stats().spec_decode
                 steps = after["num_steps"] - before["num_steps"]
@@ -210,8 +212,15 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 monitor = llm.engine.spec.monitor  # the off switch's view after the cell
                 for mode, key in ((True, "monitor_spec_tok_s"), (False, "monitor_plain_tok_s")):
-                    rate = monitor.rate(b, mode)  # tokens/s per sequence, this batch's bucket
+                    # tokens/s per sequence, this batch's bucket (no monitor without graphs)
+                    rate = None if monitor is None else monitor.rate(b, mode)
                     rec["config"][key] = None if rate is None else round(rate, 1)
+                sw = llm.engine.spec.switch
+                if sw is not None:  # n-gram's shadow prediction, the switch's churn
+                    pred, over = sw.predicted_rate(b), sw.overhead_ms(b)
+                    rec["config"]["switch_predicted_tok_s"] = pred and round(pred, 1)
+                    rec["config"]["switch_overhead_ms"] = over and round(over, 3)
+                    rec["config"]["switch_changes"] = sw.num_switches - switches
                 if method == "draft" and (kind, b) in draft_wall and steps:
                     c = draft_wall[kind, b] / base_wall  # per-step time ratio, same batch
                     # issue 6's bound E[tokens per step] / (1 + k c) of the speculative steps,

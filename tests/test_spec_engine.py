@@ -130,7 +130,7 @@ def test_plain_rounds_are_probed_while_speculation_is_on(tiny):
     (async scheduling included) to measure plain decoding again: a plain rate measured once
     must not stand forever (a slow one kept a draft model on at 0.64x plain on an H100).
     Outputs equal plain greedy."""
-    from llmaccel.engine.speculative import PROBE_EVERY
+    from llmaccel.spec.switch import PROBE_EVERY
     from llmaccel.spec.costs import StepCosts
 
     params = SamplingParams(temperature=0, max_tokens=4 * PROBE_EVERY, ignore_eos=True)

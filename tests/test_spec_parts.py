@@ -220,7 +220,8 @@ def test_throughput_monitor_buckets_and_decays():
 
 
 def test_measured_throughput_decides_and_off_is_probed():
-    from llmaccel.engine.speculative import PROBE_EVERY, PROBE_LEN, SpecDecoder
+    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.switch import PROBE_EVERY, PROBE_LEN
     from llmaccel.spec.costs import StepCosts
 
     spec = SpecDecoder(SpeculativeConfig(), 2048, None)
@@ -241,9 +242,9 @@ def test_measured_throughput_decides_and_off_is_probed():
     assert math.isclose(spec.monitor.rate(1, True), 250.0)
     assert [spec.speculate_at(1, r) for r in range(PROBE_EVERY)] == (
         [False] * (PROBE_EVERY - PROBE_LEN) + [True] * PROBE_LEN)  # off, probed in bursts
-    spec.off, spec._round = True, 0
+    spec.off, spec.switch.round = True, 0
     assert spec.may_launch_ahead(1)
-    spec._round = PROBE_EVERY - PROBE_LEN  # the next round probes: no launch-ahead
+    spec.switch.round = PROBE_EVERY - PROBE_LEN  # the next round probes: no launch-ahead
     assert not spec.may_launch_ahead(1)
     # plain steps measured slower than speculation (host work: 1 token per 5 ms = 200 tok/s;
     # the first after speculative steps is not counted): speculation is back on
@@ -300,8 +301,7 @@ def test_probe_waits_follow_what_switching_costs():
     measured excess (a draft model's catch-up) is PROBE_COST_SHARE of the plain rounds in
     between, within PROBE_EVERY .. PROBE_EVERY_MAX rounds: cheap switches probe often (the
     choice follows acceptance that changes within a request), dear ones rarely."""
-    from llmaccel.engine.speculative import (PROBE_COST_SHARE, PROBE_EVERY, PROBE_EVERY_MAX,
-                                             PROBE_LEN)
+    from llmaccel.spec.switch import PROBE_COST_SHARE, PROBE_EVERY, PROBE_EVERY_MAX, PROBE_LEN
 
     def gaps(extra_s: float) -> list[int]:
         starts = _off_at_batch_1(extra_s)[1](3000)[1]
@@ -319,18 +319,18 @@ def test_a_change_of_choice_brings_the_next_probe_close():
     """Once plain decoding measures slower than speculation, speculation is chosen; the
     change resets the wait, and the next probe, within PROBE_EVERY rounds, runs plain rounds
     (speculation is measured now)."""
-    from llmaccel.engine.speculative import PROBE_EVERY, PROBE_EVERY_MAX, PROBE_LEN
+    from llmaccel.spec.switch import PROBE_EVERY, PROBE_EVERY_MAX, PROBE_LEN
 
     spec, run = _off_at_batch_1(0.1)
     run(1500)
-    assert spec._probes[1].every == PROBE_EVERY_MAX
+    assert spec.switch._probes[1].every == PROBE_EVERY_MAX
     spec.record_step(None, 0, 0.0)
     for _ in range(30):  # plain slows down: 1 token per 5 ms, 200 tok/s
         spec.record_step((1, False), 1, 0.005)
     assert spec.speculate_at(1)
     spec.skip_round(1)
-    assert spec._probes[1].every == PROBE_EVERY
-    plain = [r for r in range(PROBE_EVERY) if not spec.speculate_at(1, spec._round + r)]
+    assert spec.switch._probes[1].every == PROBE_EVERY
+    plain = [r for r in range(PROBE_EVERY) if not spec.speculate_at(1, spec.switch.round + r)]
     assert len(plain) == PROBE_LEN and plain == list(range(plain[0], plain[0] + PROBE_LEN))
 
 
@@ -339,10 +339,10 @@ def test_probe_schedules_are_per_batch_size():
     batch 1, whose switches are free, neither reset nor shorten the long wait of batch 64,
     whose switches are dear (with one global schedule, a batch of 64 on an H100 was probed
     every 32 rounds: 2026-11-23-W5-trace-ngram-h100)."""
-    from llmaccel.engine.speculative import PROBE_EVERY, PROBE_EVERY_MAX
+    from llmaccel.spec.switch import PROBE_EVERY, PROBE_EVERY_MAX
 
     spec, run = _off_at_batch_1(0.0, batches=(1, 64))
-    spec._probe(64).cost = 1.0  # as if batch 64's first probe had switched at a dear price
+    spec.switch._probe(64).cost = 1.0  # as if batch 64's first probe had switched at a dear price
     starts = run(6000)
     g1 = [b - a for a, b in zip(starts[1], starts[1][1:])]
     g64 = [b - a for a, b in zip(starts[64], starts[64][1:])]
@@ -374,12 +374,13 @@ def test_unsteady_plain_steps_and_cut_short_rounds_are_not_measured():
     sched = SchedulerOutput(scheduled=[(seq, 3)])
     assert spec.step_kind(sched) is None  # not measured
     spec._capped = False
-    assert spec.step_kind(sched) == (1, True)
+    assert spec.step_kind(sched) == (1, True, 3)  # batch, speculative, rows
 
 
 def test_measured_choice_has_hysteresis():
     """A batch size stays in its mode unless the other is more than HYSTERESIS faster."""
-    from llmaccel.engine.speculative import HYSTERESIS, SpecDecoder
+    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.switch import HYSTERESIS
     from llmaccel.spec.costs import StepCosts
 
     spec = SpecDecoder(SpeculativeConfig(), 2048, None)
@@ -390,9 +391,9 @@ def test_measured_choice_has_hysteresis():
     for _ in range(3):
         spec.record_step((1, False), 1, 1 / plain)
     assert not spec.speculate_at(1, 0)  # no mode yet: the faster one
-    spec._mode[1] = True
+    spec.switch._mode[1] = True
     assert spec.speculate_at(1, 0)  # speculating: not enough to switch off
-    spec._mode[1] = False
+    spec.switch._mode[1] = False
     assert not spec.speculate_at(1, 0)
     for _ in range(3):
         spec.record_step((1, False), 1, 1 / (1000 * (1 - 2 * HYSTERESIS)))

@@ -12,14 +12,13 @@ Sequences that ask for logprobs or still have banned tokens (min_tokens) decode 
 as does every sequence of a step with more running requests than `disable_by_batch_size`, or,
 when that is not set and the step costs were measured (spec/costs.py), of a step at a batch
 size where speculating was measured slower than plain decoding or, before that, where the step
-costs make it cost more than the engine's recent acceptance rate pays back. Such steps run as
-plain decoding, async scheduling included (`off`).
+costs make it cost more than the engine's recent acceptance rate pays back (the automatic
+switch, spec/switch.py). Such steps run as plain decoding, async scheduling included (`off`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -28,10 +27,11 @@ from llmaccel.engine.sampler import greedy_with_logprobs
 from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.adaptive import AcceptanceTracker, best_k
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError
-from llmaccel.spec.costs import StepCosts, ThroughputMonitor, batch_bucket, constant_cost_fn
+from llmaccel.spec.costs import StepCosts, constant_cost_fn
 from llmaccel.spec.draft_model import DeviceDrafts
 from llmaccel.spec.metrics import SpecDecodeStats
 from llmaccel.spec.ngram import NgramIndex
+from llmaccel.spec.switch import ShadowAcceptance, SpecSwitch, StepKind
 from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
 
 # Cost of one more token in a verify step relative to a decode step, for the adaptive k of the
@@ -41,52 +41,11 @@ NGRAM_COST_RATIO = 0.05
 # A draft model's step relative to the target's, for the adaptive k until measured: a 3x
 # smaller model runs a decode step in about a third of the time or more (launch-bound).
 DRAFT_COST_RATIO = 0.35
-# Probes (automatic choice): every so many rounds at a batch size, PROBE_LEN rounds run the
-# mode not chosen there, to measure it again (spec/costs.ThroughputMonitor). Both ways: while
-# speculation is off, a probe speculates (the first round is not measured: a draft model
-# catching up on the tokens it skipped); while it is on, a probe decodes plainly (the first
-# round is not measured: launched without async scheduling). Two measured rounds then decide
-# almost alone (the monitor ages the other rounds' predecessors). Without plain probes, a low
-# plain rate measured once stood while speculation stayed on: at batch 16 and 64 on an H100 a
-# 0.5B draft stayed on at 0.64-0.84x plain (2026-11-23-W5-switch-h100). Schedules are per
-# batch-size bucket: with one global schedule, rounds at another batch size reset the wait,
-# and a batch of 64 on an H100 probed every 32 rounds at ~2.7x a plain step's time per round
-# (2026-11-23-W5-trace-ngram-h100: 0.85x plain).
-#
-# How long a bucket waits between probes follows what its probes cost: a probe's switches
-# cost more than its rounds' measured rates say (the first round of each mode is not
-# measured): a draft model's catch-up after the plain rounds it skipped (~28 ms at batch 64
-# for a 0.5B draft on an H100, against a 2.3 ms plain step: 2026-11-23-W5-draft-s7-h100), a
-# plain round launched without async scheduling. The wait is the number of plain rounds for
-# which the last probe's switches cost PROBE_COST_SHARE of the time, within PROBE_EVERY ..
-# PROBE_EVERY_MAX; a change of choice brings the next probe to within PROBE_EVERY rounds.
-# Cheap switches (n-gram lookup, whose indexes are kept current) therefore probe often, so
-# the choice follows acceptance that changes within a request (a code rewrite copies the
-# code, then explains it). An earlier rule doubled the wait after every probe that left the
-# choice as it was: once a stretch of low acceptance had turned n-gram lookup off at batch
-# 4, it stayed off for most later rounds (2026-11-23-W5-s7b-h100: 0.92x plain; 1.47x in the
-# run before, where its measured rate had stayed just above plain decoding's).
-PROBE_EVERY = 32
-PROBE_EVERY_MAX = 512
-PROBE_LEN = 3
-PROBE_COST_SHARE = 0.02
-# Measured rates decide with this much hysteresis: switching costs a draft model a catch-up,
-# so the mode a batch size is in changes only when the other is this much faster.
-HYSTERESIS = 0.05
 # n-gram indexes are kept current while the GPU runs a step (index_running), a 1/INDEX_SPREAD
 # share of the running sequences per step, round robin: each sequence catches up every
 # INDEX_SPREAD steps on what it decoded since, and the host work per step stays small (one
 # call per sequence costs more than the few tokens it adds).
 INDEX_SPREAD = 8
-
-
-@dataclass
-class _Probe:
-    """When a batch-size bucket next runs the mode not chosen there, to measure it again."""
-    start: int  # the round where its next probe starts
-    every: int = PROBE_EVERY  # rounds from one probe to the next
-    mode: bool | None = None  # the choice when the current probe began (None: not begun)
-    cost: float = 0.0  # seconds the mode switches here cost beyond steady rounds, this probe
 
 
 class SpecDecoder:
@@ -104,18 +63,13 @@ class SpecDecoder:
         default_cost = NGRAM_COST_RATIO if draft is None else DRAFT_COST_RATIO
         self.cost_ratio = (config.draft_cost_ratio if config.draft_cost_ratio is not None
                            else default_cost)
-        # Measured step costs (set by the engine on a GPU with CUDA graphs); None: the
-        # constant model 1 + k * cost_ratio.
-        self.costs: StepCosts | None = None
-        # The engine's recent acceptance over all requests, for the per-step on/off decision
-        # (decays slowly: it sees every request's step).
+        # The engine's recent acceptance over all requests, for the cost model's on/off answer
+        # before speculation is measured (decays slowly: it sees every request's step).
         self.batch_tracker = AcceptanceTracker(decay=0.98)
-        self.monitor = ThroughputMonitor()
+        # The automatic off switch (spec/switch.py), once the engine measured its step costs
+        # (a GPU with CUDA graphs: `costs`); None: the constant model 1 + k * cost_ratio.
+        self.switch: SpecSwitch | None = None
         self.off = False  # the last round left speculation off for the whole batch
-        self._round = 0  # decode rounds seen while the choice is automatic
-        self._probes: dict[int, _Probe] = {}  # batch bucket -> its probe schedule
-        self._mode: dict[int, bool] = {}  # batch bucket -> the last measured choice
-        self._last_mode: bool | None = None  # whether the last measured step speculated
         self._capped = False  # this round's drafts were cut short by max_tokens / the context
         # This round's draft-model proposals still on the device (spec/draft_model.py): the
         # verify step reads them there; `complete` brings them to the host.
@@ -123,90 +77,45 @@ class SpecDecoder:
         self._index_cursor = 0  # index_running: where the next share of sequences starts
         self.stats = SpecDecodeStats()
 
+    @property
+    def costs(self) -> StepCosts | None:
+        """Measured step costs (set by the engine on a GPU with CUDA graphs)."""
+        return None if self.switch is None else self.switch.costs
+
+    @costs.setter
+    def costs(self, costs: StepCosts | None) -> None:
+        shadow = ShadowAcceptance() if self.draft is None else None
+        self.switch = None if costs is None else SpecSwitch(costs, self._prior, shadow)
+
     def _cost(self, batch: int):
         """Relative step cost as a function of k at this batch size."""
         if self.costs is not None and self.config.draft_cost_ratio is None:
             return self.costs.cost_fn(batch)
         return constant_cost_fn(self.cost_ratio)
 
+    def _prior(self, batch: int) -> bool:
+        """The cost model's choice before speculation is measured at a batch size: whether
+        any k pays at the engine's recent acceptance."""
+        return best_k(self.batch_tracker.alpha, self._cost(batch),
+                      self.config.num_speculative_tokens) > 0
+
     @property
     def automatic(self) -> bool:
         """Whether the engine decides per step (measured costs, no disable_by_batch_size)."""
-        return self.config.disable_by_batch_size is None and self.costs is not None
+        return self.config.disable_by_batch_size is None and self.switch is not None
+
+    @property
+    def monitor(self):
+        """The switch's measured rates (spec/costs.ThroughputMonitor)."""
+        return None if self.switch is None else self.switch.monitor
 
     def speculate_at(self, batch: int, round_index: int | None = None) -> bool:
         """Whether a round with `batch` running requests speculates: below an explicit
-        disable_by_batch_size; else (automatic) where speculating was measured faster than
-        plain decoding at this batch size or, before a measurement, where the step costs pay
-        at the recent acceptance. The PROBE_LEN rounds of a probe run the other mode, to
-        measure it again (`round_index`: default the next round)."""
+        disable_by_batch_size; else as the automatic switch decides (spec/switch.py; its
+        probes run the other mode now and then; `round_index`: default the next round)."""
         if not self.automatic:
             return self.config.speculate_at(batch)
-        return self._decide(batch, self._round if round_index is None else round_index)[0]
-
-    def _decide(self, batch: int, round_index: int) -> tuple[bool, bool]:
-        """(speculate, chosen) for a round: the chosen mode, or the other one in a probe's
-        rounds -- plain rounds only once speculation's choice is a measured one (before
-        that, speculative rounds are about to measure it)."""
-        chosen = self._chosen(batch)
-        if self._probing(batch, round_index) and (
-                not chosen or self.monitor.rate(batch, True) is not None):
-            return not chosen, chosen
-        return chosen, chosen
-
-    def _probe(self, batch: int) -> _Probe:
-        bucket = batch_bucket(batch)
-        probe = self._probes.get(bucket)
-        if probe is None:
-            probe = self._probes[bucket] = _Probe(self._round + PROBE_EVERY - PROBE_LEN)
-        return probe
-
-    def _probing(self, batch: int, round_index: int) -> bool:
-        start = self._probe(batch).start
-        return start <= round_index < start + PROBE_LEN
-
-    def _next_round(self, batch: int, chosen: bool) -> None:
-        """Count a round and book its choice where it is a measured one (the mode the
-        hysteresis holds to); once a probe's rounds at this batch size are over (or passed
-        while the batch was elsewhere), place its next probe: PROBE_EVERY rounds on if the
-        choice changed since the probe began, else as far as its switches' cost allows
-        (PROBE_COST_SHARE)."""
-        self._round += 1
-        probe = self._probe(batch)
-        bucket = batch_bucket(batch)
-        if self.monitor.rate(batch, True) is not None:
-            if self._mode.get(bucket, chosen) != chosen:
-                # the choice changed: the mode left is measured again soon
-                probe.every = PROBE_EVERY
-                probe.start = min(probe.start, self._round + PROBE_EVERY - PROBE_LEN)
-            self._mode[bucket] = chosen
-        if self._round >= probe.start + PROBE_LEN:
-            if probe.mode is not None and chosen == probe.mode:
-                round_s = 1.0 / self._plain_rate(batch)  # a plain round: 1 token/sequence
-                wait = probe.cost / (PROBE_COST_SHARE * round_s)
-                probe.every = round(min(max(wait, PROBE_EVERY), PROBE_EVERY_MAX))
-            # (the switch back after the probe lands in the next probe's cost: one probe's
-            # switches either way per wait)
-            probe.start, probe.mode, probe.cost = self._round + probe.every - PROBE_LEN, None, 0.0
-        elif self._round >= probe.start and probe.mode is None:
-            probe.mode = chosen  # the choice the probe runs against
-
-    def _plain_rate(self, batch: int) -> float:
-        """Plain decoding's tokens/s per sequence at this batch size: measured or, before
-        that, at its best, from its graph's replay time (host work only slows it). Losing to
-        the latter turns speculation off, and the plain steps then run are measured."""
-        return self.monitor.rate(batch, False) or 1000.0 / self.costs.step_ms(batch)
-
-    def _chosen(self, batch: int) -> bool:
-        measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
-        if measured is not None:
-            plain = self._plain_rate(batch)
-            mode = self._mode.get(batch_bucket(batch))
-            if mode is not None:  # stay unless the other mode is clearly faster
-                plain *= 1.0 - HYSTERESIS if mode else 1.0 + HYSTERESIS
-            return measured >= plain
-        return best_k(self.batch_tracker.alpha, self._cost(batch),
-                      self.config.num_speculative_tokens) > 0
+        return self.switch.decide(batch, round_index)[0]
 
     def may_launch_ahead(self, batch: int) -> bool:
         """Whether the next step may be launched ahead as plain decoding (async scheduling):
@@ -216,52 +125,33 @@ class SpecDecoder:
     def skip_round(self, batch: int) -> None:
         """A plain step launched ahead: a round without a proposal."""
         if self.automatic:
-            self._next_round(batch, self._chosen(batch))
+            self.switch.next_round(batch, self.switch.decide(batch)[1])
         self.stats.num_off_steps += 1
 
-    def step_kind(self, sched) -> tuple[int, bool] | None:
-        """(batch, speculative) of a step to measure: every sequence decodes (one real token
-        plus its drafts, no prefill chunk); None for other steps, and for speculative steps
-        whose drafts were cut short by max_tokens or the context (the last rounds of a batch:
-        they emit fewer tokens than speculation does, and their low rate would stand for the
+    def step_kind(self, sched) -> StepKind | None:
+        """The kind of a step to measure: every sequence decodes (one real token plus its
+        drafts, no prefill chunk); None for other steps, and for speculative steps whose
+        drafts were cut short by max_tokens or the context (the last rounds of a batch: they
+        emit fewer tokens than speculation does, and their low rate would stand for the
         batch size in later requests)."""
         if not self.automatic or not sched.scheduled:
             return None
         drafted = False
+        rows = 0
         for seq, n in sched.scheduled:
             if n != 1 + len(seq.spec_token_ids):
                 return None
             drafted = drafted or bool(seq.spec_token_ids)
+            rows += n
         if drafted and self._capped:
             return None
-        return len(sched.scheduled), drafted
+        return StepKind(len(sched.scheduled), drafted, rows)
 
-    def record_step(self, kind: tuple[int, bool] | None, tokens: int, seconds: float,
+    def record_step(self, kind: StepKind | None, tokens: int, seconds: float,
                     steady: bool = True) -> None:
-        """Feed the throughput monitor one decode step (from `step_kind`), unless it is the
-        first of its kind after the other (a draft model catching up on the tokens it
-        skipped; a plain step not yet overlapped with the next by async scheduling) or after
-        a step that was not all decoding (`kind` None: a prefill, whose requests' first
-        speculative step has the draft model prefill their prompts -- measured at 17 ms of
-        a 0.5B draft's time at batch 4 on an H100, where a round takes 5 ms), or a plain
-        step that is not `steady`: launched without async scheduling where it could have
-        been (after a change of the running set, or the round after speculating). Plain
-        decoding's rate is what it does steadily, launched ahead: at batch 64 on an H100,
-        those steps took 2.3 ms and the others 3.9 (2026-11-23-W5-trace-ngram-h100), and
-        counting the latter made speculation look faster there than it was."""
-        if kind is None:
-            self._last_mode = None
-            return
-        batch, speculative = kind
-        if speculative == self._last_mode and (speculative or steady):
-            self.monitor.observe(batch, speculative, tokens / batch, seconds)
-        elif self._last_mode is not None and speculative != self._last_mode:
-            # a switch: what its first round cost beyond the new mode's steady rate is the
-            # price of switching, which sets how often probes may switch (PROBE_COST_SHARE)
-            rate = self.monitor.rate(batch, speculative)
-            if rate:
-                self._probe(batch).cost += max(0.0, seconds - tokens / batch / rate)
-        self._last_mode = speculative
+        """One step's measurement for the automatic switch (SpecSwitch.record_step)."""
+        if self.switch is not None:
+            self.switch.record_step(kind, tokens, seconds, steady)
 
     # -- before scheduling ---------------------------------------------------------------------
     def _eligible(self, seq: Sequence) -> bool:
@@ -289,8 +179,10 @@ class SpecDecoder:
         self._capped = False
         batch = len(running)
         if running and self.automatic:
-            on, chosen = self._decide(batch, self._round)
-            self._next_round(batch, chosen)
+            on, chosen = self.switch.decide(batch)
+            self.switch.next_round(batch, chosen)
+            if on and self.switch.shadow is not None:
+                self.switch.shadow.clear()  # measured rounds say more than past samples
         else:
             on = self.speculate_at(batch)
         self.off = not on
@@ -328,15 +220,33 @@ class SpecDecoder:
         ms of host time before its verify step on an H100 host (2026-11-23-W5-ngram-s7-h100,
         profile_spec --gaps: 10.3 ms idle before each such verify): a probe cost several
         plain steps. Indexing stops at a sequence's next-to-last token (NgramIndex.update),
-        so a placeholder for a token still being computed is never read."""
+        so a placeholder for a token still being computed is never read.
+
+        While speculation is off (automatic switch), each such update first takes a shadow
+        sample (NgramIndex.shadow): what lookup would have drafted where the index stood, and
+        how much of it the tokens decoded since confirm, for the switch's prediction of a
+        speculative round (spec/switch.py). A sequence that never speculates (logprobs)
+        counts as a round of one token."""
         if self.draft is not None or not running:
             return
+        shadow = None if self.switch is None or not self.off else self.switch.shadow
         n = len(running)
         start = self._index_cursor if self._index_cursor < n else 0
         end = min(n, start + -(-n // INDEX_SPREAD))
+        k = self.config.num_speculative_tokens
         for seq in running[start:end]:
-            if not seq.is_finished:
-                self._ngram_index(seq).update(seq)
+            if seq.is_finished:
+                continue
+            index = self._ngram_index(seq)
+            if shadow is None:
+                index.update(seq)
+            elif seq.params.logprobs is not None:
+                index.update(seq)
+                shadow.observe(0, 0, n)
+            else:
+                sample = index.shadow(seq, k)
+                if sample is not None:
+                    shadow.observe(*sample, n)
         self._index_cursor = end
 
     def device_drafts(self) -> tuple[torch.Tensor, dict[Sequence, int]] | None:

@@ -60,6 +60,10 @@ class StepCosts:
         """A plain decode step of `batch` sequences: its graph's replay time."""
         return self._time(self.target_ms, self._target_sizes, batch)
 
+    def rows_ms(self, rows: int) -> float:
+        """The target's step over `rows` rows (a verify step: the batch plus its drafts)."""
+        return self._time(self.target_ms, self._target_sizes, max(1, rows))
+
     def cost(self, batch: int, k: int) -> float:
         """cost(B, k) of the module docstring (1.0 at k = 0)."""
         if k <= 0:

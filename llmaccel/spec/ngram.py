@@ -73,6 +73,11 @@ class NgramIndex:
         if k <= 0 or length < 2:
             return []
         self.update(seq)
+        return self._lookup(seq, length, k)
+
+    def _lookup(self, seq, length: int, k: int) -> list[int]:
+        """Drafts for the context of seq's first `length` tokens; the index must hold exactly
+        the n-grams that end before its last token (`indexed == length - 1`)."""
         last = self.last_end
         suffix = seq.token_slice(max(0, length - self.max_n), length)
         tail = len(suffix)
@@ -81,3 +86,25 @@ class NgramIndex:
             if end is not None:
                 return seq.token_slice(end + 1, min(end + 1 + k, length))
         return []
+
+    def shadow(self, seq, k: int) -> tuple[int, int] | None:
+        """What lookup would have done at the first position not indexed yet, had the
+        sequence speculated there: (drafts, accepted), the drafts checked against the tokens
+        decoded since (exactly a greedy verify's answer: the drafts depend on the tokens
+        alone); then the index catches up. None, index unchanged, while fewer than k known
+        tokens (all but the last: it may be a placeholder) follow that position. A new index
+        first catches up on the prompt."""
+        length = self.indexed + 1  # the context whose own suffix is not indexed yet
+        if length < 2:
+            self.update(seq)
+            return None
+        if seq.num_tokens - 1 < length + k:
+            return None
+        drafts = self._lookup(seq, length, k)
+        accepted = 0
+        for d, t in zip(drafts, seq.token_slice(length, length + len(drafts))):
+            if d != t:
+                break
+            accepted += 1
+        self.update(seq)
+        return len(drafts), accepted
