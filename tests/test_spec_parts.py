@@ -304,14 +304,14 @@ def test_probe_waits_follow_what_switching_costs():
     from llmaccel.spec.switch import PROBE_COST_SHARE, PROBE_EVERY, PROBE_EVERY_MAX, PROBE_LEN
 
     def gaps(extra_s: float) -> list[int]:
-        starts = _off_at_batch_1(extra_s)[1](3000)[1]
+        starts = _off_at_batch_1(extra_s)[1](9000)[1]
         assert starts[0] == PROBE_EVERY - PROBE_LEN
         return [b - a for a, b in zip(starts, starts[1:])]
 
     assert set(gaps(0.0)) == {PROBE_EVERY}  # free switches: the shortest wait
-    # 0.1 s of catch-up per probe at 2 ms per plain round: 2,500 rounds for a 2% share
-    assert 0.1 / (PROBE_COST_SHARE * 0.002) > PROBE_EVERY_MAX
-    assert set(gaps(0.1)) == {PROBE_EVERY_MAX}
+    # 0.2 s of catch-up per probe at 2 ms per plain round: 5,000 rounds for a 2% share
+    assert 0.2 / (PROBE_COST_SHARE * 0.002) > PROBE_EVERY_MAX
+    assert set(gaps(0.2)) == {PROBE_EVERY_MAX}
     assert set(gaps(0.004)) == {100}  # 4 ms: 100 rounds
 
 
@@ -321,12 +321,14 @@ def test_a_change_of_choice_brings_the_next_probe_close():
     (speculation is measured now)."""
     from llmaccel.spec.switch import PROBE_EVERY, PROBE_EVERY_MAX, PROBE_LEN
 
-    spec, run = _off_at_batch_1(0.1)
+    spec, run = _off_at_batch_1(0.2)
     run(1500)
     assert spec.switch._probes[1].every == PROBE_EVERY_MAX
     spec.record_step(None, 0, 0.0)
-    for _ in range(30):  # plain slows down: 1 token per 5 ms, 200 tok/s
-        spec.record_step((1, False), 1, 0.005)
+    # plain slows down to 1 token per 50 ms, 20 tok/s: speculation (250) is faster by more
+    # than its on margin, which its dear switches (0.2 s each) widen to ~3.6x
+    for _ in range(30):
+        spec.record_step((1, False), 1, 0.05)
     assert spec.speculate_at(1)
     spec.skip_round(1)
     assert spec.switch._probes[1].every == PROBE_EVERY
@@ -378,7 +380,8 @@ def test_unsteady_plain_steps_and_cut_short_rounds_are_not_measured():
 
 
 def test_measured_choice_has_hysteresis():
-    """A batch size stays in its mode unless the other is more than HYSTERESIS faster."""
+    """Speculation goes off as soon as plain decoding measures faster, and comes on only
+    where it is more than HYSTERESIS faster (no switch cost measured here)."""
     from llmaccel.engine.speculative import SpecDecoder
     from llmaccel.spec.switch import HYSTERESIS
     from llmaccel.spec.costs import StepCosts
@@ -387,14 +390,19 @@ def test_measured_choice_has_hysteresis():
     spec.costs = StepCosts({1: 1.0})
     for _ in range(3):
         spec.record_step((1, True), 1, 1 / 1000)  # 1000 tok/s speculating
-    plain = 1000 * (1 + HYSTERESIS / 2)  # plain measured a little faster
+    plain = 1000 * (1 - HYSTERESIS / 2)  # speculation measured a little faster
     for _ in range(3):
         spec.record_step((1, False), 1, 1 / plain)
-    assert not spec.speculate_at(1, 0)  # no mode yet: the faster one
+    assert spec.speculate_at(1, 0)  # no mode yet: the faster one
     spec.switch._mode[1] = True
-    assert spec.speculate_at(1, 0)  # speculating: not enough to switch off
+    assert spec.speculate_at(1, 0)  # on, and not slower: stays on
     spec.switch._mode[1] = False
-    assert not spec.speculate_at(1, 0)
-    for _ in range(3):
+    assert not spec.speculate_at(1, 0)  # off: not faster by the margin
+    for _ in range(30):
+        spec.record_step((1, False), 1, 1 / (1000 * (1 + HYSTERESIS / 2)))
+    spec.switch._mode[1] = True
+    assert not spec.speculate_at(1, 0)  # on, and plain is faster: off at once
+    spec.switch._mode[1] = False
+    for _ in range(30):
         spec.record_step((1, False), 1, 1 / (1000 * (1 - 2 * HYSTERESIS)))
     assert spec.speculate_at(1, 0)  # off, but plain is now clearly slower

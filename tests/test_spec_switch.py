@@ -168,3 +168,44 @@ def test_without_overhead_or_samples_off_is_probed_as_before():
         ons.append(on)
         sw.next_round(8, chosen)
     assert sum(ons) == 3  # PROBE_LEN speculative rounds
+
+
+def test_unmeasured_batch_sizes_follow_the_measured_crossover():
+    """A bucket without speculative measurements is off when a smaller batch size was
+    measured off, on when a larger one was measured on, and asks the cost model otherwise
+    (rounds between the prefill chunks of a large batch run at a bucket never measured)."""
+    asked = []
+    sw = SpecSwitch(StepCosts({b: 1.0 for b in (1, 8, 16, 32, 64)}),
+                    prior=lambda b: asked.append(b) or True)
+    assert sw.decide(32)[1] and asked == [32]
+    sw._mode[16] = False  # measured off at 16
+    assert not sw.decide(32)[1] and not sw.decide(64)[1]
+    assert sw.decide(8)[1]  # smaller: the cost model
+    sw._mode = {64: True}
+    assert sw.decide(32)[1] and sw.decide(1)[1]
+    assert asked == [32, 8]
+
+
+def test_the_on_margin_grows_with_what_switching_costs():
+    """Off, speculation comes on where it is faster by HYSTERESIS plus twice the bucket's
+    measured switch cost over PROBE_EVERY plain rounds: a draft model whose catch-up costs
+    10 plain rounds needs ~+68%, a cheap switch ~+5%."""
+    from llmaccel.spec.switch import HYSTERESIS
+
+    def switch_with(extra_s: float) -> SpecSwitch:
+        sw = SpecSwitch(StepCosts({4: 1.0}), prior=lambda b: True)
+        sw.record_step(None, 0, 0.0)
+        for _ in range(4):  # plain: a token per 1 ms round
+            sw.record_step(StepKind(4, False, 4), 4, 0.001)
+        for _ in range(4):  # speculating at 1.3x plain (1.3 tokens per 1 ms round)
+            sw.record_step(StepKind(4, True, 8), 4 * 1.3, 0.001)
+        sw.record_step(StepKind(4, False, 4), 4, 0.001 + extra_s)  # the switch's first round
+        for _ in range(3):
+            sw.record_step(StepKind(4, False, 4), 4, 0.001)
+        sw._mode[4] = False
+        return sw
+
+    cheap, dear = switch_with(0.0), switch_with(0.010)
+    assert math.isclose(cheap._margin_on(4), HYSTERESIS)
+    assert math.isclose(dear._margin_on(4), HYSTERESIS + 2 * 0.010 / (PROBE_EVERY * 0.001))
+    assert cheap.decide(4)[1] and not dear.decide(4)[1]

@@ -46,10 +46,16 @@ from typing import NamedTuple
 from llmaccel.spec.costs import StepCosts, ThroughputMonitor, batch_bucket
 
 PROBE_EVERY = 32
-PROBE_EVERY_MAX = 512
+# (4096: a draft model's probe at batch 64 on an H100 ran speculative rounds of ~23 ms against
+# 2.3 ms plain steps, its catch-up included (2026-11-23-W5-s8-h100); at a cap of 512 rounds
+# those probes were several percent of the time, not PROBE_COST_SHARE.)
+PROBE_EVERY_MAX = 4096
 PROBE_LEN = 3
 PROBE_COST_SHARE = 0.02
-# A bucket changes mode only when the other is this much faster.
+# Speculation comes on only where it is this much faster (plus its switching cost:
+# SpecSwitch._margin_on), and goes off as soon as it is slower: never slower than plain
+# decoding, the issue's rule. (A symmetric 5% band had speculation stay on at up to 5% below
+# plain: draft prose, batch 4, 0.84x in 2026-11-23-W5-s8-h100.)
 HYSTERESIS = 0.05
 # Speculative rounds measured after a switch to speculation before the measured rate (not
 # the prediction that switched it on) may switch it off again: the monitor's speculative
@@ -142,6 +148,7 @@ class SpecSwitch:
         self._overhead: dict[int, _Mean] = {}  # bucket -> spec round s beyond its graph time
         self._fresh: dict[int, int] = {}  # bucket -> measured spec rounds since switched on
         self._hold: dict[int, int] = {}  # bucket -> first round a prediction may switch on
+        self._switch_cost: dict[int, _Mean] = {}  # bucket -> s a switch costs, beyond steady
         self.num_switches = 0  # changes of a bucket's measured choice (benchmarks read it)
 
     # -- the choice ----------------------------------------------------------------------------
@@ -160,23 +167,54 @@ class SpecSwitch:
         return chosen, chosen
 
     def _chosen(self, batch: int) -> bool:
+        """The mode of this batch size's bucket: before speculation is measured there, what
+        measured buckets imply (`_unmeasured`); then the measured rates, where speculation
+        stays on only while it measures at least as fast as plain decoding (never slower: the
+        issue's rule), and comes on only when it is faster by the bucket's on margin
+        (`_margin_on`). While off, n-gram lookup's prediction stands in for a measurement."""
         measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
         if measured is None:
-            return self.prior(batch)
+            return self._unmeasured(batch)
         bucket = batch_bucket(batch)
         mode = self._mode.get(bucket)
         plain = self._plain_rate(batch)
-        if mode is False:
-            predicted = self.predicted_rate(batch)
-            if predicted is not None:
-                if self.round < self._hold.get(bucket, 0):
-                    return False
-                measured = predicted
-        elif mode and self._fresh.get(bucket, FRESH_ROUNDS) < FRESH_ROUNDS:
-            return True  # switched on by a prediction: not measured since
-        if mode is not None:  # stay unless the other mode is clearly faster
-            plain *= 1.0 - HYSTERESIS if mode else 1.0 + HYSTERESIS
-        return measured >= plain
+        if mode is None:
+            return measured >= plain
+        if mode:
+            if self._fresh.get(bucket, FRESH_ROUNDS) < FRESH_ROUNDS:
+                return True  # switched on by a prediction: not measured since
+            return measured >= plain
+        predicted = self.predicted_rate(batch)
+        if predicted is not None:
+            if self.round < self._hold.get(bucket, 0):
+                return False
+            measured = predicted
+        return measured >= plain * (1.0 + self._margin_on(batch))
+
+    def _unmeasured(self, batch: int) -> bool:
+        """A bucket without speculative measurements follows the measured crossover: off if a
+        smaller batch size was measured off, on if a larger one was measured on (speculation
+        pays less as the batch grows); else the cost model (`prior`). Buckets seen only in
+        the rounds between prefills (a batch of 64 admitted in two chunks runs rounds at 32)
+        are never measured (those rounds are not all decoding), and the cost model, which
+        leaves out a draft model's catch-up, had them speculate at a loss."""
+        bucket = batch_bucket(batch)
+        for other, on in self._mode.items():
+            if other < bucket and not on:
+                return False
+            if other > bucket and on:
+                return True
+        return self.prior(batch)
+
+    def _margin_on(self, batch: int) -> float:
+        """How much faster speculation must measure to come on: HYSTERESIS, plus what the
+        bucket's switches cost (a switch on and one back) spread over PROBE_EVERY plain
+        rounds. A draft model's catch-up makes its margin wide, n-gram lookup's narrow."""
+        cost = self._switch_cost.get(batch_bucket(batch))
+        if cost is None:
+            return HYSTERESIS
+        round_s = 1.0 / self._plain_rate(batch)
+        return HYSTERESIS + 2.0 * cost.value / (PROBE_EVERY * round_s)
 
     def _plain_rate(self, batch: int) -> float:
         """Plain decoding's tokens/s per sequence at this batch size: measured or, before
@@ -279,5 +317,7 @@ class SpecSwitch:
             # price of switching, which sets how often probes may switch (PROBE_COST_SHARE)
             rate = self.monitor.rate(batch, speculative)
             if rate:
-                self._probe(batch).cost += max(0.0, seconds - tokens / batch / rate)
+                extra = max(0.0, seconds - tokens / batch / rate)
+                self._probe(batch).cost += extra
+                self._switch_cost.setdefault(batch_bucket(batch), _Mean()).add(extra, 0.7)
         self._last_mode = speculative
