@@ -169,3 +169,36 @@ def test_unknown_speculative_method_is_a_clear_error(tiny):
         _llm(tiny, {"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(SpeculativeConfigError, match="not available in the engine yet"):
         _llm(tiny, {"method": "head", "model": tiny})
+
+
+def test_rounds_where_requests_finish_are_not_measured(tiny):
+    """A request that stops on a stop id while the next plain step was already launched
+    (async scheduling) has that step's token dropped: the round emits fewer tokens than it
+    computed, and it carries the request's teardown. The switch's rates never see such
+    rounds, so every measured round emits at least a token per sequence."""
+    from llmaccel.spec.costs import StepCosts
+
+    plain = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3
+    outs = _llm(tiny, None).generate(PROMPTS, plain, use_tqdm=False)
+    params = []
+    for o, p in zip(outs, plain):  # each request stops at its first new token past the 6th
+        ids = o.outputs[0].token_ids
+        stop = next(t for i, t in enumerate(ids) if i >= 6 and t not in ids[:i])
+        params.append(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                     stop_token_ids=[stop]))
+    llm = _llm(tiny, SPEC)
+    spec = llm.engine.spec
+    # verifying k >= 1 drafts for 3 sequences costs 2.2 decode steps (graphs: 4 rows 1 us,
+    # 8 rows 2.2 us): the cost model keeps speculation off at batch 3 at any acceptance
+    spec.costs = StepCosts({1: 1e-3, 2: 1e-3, 4: 1e-3, 8: 2.2e-3, 16: 4.4e-3})
+    seen = []
+    observe = spec.monitor.observe
+
+    def record(batch, speculative, tokens, seconds, observe=observe):
+        seen.append((batch, speculative, tokens))
+        observe(batch, speculative, tokens, seconds)
+    spec.monitor.observe = record
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "stop" for o in got)
+    assert llm.get_stats().num_async_steps > 0
+    assert seen and all(tokens >= 1.0 for _, _, tokens in seen), seen

@@ -215,8 +215,14 @@ def test_throughput_monitor_buckets_and_decays():
     m.observe(4, False, 50, 1.0)
     assert math.isclose(m.rate(4, True), (0.5 * 100 + 300) / (0.5 * 1.0 + 1.0))
     assert math.isclose(m.rate(4, False), 50.0)
-    m.observe(4, True, 10, 1.0)  # history weighs 0.5 ** 3 of itself against this step
-    assert math.isclose(m.rate(4, True), (0.125 * 350 + 10) / (0.125 * 1.5 + 1.0))
+    m.observe(4, True, 12, 0.05)  # history weighs 0.5 ** 3 of itself against this step
+    assert math.isclose(m.rate(4, True), (0.125 * 350 + 12) / (0.125 * 1.5 + 0.05))
+    # a round far slower than the rate counts as OUTLIER times the rate's time for its tokens
+    before = m.rate(4, True)
+    m.observe(4, True, 10, 100.0)
+    clipped = m.OUTLIER * 10 / before
+    assert math.isclose(m.rate(4, True), (0.5 * (0.125 * 350 + 12) + 10)
+                        / (0.5 * (0.125 * 1.5 + 0.05) + clipped))
 
 
 def test_measured_throughput_decides_and_off_is_probed():

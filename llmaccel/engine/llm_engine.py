@@ -214,6 +214,10 @@ class LLMEngine:
         if self.spec is not None:  # measured throughput of speculating or not, per batch size
             # a plain step is steady when launched ahead, or where it could not have been
             steady = ahead or not (self.config.async_scheduling and launched.plain)
+            if kind is not None and any(seq.is_finished for seq, _ in launched.sched.scheduled):
+                # requests finished: tokens computed past their end are dropped, and their
+                # teardown is host time no steady round has; neither mode's rate
+                kind = None
             self.spec.record_step(kind, emitted, time.perf_counter() - start, steady)
         return outputs
 

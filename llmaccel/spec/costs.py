@@ -104,6 +104,7 @@ class ThroughputMonitor:
     decayed sums, so the rates follow a changing workload."""
 
     MIN_SAMPLES = 2
+    OUTLIER = 3.0
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
@@ -117,6 +118,11 @@ class ThroughputMonitor:
         probes' rounds had weighed little against it, and backing off kept it off)."""
         bucket = batch_bucket(batch)
         r = self._rates.setdefault((bucket, speculative), _Rate())
+        if r.samples >= self.MIN_SAMPLES and r.tokens > 0 and r.seconds > 0:
+            # a round far slower than the rate (a host hiccup, a garbage collection) counts
+            # as OUTLIER times the rate's time: the rate is a ratio of sums, and one such round
+            # among ~10 moved it by tens of percent
+            seconds = min(seconds, self.OUTLIER * tokens * r.seconds / r.tokens)
         r.tokens = self.decay * r.tokens + tokens
         r.seconds = self.decay * r.seconds + seconds
         r.samples += 1
