@@ -86,6 +86,36 @@ def _run(llm, prompts, params, repeats: int = 1) -> tuple[float, list[list[int]]
     return statistics.median(walls), [o.outputs[0].token_ids for o in outs], trace.summary()
 
 
+class _MonitorLog:
+    """Every step the off switch was shown during a cell (--monitor-log): the kind the engine
+    passed to record_step ([batch, speculative, rows], None for a step that was not all
+    decoding), tokens, ms, steady, whether the monitor counted it, and the switch's round.
+    For finding the rounds that move a mode's measured rate."""
+
+    def __init__(self, switch) -> None:
+        self.switch, self.rows, self._observed = switch, [], False
+        self._record, self._observe = switch.record_step, switch.monitor.observe
+
+    def _observe_hook(self, *args) -> None:
+        self._observed = True
+        self._observe(*args)
+
+    def _record_hook(self, kind, tokens, seconds, steady=True) -> None:
+        self._observed = False
+        self._record(kind, tokens, seconds, steady)
+        k = None if kind is None else [kind[0], int(kind[1]), kind[2] if len(kind) > 2 else 0]
+        self.rows.append([k, tokens, round(seconds * 1e3, 3), int(steady), int(self._observed),
+                          self.switch.round])
+
+    def __enter__(self) -> "_MonitorLog":
+        self.switch.monitor.observe = self._observe_hook
+        self.switch.record_step = self._record_hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.switch.monitor.observe, self.switch.record_step  # the class methods again
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
@@ -105,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-draft-alone", action="store_true",
                     help="skip timing the draft model alone (no bound for issue 6's target; "
                          "saves loading a third model)")
+    ap.add_argument("--monitor-log", action="store_true",
+                    help="write every step the off switch saw per cell to NAME-monitor.jsonl")
     ap.add_argument("--name", default="W5-spec")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
@@ -176,7 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                 before = llm.get_stats().spec_decode
                 sw = llm.engine.spec.switch
                 switches = 0 if sw is None else sw.num_switches
-                wall, tokens, steps_spec = _run(llm, prompts, params, args.repeats)
+                if args.monitor_log and sw is not None:
+                    with _MonitorLog(sw) as mlog:
+                        wall, tokens, steps_spec = _run(llm, prompts, params, args.repeats)
+                    with open(out / f"{args.name}-monitor.jsonl", "a") as f:
+                        f.write(json.dumps({"method": method, "kind": kind, "batch": b,
+                                            "commit": commit, "steps": mlog.rows}) + "\n")
+                else:
+                    wall, tokens, steps_spec = _run(llm, prompts, params, args.repeats)
                 after = llm.get_stats().spec_decode
                 steps = after["num_steps"] - before["num_steps"]
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]

@@ -34,3 +34,21 @@ def test_spec_bench_writes_w5_records(smollm2_gguf, tmp_path):
             assert classes["prefill"]["calls"] >= 2 and "spec" not in c["steps_plain"]
         assert ("spec" in c["steps_spec"]) == (c["spec_steps"] > 0)
     assert "| ngram | auto | code | 1 |" in (tmp_path / "w5.md").read_text()
+
+
+def test_monitor_log_records_what_the_switch_saw_and_counted():
+    """--monitor-log: each step shown to the switch, with whether the monitor counted it
+    (the first plain step after speculative ones is not); the switch is restored after."""
+    import spec_bench
+
+    from llmaccel.spec.costs import StepCosts
+    from llmaccel.spec.switch import SpecSwitch, StepKind
+
+    sw = SpecSwitch(StepCosts({4: 1.0}), prior=lambda b: True)
+    with spec_bench._MonitorLog(sw) as log:
+        sw.record_step(None, 0, 0.001)
+        for spec in (True, True, True, False, False):
+            sw.record_step(StepKind(4, spec, 12 if spec else 4), 8 if spec else 4, 0.002)
+    assert [r[4] for r in log.rows] == [0, 0, 1, 1, 0, 1]
+    assert log.rows[1][:4] == [[4, 1, 12], 8, 2.0, 1]
+    assert "record_step" not in vars(sw) and "observe" not in vars(sw.monitor)
