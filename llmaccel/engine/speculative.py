@@ -166,14 +166,12 @@ class SpecDecoder:
         if self.config.adaptive:
             if seq.spec_tracker is None:
                 seq.spec_tracker = AcceptanceTracker()
-            if memo is None:
-                k = seq.spec_tracker.next_k(cost, k)
-            else:
-                alpha = round(seq.spec_tracker.alpha, 3)
-                best = memo.get(alpha)
-                if best is None:
-                    best = memo[alpha] = max(1, best_k(alpha, cost, k))
-                k = best
+            memo = {} if memo is None else memo
+            alpha = round(seq.spec_tracker.alpha, 3)
+            best = memo.get(alpha)
+            if best is None:  # as AcceptanceTracker.next_k: at least 1, to keep probing
+                best = memo[alpha] = max(1, best_k(alpha, cost, k))
+            k = best
         # Never draft past the context or max_tokens: one token is emitted besides the drafts.
         room = self.max_model_len - seq.num_tokens - 1
         if seq.params.max_tokens is not None:

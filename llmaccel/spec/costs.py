@@ -56,12 +56,9 @@ class StepCosts:
             return times[sizes[i]]
         return times[sizes[-1]] * rows / sizes[-1]
 
-    def step_ms(self, batch: int) -> float:
-        """A plain decode step of `batch` sequences: its graph's replay time."""
-        return self._time(self.target_ms, self._target_sizes, batch)
-
-    def rows_ms(self, rows: int) -> float:
-        """The target's step over `rows` rows (a verify step: the batch plus its drafts)."""
+    def step_ms(self, rows: int) -> float:
+        """A decode step of `rows` rows (a plain step of that many sequences, or a verify
+        step: the batch plus its drafts): its graph's replay time."""
         return self._time(self.target_ms, self._target_sizes, max(1, rows))
 
     def cost(self, batch: int, k: int) -> float:

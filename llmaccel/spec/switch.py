@@ -238,7 +238,7 @@ class SpecSwitch:
         if estimate is None or overhead is None:
             return None
         tokens, rows = estimate
-        seconds = self.costs.rows_ms(round(batch * rows)) / 1000.0 + max(0.0, overhead.value)
+        seconds = self.costs.step_ms(round(batch * rows)) / 1000.0 + max(0.0, overhead.value)
         return tokens / seconds
 
     # -- probes --------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ class SpecSwitch:
                 bucket = batch_bucket(batch)
                 self._fresh[bucket] = self._fresh.get(bucket, 0) + 1
                 rows = kind[2] if len(kind) > 2 and kind[2] else batch
-                extra = seconds - self.costs.rows_ms(rows) / 1000.0
+                extra = seconds - self.costs.step_ms(rows) / 1000.0
                 self._overhead.setdefault(bucket, _Mean()).add(extra, 0.9)
         elif self._last_mode is not None and speculative != self._last_mode:
             # a switch: what its first round cost beyond the new mode's steady rate is the
