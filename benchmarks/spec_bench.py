@@ -116,6 +116,19 @@ class _MonitorLog:
         del self.switch.monitor.observe, self.switch.record_step  # the class methods again
 
 
+def _limits(text: str | None, methods: list[str]) -> dict[str, int]:
+    """--disable-by-batch-size: '64' (every method) or 'ngram=64,draft=4'."""
+    if not text:
+        return {}
+    if "=" not in text:
+        return {m: int(text) for m in methods}
+    pairs = [part.split("=", 1) for part in text.split(",")]
+    unknown = [m for m, _ in pairs if m not in methods]
+    if unknown:
+        raise SystemExit(f"--disable-by-batch-size names methods not run: {unknown}")
+    return {m: int(n) for m, n in pairs}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
@@ -124,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch", default="auto",
                     help="comma-separated: auto (the engine's off switch decides per step), on "
                          "(speculate at every step: what the switch chooses against)")
+    ap.add_argument("--disable-by-batch-size", default=None,
+                    help="SpeculativeConfig.disable_by_batch_size with --switch auto: one number "
+                         "for every method or METHOD=N pairs ('ngram=64,draft=4'); a method "
+                         "not named has none")
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--kinds", default="code,prose")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -195,12 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     del plain, draft_alone
     torch.cuda.empty_cache() if device == "cuda" else None
     runs = [(m, s) for m in args.methods.split(",") for s in args.switch.split(",")]
+    limits = _limits(args.disable_by_batch_size, args.methods.split(","))
     for method, switch in runs:
         spec = {"method": method, "num_speculative_tokens": args.k}
         if method == "draft":
             spec["model"] = args.draft
         if switch == "on":  # never off: what speculating at every step gives (adaptive k >= 1)
-            spec["disable_by_batch_size"] = 1 << 30
+            spec["auto_disable"] = False
+        elif limits.get(method) is not None:
+            spec["disable_by_batch_size"] = limits[method]
         llm = LLM(args.target, speculative_config=spec, **kw)
         for kind in args.kinds.split(","):
             for b in batches:
@@ -227,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec = {"workload": "W5", "model": Path(args.target).name,
                        "load_format": "auto", "backend": "llmaccel",
                        "config": {"batch": b, "method": method, "switch": switch,
+                                  "disable_by_batch_size": spec.get("disable_by_batch_size"),
                                   "kind": kind, "k": args.k,
                                   "max_tokens": args.max_tokens, "draft": args.draft,
                                   "identical_to_plain": tokens == base_tokens,

@@ -52,3 +52,29 @@ def test_monitor_log_records_what_the_switch_saw_and_counted():
     assert [r[4] for r in log.rows] == [0, 0, 1, 1, 0, 1]
     assert log.rows[1][:4] == [[4, 1, 12], 8, 2.0, 1]
     assert "record_step" not in vars(sw) and "observe" not in vars(sw.monitor)
+
+
+def test_disable_by_batch_size_flag_per_method():
+    """--disable-by-batch-size: one number for every method, or METHOD=N pairs (a method not
+    named has no limit); naming a method that is not run is an error."""
+    import pytest
+    import spec_bench
+
+    assert spec_bench._limits(None, ["ngram", "draft"]) == {}
+    assert spec_bench._limits("32", ["ngram", "draft"]) == {"ngram": 32, "draft": 32}
+    assert spec_bench._limits("draft=4", ["ngram", "draft"]) == {"draft": 4}
+    with pytest.raises(SystemExit, match="head"):
+        spec_bench._limits("head=4", ["ngram"])
+
+
+def test_auto_disable_off_speculates_at_every_batch_size():
+    """auto_disable=False (spec_bench --switch on): measured costs, no switch deciding;
+    disable_by_batch_size still applies."""
+    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.config import SpeculativeConfig
+    from llmaccel.spec.costs import StepCosts
+
+    spec = SpecDecoder(SpeculativeConfig(auto_disable=False, disable_by_batch_size=32), 2048,
+                       None)
+    spec.costs = StepCosts({1: 1.0, 64: 100.0})
+    assert not spec.automatic and spec.speculate_at(16) and not spec.speculate_at(32)

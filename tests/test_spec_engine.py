@@ -85,6 +85,41 @@ def test_speculation_switches_off_at_the_batch_size(tiny):
                                                                   use_tqdm=False)]
 
 
+def test_disable_by_batch_size_bounds_the_automatic_switch(tiny):
+    """With measured step costs (the automatic switch on) and disable_by_batch_size=4: a batch
+    of six does no speculative work at all -- no drafts, no n-gram index, no switch rounds or
+    measurements, every step after the first launched ahead -- while a single request is still
+    the switch's to decide (here: on). Outputs equal plain greedy either way."""
+    from llmaccel.spec.costs import StepCosts
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = _llm(tiny, None)
+    for prompts, limited in ((PROMPTS * 2, True), (PROMPTS[:1], False)):
+        llm = _llm(tiny, {**SPEC, "disable_by_batch_size": 4})
+        spec = llm.engine.spec
+        # verification free, plain decoding slow at its best: the switch would speculate
+        spec.costs = StepCosts({r: 1e6 for r in (1, 2, 4, 8, 16, 32, 64)})
+        assert spec.automatic
+        seen = []
+        engine_add = llm.engine.scheduler.add
+
+        def add(seq, engine_add=engine_add, seen=seen):
+            seen.append(seq)
+            engine_add(seq)
+        llm.engine.scheduler.add = add
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        want = plain.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+        stats = llm.get_stats()
+        if limited:
+            assert stats.spec_decode["num_draft_tokens"] == 0
+            assert spec.switch.round == 0 and not spec.monitor._rates
+            assert all(seq.ngram_index is None for seq in seen) and len(seen) == 6
+            assert stats.num_async_steps >= params.max_tokens - 3
+        else:
+            assert stats.spec_decode["num_draft_tokens"] > 0 and spec.switch.round > 0
+
+
 def test_measured_costs_switch_speculation_off_where_it_does_not_pay(tiny):
     """With step costs (as the engine measures them on a GPU) that make verification dear at
     batch >= 4, a batch of six runs plain decoding (async scheduling included, rare probe

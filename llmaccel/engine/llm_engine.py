@@ -186,7 +186,7 @@ class LLMEngine:
         ahead = launched is not None  # launched by the previous call (async scheduling)
         if launched is None:
             if self.spec is not None:
-                self.spec.propose(self.scheduler.running)
+                self.spec.propose(self.scheduler.running, len(self.scheduler.waiting))
             sched = self.scheduler.schedule()
             if self.spec is not None:
                 for seq in sched.preempted:
@@ -201,7 +201,8 @@ class LLMEngine:
             launched = self._launch(sched)
         outputs = self._process_outputs()  # overlaps the GPU
         if self.spec is not None:
-            self.spec.index_running(self.scheduler.running)  # so does n-gram indexing
+            # so does n-gram indexing
+            self.spec.index_running(self.scheduler.running, len(self.scheduler.waiting))
         kind = None if self.spec is None else self.spec.step_kind(launched.sched)
         # With speculation off for this batch (spec.off), steps run as plain decoding, async
         # scheduling included, until the running set changes or the next round probes.

@@ -9,11 +9,13 @@ are rolled back by lowering `num_computed_tokens` and dropping the blocks past t
 end from its table (no KV is copied: later tokens overwrite the stale slots).
 
 Sequences that ask for logprobs or still have banned tokens (min_tokens) decode without drafts,
-as does every sequence of a step with more running requests than `disable_by_batch_size`, or,
-when that is not set and the step costs were measured (spec/costs.py), of a step at a batch
-size where speculating was measured slower than plain decoding or, before that, where the step
-costs make it cost more than the engine's recent acceptance rate pays back (the automatic
-switch, spec/switch.py). Such steps run as plain decoding, async scheduling included (`off`).
+as does every sequence of a step with `disable_by_batch_size` running requests or more (and
+no speculative work is done for such steps: no n-gram indexing, no switch measurement), or,
+below that, when the step costs were measured (spec/costs.py) and `auto_disable` is on, of a
+step at a batch size where speculating was measured slower than plain decoding or, before
+that, where the step costs make it cost more than the engine's recent acceptance rate pays
+back (the automatic switch, spec/switch.py). Such steps run as plain decoding, async
+scheduling included (`off`).
 """
 
 from __future__ import annotations
@@ -101,8 +103,14 @@ class SpecDecoder:
 
     @property
     def automatic(self) -> bool:
-        """Whether the engine decides per step (measured costs, no disable_by_batch_size)."""
-        return self.config.disable_by_batch_size is None and self.switch is not None
+        """Whether the switch decides per step below disable_by_batch_size (measured costs,
+        auto_disable)."""
+        return self.config.auto_disable and self.switch is not None
+
+    def _switched(self, batch: int) -> bool:
+        """Whether the automatic switch decides a round of `batch` running requests (not at
+        or above disable_by_batch_size, where rounds are plain and nothing is measured)."""
+        return self.automatic and self.config.speculate_at(batch)
 
     @property
     def monitor(self):
@@ -110,10 +118,11 @@ class SpecDecoder:
         return None if self.switch is None else self.switch.monitor
 
     def speculate_at(self, batch: int, round_index: int | None = None) -> bool:
-        """Whether a round with `batch` running requests speculates: below an explicit
-        disable_by_batch_size; else as the automatic switch decides (spec/switch.py; its
-        probes run the other mode now and then; `round_index`: default the next round)."""
-        if not self.automatic:
+        """Whether a round with `batch` running requests speculates: never at or above
+        disable_by_batch_size; below it, as the automatic switch decides where there is one
+        (spec/switch.py; its probes run the other mode now and then; `round_index`: default
+        the next round), else always."""
+        if not self._switched(batch):
             return self.config.speculate_at(batch)
         return self.switch.decide(batch, round_index)[0]
 
@@ -124,7 +133,7 @@ class SpecDecoder:
 
     def skip_round(self, batch: int) -> None:
         """A plain step launched ahead: a round without a proposal."""
-        if self.automatic:
+        if self._switched(batch):
             self.switch.next_round(batch, self.switch.decide(batch)[1])
         self.stats.num_off_steps += 1
 
@@ -134,7 +143,7 @@ class SpecDecoder:
         drafts were cut short by max_tokens or the context (the last rounds of a batch: they
         emit fewer tokens than speculation does, and their low rate would stand for the
         batch size in later requests)."""
-        if not self.automatic or not sched.scheduled:
+        if not sched.scheduled or not self._switched(len(sched.scheduled)):
             return None
         drafted = False
         rows = 0
@@ -179,14 +188,17 @@ class SpecDecoder:
         self._capped = self._capped or room < self.config.num_speculative_tokens
         return max(0, min(k, room))
 
-    def propose(self, running: list[Sequence]) -> None:
+    def propose(self, running: list[Sequence], waiting: int = 0) -> None:
         """Set each running sequence's drafts for the next step (empty where it does not
-        speculate)."""
+        speculate). `waiting`: requests waiting for admission, which count towards
+        disable_by_batch_size as in vLLM (the batch they are about to join is that large)."""
         start = time.perf_counter()
         self.pending = None
         self._capped = False
         batch = len(running)
-        if running and self.automatic:
+        if not self.config.speculate_at(batch + waiting):
+            on = False  # no switch round either: nothing here is measured
+        elif running and self._switched(batch):
             on, chosen = self.switch.decide(batch)
             self.switch.next_round(batch, chosen)
             if on and self.switch.shadow is not None:
@@ -221,7 +233,7 @@ class SpecDecoder:
                                          self.config.prompt_lookup_max)
         return seq.ngram_index
 
-    def index_running(self, running: list[Sequence]) -> None:
+    def index_running(self, running: list[Sequence], waiting: int = 0) -> None:
         """Called while the GPU runs a step: bring a share of the running sequences' n-gram
         indexes up to date, so the next speculative round (a probe after plain rounds, the
         first round after a prefill) only indexes the tokens of the last few steps. Without
@@ -236,8 +248,9 @@ class SpecDecoder:
         how much of it the tokens decoded since confirm, for the switch's prediction of a
         speculative round (spec/switch.py). A sequence that never speculates (logprobs)
         counts as a round of one token."""
-        if self.draft is not None or not running:
-            return
+        if (self.draft is not None or not running
+                or not self.config.speculate_at(len(running) + waiting)):
+            return  # at or above disable_by_batch_size: catches up below it (propose)
         shadow = None if self.switch is None or not self.off else self.switch.shadow
         n = len(running)
         start = self._index_cursor if self._index_cursor < n else 0

@@ -31,8 +31,14 @@ class SpeculativeConfig:
     adaptive: bool = True
     # ... and a draft model stops drafting once its top probability falls below this (0: off).
     draft_confidence_threshold: float = 0.0
-    # Above this many running requests, steps run without speculation (None: never off).
+    # With this many running requests or more, steps run as plain decoding and no speculative
+    # work is done for them at all (no drafts, no n-gram indexing, no switch measurements):
+    # a measured crossover, configured (None: no fixed limit).
     disable_by_batch_size: int | None = None
+    # Below that, where the engine measured its step costs (GPU, CUDA graphs), the automatic
+    # switch (spec/switch.py) turns speculation off at batch sizes where it measures slower
+    # than plain decoding; False: speculate at every step below disable_by_batch_size.
+    auto_disable: bool = True
     # Draft step cost relative to a target step, for the adaptive k (None: measured at run time).
     draft_cost_ratio: float | None = None
     draft_quantization: str | None = None  # the draft model's quantization, if any

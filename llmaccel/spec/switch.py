@@ -1,7 +1,8 @@
 """The automatic off switch: per batch size, speculate only where it was measured faster.
 
-Used when the engine measured its step costs (CUDA graphs, spec/costs.py) and no explicit
-`disable_by_batch_size` is set. Each batch-size bucket keeps its own measured rates (output
+Used when the engine measured its step costs (CUDA graphs, spec/costs.py) and `auto_disable`
+is on, for batch sizes below `disable_by_batch_size` (at or above it rounds are plain and
+nothing is measured). Each batch-size bucket keeps its own measured rates (output
 tokens per second per sequence, with and without speculation: `ThroughputMonitor`), its own
 choice, and its own probe schedule:
 
