@@ -83,7 +83,9 @@ def _run(llm, prompts, params, repeats: int = 1) -> tuple[float, list[list[int]]
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             walls.append(time.perf_counter() - start)
-    return statistics.median(walls), [o.outputs[0].token_ids for o in outs], trace.summary()
+    summary = trace.summary()
+    summary["walls_ms"] = [round(w * 1e3, 1) for w in walls]  # each timed run (median counts)
+    return statistics.median(walls), [o.outputs[0].token_ids for o in outs], summary
 
 
 class _MonitorLog:
@@ -210,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             if draft_alone is not None:
                 draft_wall[kind, b] = _run(draft_alone, prompts, params, args.repeats)[0]
     del plain, draft_alone
-    torch.cuda.empty_cache() if device == "cuda" else None
+    gc.collect()  # as after each speculative engine: the next one sizes its KV cache from
+    torch.cuda.empty_cache() if device == "cuda" else None  # free memory
     runs = [(m, s) for m in args.methods.split(",") for s in args.switch.split(",")]
     limits = _limits(args.disable_by_batch_size, args.methods.split(","))
     for method, switch in runs:
