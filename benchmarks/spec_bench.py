@@ -6,13 +6,14 @@
 
 For each method, batch size and prompt kind (code: rewrite a given function; prose: summarize
 or quote a given paragraph, both grounded in their input), the same requests run without and
-with speculation (greedy, EOS ignored, `--max-tokens` each), timed end to end after a warm-up.
+with speculation (greedy, EOS ignored, `--max-tokens` each), timed end to end after a warm-up,
+the plain engine's timed runs alternating with the speculative engine's (both stay loaded).
 Records: `out_tok_s` of both, `speedup`, `acceptance_rate`, `mean_accepted_len`, the mean k
 drafted per speculative step, how many engine steps ran without speculation (the engine's
 automatic off switch), and for the draft model the bound E[tokens per step] / (1 + k c) of
 issue 6 over the speculative steps (measured tokens per step and mean k), with c = the draft's
 decode step time over the target's, both measured here at the same batch size (plain decoding
-of each model alone). Greedy outputs are compared with and without speculation.
+of each model alone, in turns). Greedy outputs are compared with and without speculation.
 """
 
 from __future__ import annotations
@@ -68,24 +69,34 @@ def _requests(tok, kind: str, batch: int) -> list[list[int]]:
     return [format_prompt(tok, base[i % len(base)], None) for i in range(batch)]
 
 
-def _run(llm, prompts, params, repeats: int = 1) -> tuple[float, list[list[int]], dict]:
-    """Median wall time of `repeats` timed runs, the last run's tokens, and the timed runs'
-    steps by class (step_trace.py: summed over the repeats)."""
+def _run_alternating(engines, prompts, params, repeats: int
+                     ) -> list[tuple[float, list[list[int]], dict, list[float]]]:
+    """Per engine: the median wall time of `repeats` timed runs, the last run's tokens, the
+    timed runs' steps by class (step_trace.py: summed over the repeats) and each run's wall
+    (ms). The engines' timed runs alternate (plain, speculative, plain, ...): whatever drifts
+    over a cell (GPU clocks, the host) falls on both alike. Run one after the other, engines
+    doing the same plain decoding measured 4-11% apart on an H100 (2026-11-24-W5-s9b-h100:
+    speculation switched off at those batch sizes, step for step the same work)."""
     # Warm-up with the whole batch (a short run): Triton compiles kernel variants on first use
     # (e.g. the prefill/extend shapes of this batch), which must not land in the timed run.
     # Prefix caching is off (see main), so the timed run recomputes its prompts.
     warm = dataclasses.replace(params, max_tokens=8)
-    llm.generate(prompts, warm, use_tqdm=False)
-    walls = []
-    trace = StepTrace(llm.engine)
+    for llm in engines:
+        llm.generate(prompts, warm, use_tqdm=False)
+    walls: list[list[float]] = [[] for _ in engines]
+    traces = [StepTrace(llm.engine) for llm in engines]
+    outs: list = [None] * len(engines)
     for _ in range(repeats):
-        with trace:
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            walls.append(time.perf_counter() - start)
-    summary = trace.summary()
-    summary["walls_ms"] = [round(w * 1e3, 1) for w in walls]  # each timed run (median counts)
-    return statistics.median(walls), [o.outputs[0].token_ids for o in outs], summary
+        for i, llm in enumerate(engines):
+            with traces[i]:
+                start = time.perf_counter()
+                outs[i] = llm.generate(prompts, params, use_tqdm=False)
+                walls[i].append(time.perf_counter() - start)
+    results = []
+    for w, out, trace in zip(walls, outs, traces):
+        results.append((statistics.median(w), [o.outputs[0].token_ids for o in out],
+                        trace.summary(), [round(x * 1e3, 1) for x in w]))
+    return results
 
 
 class _MonitorLog:
@@ -203,17 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     draft_alone = (LLM(args.draft, **plain_kw) if args.draft and "draft" in args.methods
                    and not args.no_draft_alone else None)
     batches = [int(b) for b in args.batches.split(",")]
-    base: dict[tuple[str, int], tuple[float, list, dict]] = {}
-    draft_wall: dict[tuple[str, int], float] = {}
+    cost_c: dict[tuple[str, int], float] = {}
     for kind in args.kinds.split(","):
         for b in batches:
-            prompts = _requests(tok, kind, b)
-            base[kind, b] = _run(plain, prompts, params, args.repeats)
-            if draft_alone is not None:
-                draft_wall[kind, b] = _run(draft_alone, prompts, params, args.repeats)[0]
-    del plain, draft_alone
-    gc.collect()  # as after each speculative engine: the next one sizes its KV cache from
-    torch.cuda.empty_cache() if device == "cuda" else None  # free memory
+            if draft_alone is not None:  # c of the bound: both models timed in turns
+                prompts = _requests(tok, kind, b)
+                target_run, draft_run = _run_alternating([plain, draft_alone], prompts, params,
+                                                         args.repeats)
+                cost_c[kind, b] = draft_run[0] / target_run[0]
+    del draft_alone
+    gc.collect()  # the speculative engines size their KV caches from free memory
+    torch.cuda.empty_cache() if device == "cuda" else None
     runs = [(m, s) for m in args.methods.split(",") for s in args.switch.split(",")]
     limits = _limits(args.disable_by_batch_size, args.methods.split(","))
     for method, switch in runs:
@@ -231,21 +242,25 @@ def main(argv: list[str] | None = None) -> int:
                 before = llm.get_stats().spec_decode
                 sw = llm.engine.spec.switch
                 switches = 0 if sw is None else sw.num_switches
+                # the plain engine stays loaded: its runs alternate with the speculative
+                # engine's, a fresh baseline for every cell
                 if args.monitor_log and sw is not None:
                     with _MonitorLog(sw) as mlog:
-                        wall, tokens, steps_spec = _run(llm, prompts, params, args.repeats)
+                        base, (wall, tokens, steps_spec, walls) = _run_alternating(
+                            [plain, llm], prompts, params, args.repeats)
                     with open(out / f"{args.name}-monitor.jsonl", "a") as f:
                         f.write(json.dumps({"method": method, "kind": kind, "batch": b,
                                             "commit": commit, "steps": mlog.rows}) + "\n")
                 else:
-                    wall, tokens, steps_spec = _run(llm, prompts, params, args.repeats)
+                    base, (wall, tokens, steps_spec, walls) = _run_alternating(
+                        [plain, llm], prompts, params, args.repeats)
                 after = llm.get_stats().spec_decode
                 steps = after["num_steps"] - before["num_steps"]
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
                 accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
                 emitted = after["num_emitted_tokens"] - before["num_emitted_tokens"]
                 acc = accepted / drafted if drafted else 0.0
-                base_wall, base_tokens, steps_plain = base[kind, b]
+                base_wall, base_tokens, steps_plain, base_walls = base
                 n_out = sum(len(t) for t in tokens)
                 rec = {"workload": "W5", "model": Path(args.target).name,
                        "load_format": "auto", "backend": "llmaccel",
@@ -271,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 # speculative run's time went against the plain engine's (step_trace.py)
                 rec["config"]["steps_plain"] = steps_plain
                 rec["config"]["steps_spec"] = steps_spec
+                # every timed run's wall (ms), in the order they alternated; medians count
+                rec["config"]["walls_plain_ms"], rec["config"]["walls_spec_ms"] = base_walls, walls
                 print(f"  steps, plain: {brief(steps_plain)}\n  steps, spec:  {brief(steps_spec)}",
                       flush=True)
                 monitor = llm.engine.spec.monitor  # the off switch's view after the cell
@@ -284,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                     rec["config"]["switch_predicted_tok_s"] = pred and round(pred, 1)
                     rec["config"]["switch_overhead_ms"] = over and round(over, 3)
                     rec["config"]["switch_changes"] = sw.num_switches - switches
-                if method == "draft" and (kind, b) in draft_wall and steps:
-                    c = draft_wall[kind, b] / base_wall  # per-step time ratio, same batch
+                if method == "draft" and (kind, b) in cost_c and steps:
+                    c = cost_c[kind, b]  # per-step time ratio, same batch
                     # issue 6's bound E[tokens per step] / (1 + k c) of the speculative steps,
                     # with the measured tokens per step and the mean k drafted
                     bound = (emitted / steps) / (1 + mean_k * c)

@@ -78,3 +78,36 @@ def test_auto_disable_off_speculates_at_every_batch_size():
                        None)
     spec.costs = StepCosts({1: 1.0, 64: 100.0})
     assert not spec.automatic and spec.speculate_at(16) and not spec.speculate_at(32)
+
+
+def test_engines_time_in_turns():
+    """The plain and speculative engines' timed runs alternate after both warmed up, and each
+    gets its own median and walls."""
+    import types
+
+    import spec_bench
+
+    calls = []
+
+    class Steps:  # what StepTrace wraps: a step method it replaces and restores
+        def step(self):
+            return []
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+            self.engine = Steps()
+
+        def generate(self, prompts, params, use_tqdm=False):
+            calls.append((self.name, params.max_tokens))
+            out = types.SimpleNamespace(token_ids=[1, 2])
+            return [types.SimpleNamespace(outputs=[out])]
+
+    from llmaccel import SamplingParams
+    res = spec_bench._run_alternating([Engine("plain"), Engine("spec")], [[1]],
+                                      SamplingParams(max_tokens=16), 3)
+    assert calls == [("plain", 8), ("spec", 8)] + [("plain", 16), ("spec", 16)] * 3
+    assert len(res) == 2
+    for median, tokens, _, walls in res:
+        assert tokens == [[1, 2]] and len(walls) == 3
+        assert abs(median * 1e3 - sorted(walls)[1]) < 0.1
