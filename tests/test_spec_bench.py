@@ -111,3 +111,27 @@ def test_engines_time_in_turns():
     for median, tokens, _, walls in res:
         assert tokens == [[1, 2]] and len(walls) == 3
         assert abs(median * 1e3 - sorted(walls)[1]) < 0.1
+
+
+def test_plot_w5_writes_a_png(tmp_path):
+    """plot_w5: W5 speedup records -> a PNG; other records are ignored, none is an error."""
+    import json
+
+    import plot_w5
+    import pytest
+
+    recs = [{"workload": "W5", "metric": "speedup", "value": v, "device": "cpu",
+             "config": {"method": "ngram", "switch": "auto", "kind": "code", "batch": b,
+                        "spec_steps": s}}
+            for b, v, s in ((1, 1.6, 10), (4, 1.3, 10), (64, 1.0, 0))]
+    recs.append({"workload": "W1", "metric": "out_tok_s", "value": 1.0, "config": {}})
+    src = tmp_path / "w5.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "w5.png"
+    assert plot_w5.main([str(src), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(plot_w5.load([str(src)])) == 3
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps(recs[-1]) + "\n")
+    with pytest.raises(SystemExit, match="no W5"):
+        plot_w5.main([str(other), "--out", str(tmp_path / "x.png")])

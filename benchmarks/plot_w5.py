@@ -1,0 +1,80 @@
+"""Plot W5 records (spec_bench.py's JSON lines): speedup over plain decoding against batch size,
+one line per method and prompt kind, with the issue's floor (0.95: never more than 5% slower)
+and 1.0 marked. A cell where speculation never ran (the configured crossover switched it off)
+is drawn hollow.
+
+    python benchmarks/plot_w5.py benchmarks/results/2026-11-24-W5-s9c-ngram-h100.jsonl \\
+        benchmarks/results/2026-11-24-W5-s9c-draft-h100.jsonl \\
+        --out benchmarks/results/2026-11-24-W5-s9c-h100.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def load(paths: list[str]) -> list[dict]:
+    records = []
+    for p in paths:
+        with open(p) as f:
+            records += [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r.get("workload") == "W5" and r.get("metric") == "speedup"]
+
+
+def plot(records: list[dict], out: Path, title: str | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    series: dict[tuple[str, str, str], list[tuple[int, float, bool]]] = defaultdict(list)
+    for r in records:
+        c = r["config"]
+        series[c["method"], c.get("switch", "auto"), c["kind"]].append(
+            (c["batch"], r["value"], c.get("spec_steps", 1) > 0))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (method, switch, kind), points in sorted(series.items()):
+        points.sort()
+        xs = [p[0] for p in points]
+        line, = ax.plot(xs, [p[1] for p in points], marker="o",
+                        label=f"{method} ({switch}), {kind}")
+        off = [p for p in points if not p[2]]
+        if off:  # no speculative step ran: the configured limit turned it off
+            ax.scatter([p[0] for p in off], [p[1] for p in off], s=70, facecolors="white",
+                       edgecolors=line.get_color(), zorder=3)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.axhline(0.95, color="red", linewidth=0.8, linestyle="--", label="0.95 (issue floor)")
+    ax.set_xscale("log", base=2)
+    batches = sorted({r["config"]["batch"] for r in records})
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size (concurrent requests)")
+    ax.set_ylabel("speedup over plain decoding")
+    device = records[0].get("device", "") if records else ""
+    ax.set_title(title or f"W5 speculative decoding, {device}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="spec_bench JSON-lines files")
+    ap.add_argument("--out", required=True, help="the PNG to write")
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    records = load(args.files)
+    if not records:
+        raise SystemExit("no W5 speedup records in " + ", ".join(args.files))
+    print(plot(records, Path(args.out), args.title))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
