@@ -1,211 +1,225 @@
-"""The automatic off switch's n-gram shadow: acceptance measured while speculation is off, and
-the prediction that replaces probes (spec/switch.py)."""
+"""The automatic off switch (spec/switch.py): measured throughput per batch-size bucket, the
+measured choice and its hysteresis, probes and their schedules, and which steps are measured.
+(The n-gram shadow that predicts speculation while off: test_spec_shadow.py.)"""
 
 from __future__ import annotations
 
 import math
-import random
 
-from llmaccel.engine.sampling_params import SamplingParams
-from llmaccel.engine.sequence import Sequence
-from llmaccel.engine.speculative import INDEX_SPREAD, SpecDecoder
-from llmaccel.spec.config import SpeculativeConfig
-from llmaccel.spec.costs import StepCosts
-from llmaccel.spec.ngram import NgramIndex, ngram_propose
-from llmaccel.spec.switch import (HOLD_ROUNDS, MIN_SHADOW_SAMPLES, PROBE_EVERY,
-                                  ShadowAcceptance, SpecSwitch, StepKind)
+from llmaccel.spec import SpeculativeConfig
 
 
-def _accepted(drafts: list[int], actual: list[int]) -> int:
-    n = 0
-    for d, t in zip(drafts, actual):
-        if d != t:
-            break
-        n += 1
-    return n
+def test_throughput_monitor_buckets_and_decays():
+    from llmaccel.spec.costs import ThroughputMonitor, batch_bucket
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+    m = ThroughputMonitor(decay=0.5)
+    m.observe(3, True, 100, 1.0)
+    assert m.rate(4, True) is None  # one step is not enough
+    m.observe(4, True, 300, 1.0)
+    assert math.isclose(m.rate(3, True), (0.5 * 100 + 300) / (0.5 * 1.0 + 1.0))
+    assert m.rate(8, True) is None  # another bucket
+    assert m.rate(4, False) is None  # plain steps are counted apart
+    # plain steps age the speculative sums of their bucket: the rate stays, and the next
+    # speculative step weighs as much as the decayed history
+    m.observe(4, False, 50, 1.0)
+    m.observe(4, False, 50, 1.0)
+    assert math.isclose(m.rate(4, True), (0.5 * 100 + 300) / (0.5 * 1.0 + 1.0))
+    assert math.isclose(m.rate(4, False), 50.0)
+    m.observe(4, True, 12, 0.05)  # history weighs 0.5 ** 3 of itself against this step
+    assert math.isclose(m.rate(4, True), (0.125 * 350 + 12) / (0.125 * 1.5 + 0.05))
+    # a round far slower than the rate counts as OUTLIER times the rate's time for its tokens
+    before = m.rate(4, True)
+    m.observe(4, True, 10, 100.0)
+    clipped = m.OUTLIER * 10 / before
+    assert math.isclose(m.rate(4, True), (0.5 * (0.125 * 350 + 12) + 10)
+                        / (0.5 * (0.125 * 1.5 + 0.05) + clipped))
 
 
-def test_shadow_samples_equal_a_lookup_at_that_position_checked_against_what_followed():
-    """NgramIndex.shadow at the first unindexed position L: the drafts a fresh lookup over
-    the first L tokens proposes (the definition, ngram_propose), and how many of them the
-    tokens at L.. confirm; None (index untouched) until k known tokens follow L. Growth of
-    random size between calls, over random small vocabularies (many matches)."""
-    rng = random.Random(5)
-    checked = 0
-    for _ in range(200):
-        vocab, lo, hi, k = rng.randint(2, 6), rng.randint(1, 2), rng.randint(2, 4), 4
-        seq = Sequence("r", 0, [rng.randrange(vocab) for _ in range(rng.randint(1, 20))],
-                       SamplingParams())
-        index = NgramIndex(lo, hi)
-        for _ in range(rng.randint(1, 10)):
-            before = index.indexed
-            length = before + 1
-            sample = index.shadow(seq, k)
-            if length < 2:
-                assert sample is None and index.indexed == seq.num_tokens - 1
-            elif seq.num_tokens - 1 < length + k:
-                assert sample is None and index.indexed == before
-            else:
-                tokens = seq.all_token_ids
-                drafts = ngram_propose(tokens[:length], k, lo, hi)
-                assert sample == (len(drafts), _accepted(drafts, tokens[length:]))
-                assert index.indexed == seq.num_tokens - 1
-                checked += 1
-            seq.output_token_ids += [rng.randrange(vocab) for _ in range(rng.randint(0, 9))]
-        # the index stays a correct index: proposals equal the definition's
-        assert index.propose(seq, k) == ngram_propose(seq.all_token_ids, k, lo, hi)
-    assert checked > 100
+def test_measured_throughput_decides_and_off_is_probed():
+    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.switch import PROBE_EVERY, PROBE_LEN
+    from llmaccel.spec.costs import StepCosts
 
-
-def test_index_running_takes_shadow_samples_only_while_off():
-    """While the last round left speculation off, index_running's updates take shadow
-    samples (on a copying workload: high acceptance); while on, none."""
-    spec = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 4096, None)
-    spec.costs = StepCosts({1: 1.0, 8: 1.0, 16: 1.0})
-    shadow = spec.switch.shadow
-    text = list(range(40))  # each sequence repeats a 40-token text: lookup copies it
-    running = [Sequence(f"r{i}", 0, text + text[:5], SamplingParams()) for i in range(16)]
-
-    def grow(steps: int) -> None:
-        for _ in range(steps):
-            for seq in running:
-                seq.output_token_ids.append(text[(seq.num_tokens) % 40])
-            spec.index_running(running)
-
-    spec.off = False
-    grow(3 * INDEX_SPREAD)
-    assert shadow.samples == 0
-    spec.off = True
-    grow(3 * INDEX_SPREAD)
-    assert shadow.samples >= 2 * 16
-    tokens, rows = shadow.estimate()
-    # every draft of 4 confirmed: 5 tokens a round
-    assert math.isclose(tokens, 5.0) and math.isclose(rows, 5.0)
-
-
-def _switch(acceptance_tokens: float, overhead_s: float) -> tuple[SpecSwitch, ShadowAcceptance]:
-    """A switch at batch 8 with plain decoding measured at 1 ms a round (1000 tok/s per
-    sequence), graphs of 1 ms up to 8 rows and 2 ms up to 64, speculation measured, then
-    switched off, and a shadow reporting `acceptance_tokens` per round with 4 drafts."""
-    shadow = ShadowAcceptance()
-    sw = SpecSwitch(StepCosts({8: 1.0, 64: 2.0}), prior=lambda b: True, shadow=shadow)
-    sw.record_step(None, 0, 0.0)
-    for _ in range(4):  # speculative rounds: 40 rows, 2 ms of graph + overhead, 1.5 tok/seq
-        sw.record_step(StepKind(8, True, 40), 12, 0.002 + overhead_s)
-    assert math.isclose(sw._overhead[8].value, overhead_s, abs_tol=1e-12)
-    for _ in range(4):
-        sw.record_step(StepKind(8, False, 8), 8, 0.001)
-    assert not sw.decide(8)[1]  # 1.5 tokens per 2+ ms: off
-    sw.next_round(8, False)
-    for _ in range(MIN_SHADOW_SAMPLES + 40):
-        shadow.observe(4, round(acceptance_tokens) - 1, 8)
-    return sw, shadow
-
-
-def test_shadow_prediction_switches_on_without_probing_and_holds_after_a_switch_off():
-    """Off, with a shadow estimate and the bucket's overhead measured: the prediction (tokens
-    per round over graph time of its rows plus overhead) decides, and no speculative probe
-    rounds run. A low acceptance keeps it off through every probe slot; a high one turns it
-    on; the measured rate then takes over after FRESH_ROUNDS measured rounds."""
-    sw, shadow = _switch(acceptance_tokens=1.0, overhead_s=0.0005)
-    # predicted: 1 token per (2 ms + 0.5 ms) = 400 tok/s against 1000 plain
-    assert math.isclose(sw.predicted_rate(8), 1 / 0.0025)
-    decisions = []
-    for _ in range(3 * PROBE_EVERY):
-        on, chosen = sw.decide(8)
-        decisions.append(on)
-        sw.next_round(8, chosen)
-    assert not any(decisions)  # no probe rounds: the shadow stands in for them
-    # copying: 5 tokens per round, 5 rows per sequence (40 rows: 2 ms): 2000 tok/s
-    for _ in range(200):
-        shadow.observe(4, 4, 8)
-    sw.round = sw._hold.get(8, 0)  # past any hold
-    assert math.isclose(sw.predicted_rate(8), 5 / 0.0025, rel_tol=0.01)
-    on, chosen = sw.decide(8)
-    assert on and chosen
-    sw.next_round(8, chosen)
-    # the stale measured rate (1.5 tok per 2.5 ms) does not switch it off before fresh rounds
-    assert sw.decide(8)[1]
-    sw.record_step(StepKind(8, False, 8), 8, 0.001)
-    sw.record_step(StepKind(8, True, 40), 8 * 5, 0.0025)  # first after the switch: not counted
-    assert sw.decide(8)[1]
-    for _ in range(2):  # measured: as predicted, 2000 tok/s
-        sw.record_step(StepKind(8, True, 40), 8 * 5, 0.0025)
-    assert sw.decide(8)[1]
-    for _ in range(30):  # acceptance fell: measured 1 token per 2.5 ms: off
-        sw.record_step(StepKind(8, True, 40), 8, 0.0025)
-    assert not sw.decide(8)[1]
-    sw.next_round(8, False)
-    # the shadow still says copying (stale), but a switch off by measurement holds
-    assert sw.predicted_rate(8) > 1000
-    held = [sw.decide(8)[1] for _ in range(1)]
-    for _ in range(HOLD_ROUNDS - 2):
-        sw.next_round(8, sw.decide(8)[1])
-        held.append(sw.decide(8)[1])
-    assert not any(held)
-    for _ in range(4):
-        sw.next_round(8, sw.decide(8)[1])
-    assert sw.decide(8)[1]  # the hold is over
-
-
-def test_without_overhead_or_samples_off_is_probed_as_before():
-    """Before the bucket's speculative rounds timed an overhead, or before MIN_SHADOW_SAMPLES,
-    there is no prediction: off is probed with speculative rounds."""
-    shadow = ShadowAcceptance()
-    sw = SpecSwitch(StepCosts({8: 1.0, 64: 2.0}), prior=lambda b: True, shadow=shadow)
-    sw.record_step(None, 0, 0.0)
+    spec = SpecDecoder(SpeculativeConfig(), 2048, None)
+    assert not spec.automatic and spec.speculate_at(64)  # no measured costs: always on
+    # plain decode steps of 2 ms (batch 1) and 4 ms (batch 8 and more); verifying is free
+    spec.costs = StepCosts({1: 2.0, 8: 4.0, 64: 4.0})
+    assert spec.automatic
+    # the cost model: on (no plain probes before speculation is measured)
+    assert all(spec.speculate_at(1, r) for r in range(PROBE_EVERY))
+    # measured at batch 1: 10 tokens per 40 ms = 250 tok/s per sequence; plain decoding at
+    # its best (the graph's 2 ms) does 500
     for _ in range(3):
-        sw.record_step(StepKind(8, True, 40), 12, 0.004)
-    for _ in range(3):
-        sw.record_step(StepKind(8, False, 8), 8, 0.001)
-    sw._overhead.clear()
-    for _ in range(MIN_SHADOW_SAMPLES):
-        shadow.observe(4, 4, 8)
-    assert sw.predicted_rate(8) is None
-    ons = []
-    for _ in range(PROBE_EVERY):
-        on, chosen = sw.decide(8)
-        ons.append(on)
-        sw.next_round(8, chosen)
-    assert sum(ons) == 3  # PROBE_LEN speculative rounds
+        spec.record_step((1, True), 10, 0.04)
+    # the first speculative step was not counted, nor is the first after a prefill step
+    assert math.isclose(spec.monitor.rate(1, True), 250.0)
+    spec.record_step(None, 1, 0.05)
+    spec.record_step((1, True), 1, 1.0)
+    assert math.isclose(spec.monitor.rate(1, True), 250.0)
+    assert [spec.speculate_at(1, r) for r in range(PROBE_EVERY)] == (
+        [False] * (PROBE_EVERY - PROBE_LEN) + [True] * PROBE_LEN)  # off, probed in bursts
+    spec.off, spec.switch.round = True, 0
+    assert spec.may_launch_ahead(1)
+    spec.switch.round = PROBE_EVERY - PROBE_LEN  # the next round probes: no launch-ahead
+    assert not spec.may_launch_ahead(1)
+    # plain steps measured slower than speculation (host work: 1 token per 5 ms = 200 tok/s;
+    # the first after speculative steps is not counted): speculation is back on
+    for _ in range(2):
+        spec.record_step((1, False), 1, 0.005)
+    assert spec.monitor.rate(1, False) is None
+    spec.record_step((1, False), 1, 0.005)
+    assert math.isclose(spec.monitor.rate(1, False), 200.0)
+    # on, but for the probe rounds: now they decode plainly, to measure plain decoding again
+    assert [spec.speculate_at(1, r) for r in range(PROBE_EVERY)] == (
+        [True] * (PROBE_EVERY - PROBE_LEN) + [False] * PROBE_LEN)
+    # batch 8 has no measurement: the cost model decides (on)
+    assert spec.speculate_at(8, 0)
 
 
-def test_unmeasured_batch_sizes_follow_the_measured_crossover():
-    """A bucket without speculative measurements is off when a smaller batch size was
-    measured off, on when a larger one was measured on, and asks the cost model otherwise
-    (rounds between the prefill chunks of a large batch run at a bucket never measured)."""
-    asked = []
-    sw = SpecSwitch(StepCosts({b: 1.0 for b in (1, 8, 16, 32, 64)}),
-                    prior=lambda b: asked.append(b) or True)
-    assert sw.decide(32)[1] and asked == [32]
-    sw._mode[16] = False  # measured off at 16
-    assert not sw.decide(32)[1] and not sw.decide(64)[1]
-    assert sw.decide(8)[1]  # smaller: the cost model
-    sw._mode = {64: True}
-    assert sw.decide(32)[1] and sw.decide(1)[1]
-    assert asked == [32, 8]
+def _off_at_batch_1(switch_extra_s: float = 0.0, batches=(1,)):
+    """A SpecDecoder with speculation measured slower (250 tok/s per sequence) than plain
+    decoding (500: 2 ms a token) at each of `batches`, and a driver that runs rounds as the
+    engine would (cycling through the batches), each probe's first speculative round costing
+    `switch_extra_s` more than its rate says (a draft model's catch-up); the driver returns
+    the rounds where each batch's probes started."""
+    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.costs import StepCosts
 
-
-def test_the_on_margin_grows_with_what_switching_costs():
-    """Off, speculation comes on where it is faster by HYSTERESIS plus twice the bucket's
-    measured switch cost over PROBE_EVERY plain rounds: a draft model whose catch-up costs
-    10 plain rounds needs ~+68%, a cheap switch ~+5%."""
-    from llmaccel.spec.switch import HYSTERESIS
-
-    def switch_with(extra_s: float) -> SpecSwitch:
-        sw = SpecSwitch(StepCosts({4: 1.0}), prior=lambda b: True)
-        sw.record_step(None, 0, 0.0)
-        for _ in range(4):  # plain: a token per 1 ms round
-            sw.record_step(StepKind(4, False, 4), 4, 0.001)
-        for _ in range(4):  # speculating at 1.3x plain (1.3 tokens per 1 ms round)
-            sw.record_step(StepKind(4, True, 8), 4 * 1.3, 0.001)
-        sw.record_step(StepKind(4, False, 4), 4, 0.001 + extra_s)  # the switch's first round
+    spec = SpecDecoder(SpeculativeConfig(), 2048, None)
+    spec.costs = StepCosts({b: 2.0 for b in batches})
+    for b in batches:
+        spec.record_step(None, 0, 0.0)
         for _ in range(3):
-            sw.record_step(StepKind(4, False, 4), 4, 0.001)
-        sw._mode[4] = False
-        return sw
+            spec.record_step((b, True), 10 * b, 0.04)
+        for _ in range(3):
+            spec.record_step((b, False), b, 0.002)
+    last = {b: False for b in batches}
 
-    cheap, dear = switch_with(0.0), switch_with(0.010)
-    assert math.isclose(cheap._margin_on(4), HYSTERESIS)
-    assert math.isclose(dear._margin_on(4), HYSTERESIS + 2 * 0.010 / (PROBE_EVERY * 0.001))
-    assert cheap.decide(4)[1] and not dear.decide(4)[1]
+    def run(rounds: int) -> dict[int, list[int]]:
+        starts = {b: [] for b in batches}
+        for r in range(rounds):
+            b = batches[r % len(batches)]
+            on = spec.speculate_at(b)
+            spec.skip_round(b)  # as the engine counts every round, probe or not
+            first = on and not last[b]
+            if first:
+                starts[b].append(r)
+            spec.record_step((b, on), (10 if on else 1) * b,
+                             (0.04 + (switch_extra_s if first else 0.0)) if on else 0.002)
+            last[b] = on
+        return starts
+
+    return spec, run
+
+
+def test_probe_waits_follow_what_switching_costs():
+    """A probe that leaves the choice as it was places the next one where its switches'
+    measured excess (a draft model's catch-up) is PROBE_COST_SHARE of the plain rounds in
+    between, within PROBE_EVERY .. PROBE_EVERY_MAX rounds: cheap switches probe often (the
+    choice follows acceptance that changes within a request), dear ones rarely."""
+    from llmaccel.spec.switch import PROBE_COST_SHARE, PROBE_EVERY, PROBE_EVERY_MAX, PROBE_LEN
+
+    def gaps(extra_s: float) -> list[int]:
+        starts = _off_at_batch_1(extra_s)[1](9000)[1]
+        assert starts[0] == PROBE_EVERY - PROBE_LEN
+        return [b - a for a, b in zip(starts, starts[1:])]
+
+    assert set(gaps(0.0)) == {PROBE_EVERY}  # free switches: the shortest wait
+    # 0.2 s of catch-up per probe at 2 ms per plain round: 5,000 rounds for a 2% share
+    assert 0.2 / (PROBE_COST_SHARE * 0.002) > PROBE_EVERY_MAX
+    assert set(gaps(0.2)) == {PROBE_EVERY_MAX}
+    assert set(gaps(0.004)) == {100}  # 4 ms: 100 rounds
+
+
+def test_a_change_of_choice_brings_the_next_probe_close():
+    """Once plain decoding measures slower than speculation, speculation is chosen; the
+    change resets the wait, and the next probe, within PROBE_EVERY rounds, runs plain rounds
+    (speculation is measured now)."""
+    from llmaccel.spec.switch import PROBE_EVERY, PROBE_EVERY_MAX, PROBE_LEN
+
+    spec, run = _off_at_batch_1(0.2)
+    run(1500)
+    assert spec.switch._probes[1].every == PROBE_EVERY_MAX
+    spec.record_step(None, 0, 0.0)
+    # plain slows down to 1 token per 50 ms, 20 tok/s: speculation (250) is faster by more
+    # than its on margin, which its dear switches (0.2 s each) widen to ~3.6x
+    for _ in range(30):
+        spec.record_step((1, False), 1, 0.05)
+    assert spec.speculate_at(1)
+    spec.skip_round(1)
+    assert spec.switch._probes[1].every == PROBE_EVERY
+    plain = [r for r in range(PROBE_EVERY) if not spec.speculate_at(1, spec.switch.round + r)]
+    assert len(plain) == PROBE_LEN and plain == list(range(plain[0], plain[0] + PROBE_LEN))
+
+
+def test_probe_schedules_are_per_batch_size():
+    """Each batch-size bucket keeps its own probe schedule and switching cost: rounds at
+    batch 1, whose switches are free, neither reset nor shorten the long wait of batch 64,
+    whose switches are dear (with one global schedule, a batch of 64 on an H100 was probed
+    every 32 rounds: 2026-11-23-W5-trace-ngram-h100)."""
+    from llmaccel.spec.switch import PROBE_EVERY, PROBE_EVERY_MAX
+
+    spec, run = _off_at_batch_1(0.0, batches=(1, 64))
+    spec.switch._probe(64).cost = 1.0  # as if batch 64's first probe had switched at a dear price
+    starts = run(6000)
+    g1 = [b - a for a, b in zip(starts[1], starts[1][1:])]
+    g64 = [b - a for a, b in zip(starts[64], starts[64][1:])]
+    # waits count the rounds of all batches (within a round: each runs every other one)
+    assert set(g1) <= {PROBE_EVERY - 1, PROBE_EVERY, PROBE_EVERY + 1}, g1
+    assert abs(g64[0] - PROBE_EVERY_MAX) <= 2, g64
+
+
+def test_unsteady_plain_steps_and_cut_short_rounds_are_not_measured():
+    """Plain steps launched without async scheduling where it could have run (after a
+    change of the running set, or after speculating) are slower than plain decoding runs
+    steadily; rounds whose drafts max_tokens cut short emit fewer tokens than speculation
+    does. Neither stands for its mode's rate."""
+    from llmaccel.engine.sampling_params import SamplingParams
+    from llmaccel.engine.scheduler import SchedulerOutput
+    from llmaccel.engine.sequence import Sequence
+    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.costs import StepCosts
+
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4), 2048, None)
+    spec.costs = StepCosts({1: 2.0})
+    for steady in (True, True, True, False, False):  # the first is not counted
+        spec.record_step((1, False), 1, 0.002 if steady else 0.004, steady)
+    assert math.isclose(spec.monitor.rate(1, False), 500.0)
+    seq = Sequence("r", 0, [1, 2, 3], SamplingParams(max_tokens=10))
+    seq.output_token_ids = [5] * 7  # two tokens of room: at most 2 drafts
+    assert spec._k(seq, lambda k: 1.0) == 2 and spec._capped
+    seq.spec_token_ids = [6, 7]
+    sched = SchedulerOutput(scheduled=[(seq, 3)])
+    assert spec.step_kind(sched) is None  # not measured
+    spec._capped = False
+    assert spec.step_kind(sched) == (1, True, 3)  # batch, speculative, rows
+
+
+def test_measured_choice_has_hysteresis():
+    """Speculation goes off as soon as plain decoding measures faster, and comes on only
+    where it is more than HYSTERESIS faster (no switch cost measured here)."""
+    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.switch import HYSTERESIS
+    from llmaccel.spec.costs import StepCosts
+
+    spec = SpecDecoder(SpeculativeConfig(), 2048, None)
+    spec.costs = StepCosts({1: 1.0})
+    for _ in range(3):
+        spec.record_step((1, True), 1, 1 / 1000)  # 1000 tok/s speculating
+    plain = 1000 * (1 - HYSTERESIS / 2)  # speculation measured a little faster
+    for _ in range(3):
+        spec.record_step((1, False), 1, 1 / plain)
+    assert spec.speculate_at(1, 0)  # no mode yet: the faster one
+    spec.switch._mode[1] = True
+    assert spec.speculate_at(1, 0)  # on, and not slower: stays on
+    spec.switch._mode[1] = False
+    assert not spec.speculate_at(1, 0)  # off: not faster by the margin
+    for _ in range(30):
+        spec.record_step((1, False), 1, 1 / (1000 * (1 + HYSTERESIS / 2)))
+    spec.switch._mode[1] = True
+    assert not spec.speculate_at(1, 0)  # on, and plain is faster: off at once
+    spec.switch._mode[1] = False
+    for _ in range(30):
+        spec.record_step((1, False), 1, 1 / (1000 * (1 - 2 * HYSTERESIS)))
+    assert spec.speculate_at(1, 0)  # off, but plain is now clearly slower
