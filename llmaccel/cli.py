@@ -240,6 +240,50 @@ def quantize(
                   f"{report.seconds:.1f}s{summary}", highlight=False)
 
 
+@app.command()
+def finetune(
+    model: str = typer.Argument(..., help="An HF directory, a hub id (org/name) or a GGUF "
+                                "file (dequantized by transformers)."),
+    data: str = typer.Option("wikitext2", help="wikitext2 (the validation split, offline), a "
+                             "text file, or an HF dataset name (needs `datasets`, online)."),
+    lora_r: int = typer.Option(8, min=1, help="LoRA rank r."),
+    lora_alpha: float = typer.Option(16.0, help="LoRA alpha (the update is scaled by "
+                                     "alpha / r)."),
+    target_modules: str = typer.Option(",".join(("q_proj", "k_proj", "v_proj", "o_proj")),
+                                       help="Comma-separated module names to adapt."),
+    lr: float = typer.Option(1e-4, help="Learning rate (low by default: LoRA diverges fast)."),
+    steps: int = typer.Option(200, min=1, help="Optimizer steps."),
+    batch_size: int = typer.Option(4, min=1),
+    seq_len: int = typer.Option(256, min=2, help="Tokens per training block."),
+    eval_every: int = typer.Option(25, min=1, help="Steps between held-out evaluations."),
+    patience: int = typer.Option(2, min=1, help="Evaluations without a new best before "
+                                 "stopping."),
+    max_blocks: Optional[int] = typer.Option(None, min=2, help="Use at most this many blocks "
+                                             "of the data."),
+    seed: int = typer.Option(0),
+    out: str = typer.Option(..., "--out", help="Output directory (adapter/, merged/, "
+                            "finetune.json)."),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
+    dtype: str = typer.Option("auto", help="auto (bf16 on a GPU, fp32 on the CPU), bfloat16, "
+                              "float16 or float32."),
+) -> None:
+    """LoRA fine-tuning (peft) with held-out perplexity, early stopping on a rising
+    perplexity or degenerate probe generations, and a merged HF model."""
+    from llmaccel.train.lora import FinetuneConfig
+    from llmaccel.train.lora import finetune as run_finetune
+
+    targets = tuple(t.strip() for t in target_modules.split(",") if t.strip())
+    res = run_finetune(FinetuneConfig(
+        model=model, out=out, data=data, lora_r=lora_r, lora_alpha=lora_alpha,
+        target_modules=targets, lr=lr, steps=steps, batch_size=batch_size, seq_len=seq_len,
+        eval_every=eval_every, patience=patience, max_blocks=max_blocks, seed=seed,
+        device=device, dtype=dtype))
+    why = f"; stopped early: {res.stopped}" if res.stopped else ""
+    console.print(f"held-out perplexity {res.baseline_ppl:.3f} -> {res.best_ppl:.3f} (best at "
+                  f"step {res.best_step} of {res.steps_run}{why}); wrote {out}/merged, "
+                  f"{out}/adapter and {out}/finetune.json", highlight=False)
+
+
 eval_app = typer.Typer(help="Measure model quality (perplexity).", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 

@@ -1,0 +1,1 @@
+"""Training: LoRA fine-tuning (`lora.py`) with held-out perplexity and early stopping."""
