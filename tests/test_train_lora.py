@@ -137,3 +137,20 @@ def test_cli_finetunes_text_and_the_merged_model_serves(smollm2_hf, tmp_path):
     got = llm.generate(["The cat"], SamplingParams(temperature=0, max_tokens=4),
                        use_tqdm=False)
     assert len(got[0].outputs[0].token_ids) == 4
+
+
+def test_a_gguf_model_finetunes_and_saves_merged(smollm2_gguf, tmp_path):
+    """The default model is a GGUF file: transformers marks a GGUF-loaded model as quantized
+    and refuses to save it, so training runs on the dequantized weights and the merged model
+    saves (this failed before). Two steps of SmolLM2 on WikiText-2 blocks."""
+    from transformers import AutoModelForCausalLM
+
+    res = finetune(FinetuneConfig(model=str(smollm2_gguf), out=str(tmp_path), steps=2,
+                                  batch_size=1, seq_len=32, eval_every=2, max_blocks=12,
+                                  heldout=0.25, device="cpu", probe_tokens=4),
+                   progress=False)
+    assert res.steps_run == 2 and math.isfinite(res.best_ppl)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert merged.config.vocab_size == 49152
+    adapter_cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == str(smollm2_gguf)

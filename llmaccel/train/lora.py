@@ -98,11 +98,24 @@ def _load(cfg: FinetuneConfig, device: torch.device, dtype: torch.dtype):
     if source.kind == "shape":
         raise LLMAccelError(f"{cfg.model!r} is a benchmark shape with random weights; "
                             "fine-tuning needs a real model (HF directory, hub id or GGUF)")
-    args, kw = ((source.gguf_dir_and_file[0],), {"gguf_file": source.gguf_dir_and_file[1]}) \
-        if source.kind == "gguf" else ((str(source.path),), {})
-    model = AutoModelForCausalLM.from_pretrained(*args, dtype=dtype, **kw).to(device)
+    if source.kind == "gguf":
+        # transformers marks a GGUF-loaded model as quantized and refuses to save it (the
+        # merged model): train on the dequantized weights as a plain HF directory instead.
+        import shutil
+        import tempfile
+
+        from llmaccel.models.convert import gguf_to_hf_dir
+
+        tmp = tempfile.mkdtemp(prefix="llmaccel-lora-base-")
+        try:
+            _, tokenizer = gguf_to_hf_dir(source.path, tmp)
+            model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return model, tokenizer
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).to(device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(*args, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
     except Exception:  # no tokenizer files: fine when token blocks are passed in
         tokenizer = None
     if tokenizer is not None and len(tokenizer) == 0:
@@ -237,6 +250,7 @@ def finetune(cfg: FinetuneConfig, progress: bool = True,
                 p.copy_(best_state[n])
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    model.peft_config["default"].base_model_name_or_path = cfg.model  # what the user named
     model.save_pretrained(out / "adapter")
     merged = model.merge_and_unload()
     merged.save_pretrained(out / "merged", safe_serialization=True)
