@@ -19,6 +19,7 @@ of each model alone, in turns). Greedy outputs are compared with and without spe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -244,16 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                 switches = 0 if sw is None else sw.num_switches
                 # the plain engine stays loaded: its runs alternate with the speculative
                 # engine's, a fresh baseline for every cell
-                if args.monitor_log and sw is not None:
-                    with _MonitorLog(sw) as mlog:
-                        base, (wall, tokens, steps_spec, walls) = _run_alternating(
-                            [plain, llm], prompts, params, args.repeats)
+                mlog = _MonitorLog(sw) if args.monitor_log and sw is not None else None
+                with mlog or contextlib.nullcontext():
+                    base, (wall, tokens, steps_spec, walls) = _run_alternating(
+                        [plain, llm], prompts, params, args.repeats)
+                if mlog is not None:
                     with open(out / f"{args.name}-monitor.jsonl", "a") as f:
                         f.write(json.dumps({"method": method, "kind": kind, "batch": b,
                                             "commit": commit, "steps": mlog.rows}) + "\n")
-                else:
-                    base, (wall, tokens, steps_spec, walls) = _run_alternating(
-                        [plain, llm], prompts, params, args.repeats)
                 after = llm.get_stats().spec_decode
                 steps = after["num_steps"] - before["num_steps"]
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]

@@ -72,6 +72,9 @@ class SpecDecoder:
         # (a GPU with CUDA graphs: `costs`); None: the constant model 1 + k * cost_ratio.
         self.switch: SpecSwitch | None = None
         self.off = False  # the last round left speculation off for the whole batch
+        # the last round was at or above disable_by_batch_size (running + waiting); the steps
+        # launched ahead after it run the same batch, so they are not measured either
+        self._limited = False
         self._capped = False  # this round's drafts were cut short by max_tokens / the context
         # This round's draft-model proposals still on the device (spec/draft_model.py): the
         # verify step reads them there; `complete` brings them to the host.
@@ -143,7 +146,7 @@ class SpecDecoder:
         drafts were cut short by max_tokens or the context (the last rounds of a batch: they
         emit fewer tokens than speculation does, and their low rate would stand for the
         batch size in later requests)."""
-        if not sched.scheduled or not self._switched(len(sched.scheduled)):
+        if not self.automatic or self._limited or not sched.scheduled:
             return None
         drafted = False
         rows = 0
@@ -196,9 +199,11 @@ class SpecDecoder:
         self.pending = None
         self._capped = False
         batch = len(running)
-        if not self.config.speculate_at(batch + waiting):
-            on = False  # no switch round either: nothing here is measured
-        elif running and self._switched(batch):
+        # at or above disable_by_batch_size: no switch round, and its steps are not measured
+        self._limited = not self.config.speculate_at(batch + waiting)
+        if self._limited:
+            on = False
+        elif running and self.automatic:
             on, chosen = self.switch.decide(batch)
             self.switch.next_round(batch, chosen)
             if on and self.switch.shadow is not None:

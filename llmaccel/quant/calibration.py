@@ -67,25 +67,27 @@ def load_calibration_text(source: str) -> str:
             raise CalibrationError(f"calibration file {path} is not UTF-8 text") from None
     if source.startswith((".", "/", "~")) or path.suffix in (".txt", ".raw", ".md"):
         raise CalibrationError(f"calibration file {source!r} does not exist")
-    return _load_hf_dataset_text(source)
+    return load_hf_dataset_text(source)
 
 
-def _load_hf_dataset_text(name: str) -> str:
+def load_hf_dataset_text(name: str, splits: tuple[str, ...] = ("validation", "train", "test"),
+                         error: type[LLMAccelError] = CalibrationError) -> str:
+    """The 'text' column of a Hugging Face dataset (`name` or `name:config`; needs `datasets`
+    and the network), rows joined with a blank line, from the first of `splits` it has.
+    Calibration prefers held-out text; training (train/data.py) asks for the train split."""
     try:
         import datasets
     except ImportError:
-        raise CalibrationError(
-            f"{name!r} is neither 'wikitext2', 'tinyshakespeare' nor a file; loading it as a "
-            "Hugging Face dataset needs `pip install datasets`") from None
+        raise error(f"{name!r} is neither a known data name nor a file; loading it as a "
+                    "Hugging Face dataset needs `pip install datasets`") from None
     repo, _, config = name.partition(":")
     try:
         ds: Any = datasets.load_dataset(repo, config or None)
     except Exception as exc:  # offline, unknown name, gated: all user-side problems
-        raise CalibrationError(f"cannot load dataset {name!r}: {exc}") from None
-    split = next((s for s in ("validation", "train", "test") if s in ds), None)
+        raise error(f"cannot load dataset {name!r}: {exc}") from None
+    split = next((s for s in splits if s in ds), None)
     if split is None or "text" not in ds[split].column_names:
-        raise CalibrationError(f"dataset {name!r} has no validation/train/test split with a "
-                               "'text' column")
+        raise error(f"dataset {name!r} has no {'/'.join(splits)} split with a 'text' column")
     return "\n\n".join(ds[split]["text"])
 
 

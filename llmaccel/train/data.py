@@ -17,11 +17,12 @@ from llmaccel.errors import LLMAccelError
 _WIKITEXT = Path("wikitext-2-raw") / "wiki.valid.raw"
 
 
-def load_training_text(data: str, split: str = "train", text_column: str = "text") -> str:
+def load_training_text(data: str) -> str:
     """`wikitext2` (validation split from ../shared/data or $LLMACCEL_DATA_DIR: the train split
-    needs the hub), a UTF-8 file, or an HF dataset name (`datasets`, online)."""
+    needs the hub), a UTF-8 file, or an HF dataset (`name` or `name:config`, its train split
+    first; `datasets`, online)."""
     from llmaccel.eval.perplexity import join_rows
-    from llmaccel.quant.calibration import shared_data_dir
+    from llmaccel.quant.calibration import load_hf_dataset_text, shared_data_dir
 
     if data == "wikitext2":
         path = shared_data_dir() / _WIKITEXT
@@ -37,19 +38,7 @@ def load_training_text(data: str, split: str = "train", text_column: str = "text
             raise LLMAccelError(f"training file {path} is not UTF-8 text") from None
     if path.suffix or data.startswith((".", "/", "~")):
         raise LLMAccelError(f"training data file {data!r} does not exist")
-    try:
-        import datasets
-    except ImportError:
-        raise LLMAccelError(f"{data!r} is not a file; loading it as a Hugging Face dataset "
-                            "needs `pip install datasets`") from None
-    try:
-        ds = datasets.load_dataset(data, split=split)
-    except Exception as e:  # offline, unknown name, no such split
-        raise LLMAccelError(f"could not load dataset {data!r} (split {split!r}): {e}") from None
-    if text_column not in ds.column_names:
-        raise LLMAccelError(f"dataset {data!r} has no column {text_column!r} "
-                            f"(columns: {', '.join(ds.column_names)})")
-    return "\n\n".join(ds[text_column])
+    return load_hf_dataset_text(data, ("train", "validation", "test"), LLMAccelError)
 
 
 def token_blocks(tokenizer, text: str, seq_len: int, max_blocks: int | None = None

@@ -167,6 +167,7 @@ def finetune(cfg: FinetuneConfig, progress: bool = True,
     """Train, evaluate, stop early, restore the best adapters, save adapter + merged model.
     `blocks`: [n, seq_len] token ids to use instead of tokenizing `cfg.data`."""
     from peft import LoraConfig, get_peft_model
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from llmaccel.train.data import load_training_text, split_heldout, token_blocks
 
@@ -211,7 +212,11 @@ def finetune(cfg: FinetuneConfig, progress: bool = True,
     fine_before = [d is None for d in first["degenerate"]]
     best_nll, best_step, best_state = first["heldout_nll"], 0, snapshot()
     stopped, bad, losses, step = None, 0, [], 0
-    bar = _progress(progress, cfg.steps)
+    bar = Progress(TextColumn("LoRA"), BarColumn(), TextColumn(
+        "{task.completed}/{task.total} loss {task.fields[loss]:.3f} held-out ppl "
+        "{task.fields[ppl]:.3f}"), TimeRemainingColumn(), disable=not progress)
+    task = bar.add_task("train", total=cfg.steps, loss=float("nan"), ppl=math.exp(best_nll))
+    bar.start()
     for step in range(1, cfg.steps + 1):
         model.train()
         idx = torch.randint(len(train), (cfg.batch_size,), generator=gen)
@@ -225,12 +230,12 @@ def finetune(cfg: FinetuneConfig, progress: bool = True,
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(loss.item())
-        bar.update(step, loss=losses[-1], ppl=math.exp(best_nll))
+        bar.update(task, completed=step, loss=losses[-1])
         if step % cfg.eval_every and step != cfg.steps:
             continue
         row = evaluate(step, sum(losses) / len(losses))
         losses = []
-        bar.update(step, loss=row["train_loss"], ppl=row["heldout_ppl"])
+        bar.update(task, loss=row["train_loss"], ppl=row["heldout_ppl"])
         turned = [d for d, ok in zip(row["degenerate"], fine_before) if d and ok]
         if row["heldout_nll"] < best_nll:
             best_nll, best_step, best_state, bad = row["heldout_nll"], step, snapshot(), 0
@@ -243,7 +248,7 @@ def finetune(cfg: FinetuneConfig, progress: bool = True,
                        f"(best {math.exp(best_nll):.3f} at step {best_step})")
         if stopped:
             break
-    bar.close()
+    bar.stop()
     with torch.no_grad():  # the best evaluation's adapters (maybe the untrained ones)
         for n, p in model.named_parameters():
             if n in best_state:
@@ -266,27 +271,3 @@ def finetune(cfg: FinetuneConfig, progress: bool = True,
                "history": history}
     (out / "finetune.json").write_text(json.dumps(summary, indent=1))
     return result
-
-
-class _progress:
-    """A rich progress bar with the loss and held-out perplexity (no-op when off)."""
-
-    def __init__(self, on: bool, total: int) -> None:
-        self.bar = None
-        if on:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("LoRA"), BarColumn(), TextColumn("{task.completed}/"
-                                "{task.total} loss {task.fields[loss]:.3f} held-out ppl "
-                                "{task.fields[ppl]:.3f}"), TimeRemainingColumn())
-            self.task = self.bar.add_task("train", total=total, loss=float("nan"),
-                                          ppl=float("nan"))
-            self.bar.start()
-
-    def update(self, step: int, loss: float, ppl: float) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, loss=loss, ppl=ppl)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
