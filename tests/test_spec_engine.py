@@ -198,11 +198,12 @@ def test_adaptive_k_backs_off_when_drafts_fail(tiny):
 
 
 def test_unknown_speculative_method_is_a_clear_error(tiny):
+    from llmaccel.errors import LLMAccelError
     from llmaccel.spec import SpeculativeConfigError
 
     with pytest.raises(SpeculativeConfigError, match="num_speculative_tokens"):
         _llm(tiny, {"method": "ngram", "num_speculative_tokens": 0})
-    with pytest.raises(SpeculativeConfigError, match="not available in the engine yet"):
+    with pytest.raises(LLMAccelError, match="is not a draft head"):
         _llm(tiny, {"method": "head", "model": tiny})
 
 

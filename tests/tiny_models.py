@@ -38,3 +38,48 @@ def make_tiny_model(config: PretrainedConfig, directory: Path, seed: int = 0):
                 p.normal_(0.0, 0.08)
     model.save_pretrained(directory)
     return model
+
+
+def make_tiny_head(target: PretrainedConfig, directory: Path, seed: int = 0,
+                   fc_bias: bool = False) -> dict[str, torch.Tensor]:
+    """A random EAGLE-style draft head for `target` in the layout `llmaccel distill-draft
+    --kind head` writes (models/draft_head.py): a one-layer Llama config with our marker,
+    fc and layer 0 without input_layernorm. Returns the tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, inter = target.hidden_size, target.intermediate_size
+    heads, kv = target.num_attention_heads, target.num_key_value_heads
+    hd = getattr(target, "head_dim", None) or h // heads
+
+    def rand(*shape, scale=0.08):
+        return torch.randn(*shape, generator=g) * scale
+
+    tensors = {"fc.weight": rand(h, 2 * h),
+               "layers.0.self_attn.q_proj.weight": rand(heads * hd, h),
+               "layers.0.self_attn.k_proj.weight": rand(kv * hd, h),
+               "layers.0.self_attn.v_proj.weight": rand(kv * hd, h),
+               "layers.0.self_attn.o_proj.weight": rand(h, heads * hd),
+               "layers.0.mlp.gate_proj.weight": rand(inter, h),
+               "layers.0.mlp.up_proj.weight": rand(inter, h),
+               "layers.0.mlp.down_proj.weight": rand(h, inter),
+               "layers.0.post_attention_layernorm.weight": 1.0 + rand(h, scale=0.1)}
+    if fc_bias:
+        tensors["fc.bias"] = rand(h)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    cfg = LlamaConfig(vocab_size=target.vocab_size, hidden_size=h, intermediate_size=inter,
+                      num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv,
+                      head_dim=hd, max_position_embeddings=target.max_position_embeddings,
+                      rms_norm_eps=target.rms_norm_eps, tie_word_embeddings=False).to_dict()
+    for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+        if getattr(target, key, None) is not None:
+            cfg[key] = getattr(target, key)
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["llmaccel_draft_head"] = {"kind": "eagle", "target": "tiny", "feature":
+                                  "final_norm_output", "fc_bias": fc_bias}
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    return tensors

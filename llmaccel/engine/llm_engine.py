@@ -10,7 +10,7 @@ import torch
 
 from llmaccel.engine.block_manager import BlockManager
 from llmaccel.engine.config import EngineConfig
-from llmaccel.engine.kv_cache import allocate_kv_caches, resolve_kv_cache_dtype
+from llmaccel.engine.kv_cache import allocate_kv_caches, bytes_per_block, resolve_kv_cache_dtype
 from llmaccel.engine.model_runner import ModelRunner
 from llmaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_generator,
@@ -27,6 +27,7 @@ from llmaccel.models.config import make_model_config
 from llmaccel.models.loader import get_model
 from llmaccel.models.tokenizer import eos_token_ids, get_tokenizer
 from llmaccel.spec.costs import measure_step_costs
+from llmaccel.spec.draft_head import HeadProposer, feature_bytes_per_block, load_head_for
 from llmaccel.spec.draft_model import DraftModelProposer, load_draft_model
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class LLMEngine:
                                seed=config.seed)
         # a draft model loads before the KV pool is sized: its weights and KV take a share
         self.draft_model = load_draft_model(config, mc, device)
+        self.draft_head = load_head_for(config, self.model, mc, device)
         self.tokenizer = None
         if not config.skip_tokenizer_init and (mc.source.kind != "shape" or config.tokenizer):
             self.tokenizer = get_tokenizer(mc, config.tokenizer)
@@ -85,9 +87,12 @@ class LLMEngine:
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.kv_cache_dtype, mc.dtype, device, self.model.attention_backend.name)
         bs = config.block_size
+        head_bytes = 0 if self.draft_head is None else (
+            bytes_per_block(self.draft_head, bs, self.kv_cache_dtype)
+            + feature_bytes_per_block(self.model, bs, mc.dtype))
         num_blocks = config.num_gpu_blocks or profile_num_blocks(
             config, self.model, mc.max_model_len, self.max_num_batched_tokens,
-            self.kv_cache_dtype, device, self.draft_model)
+            self.kv_cache_dtype, device, self.draft_model, head_bytes)
         if num_blocks * bs < mc.max_model_len:
             raise LLMAccelError(f"the KV cache holds {num_blocks * bs} tokens, fewer than "
                                 f"max_model_len={mc.max_model_len}; lower max_model_len or give "
@@ -95,6 +100,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.enable_chunked_prefill)
+        if self.draft_head is not None:  # before the target's graphs are captured
+            self.model.feature_cache = torch.zeros(num_blocks * bs + 1, mc.hf_config.hidden_size,
+                                                   dtype=mc.dtype, device=device)
         self.runner = ModelRunner(self.model, allocate_kv_caches(
             self.model, num_blocks, bs, self.kv_cache_dtype, device), bs, mc.max_model_len,
             capture_sizes(config, device, max_num_batched_tokens=self.max_num_batched_tokens))
@@ -108,12 +116,14 @@ class LLMEngine:
         self.spec = None
         if config.speculative_config is not None:
             draft = None
+            sizes = capture_sizes(config, device, draft=True,
+                                  max_num_batched_tokens=self.max_num_batched_tokens)
             if self.draft_model is not None:
                 draft = DraftModelProposer(self.draft_model, num_blocks, bs, mc.max_model_len,
-                                           self.kv_cache_dtype, device,
-                                           capture_sizes(config, device, draft=True,
-                                                         max_num_batched_tokens=(
-                                                             self.max_num_batched_tokens)))
+                                           self.kv_cache_dtype, device, sizes)
+            elif self.draft_head is not None:
+                draft = HeadProposer(self.draft_head, self.model, num_blocks, bs,
+                                     mc.max_model_len, self.kv_cache_dtype, device, sizes)
             self.spec = SpecDecoder(config.speculative_config, mc.max_model_len,
                                     self.stop_checker, draft)
             self.spec.costs = measure_step_costs(self.runner, draft)

@@ -54,6 +54,7 @@ class ModelRunner:
         self._kv_bytes_per_key = (0 if cache is None else
                                   2 * cache.shape[-2] * cache.shape[-1] * cache.element_size())
         self.graphs: CUDAGraphRunner | None = None
+        self.ran_graph = False  # whether the last `execute` replayed a CUDA graph
         if self.device.type == "cuda" and getattr(model.model.norm, "use_triton", False):
             from llmaccel.kernels import pdl
             pdl.configure(self.device)  # before capture: graphs keep the launch attributes
@@ -74,6 +75,11 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for cache in self._copy_views:
             cache[:, dst] = cache[:, src]
+        features = self.model.feature_cache  # a draft head's inputs, kept by slot
+        if features is not None:
+            offsets = torch.arange(self.block_size, device=self.device)
+            features[(dst[:, None] * self.block_size + offsets).flatten()] = features[
+                (src[:, None] * self.block_size + offsets).flatten()]
 
     def _small_step_as_rows(self, step: SchedulerOutput) -> bool:
         """Whether a step with a longer run (a prefill chunk) still runs as decode rows in a
@@ -147,7 +153,8 @@ class ModelRunner:
             raise ValueError(f"input_ids has {input_ids.shape[0]} ids for {len(ids)} tokens")
         subset = len(rows) < len(ids)
         patch = (patch_src, patch_dst, drafts[0]) if patch_dst else None
-        if as_rows and self.graphs is not None and self.graphs.can_run(len(ids)):
+        self.ran_graph = as_rows and self.graphs is not None and self.graphs.can_run(len(ids))
+        if self.ran_graph:
             if not rows:
                 self.graphs.run(ids, positions, slots, seq_lens, tables, input_ids,
                                 patch=patch)

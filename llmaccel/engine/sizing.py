@@ -15,11 +15,15 @@ from llmaccel.models.transformer import TransformerForCausalLM
 def rows_per_seq(config: EngineConfig, draft: bool = False) -> int:
     """The most decode rows one sequence takes in a graphed step: 1, or with speculation the
     last token and k drafts (a verify step), or 2 for the draft model (its catch-up: the
-    target's token after a fully accepted step, and the last draft)."""
+    target's token after a fully accepted step, and the last draft); a draft head catches up
+    on as many as a verify step has."""
     spec = config.speculative_config
     if spec is None:
         return 1
-    return 2 if draft else 1 + spec.num_speculative_tokens
+    if draft and spec.method == "draft":
+        return 2
+    # a verify step; a draft head's catch-up recomputes the accepted drafts and one more
+    return 1 + spec.num_speculative_tokens
 
 
 # Graphs are captured up to at least this many rows, even where decode steps never have as
@@ -50,9 +54,11 @@ def capture_sizes(config: EngineConfig, device: torch.device, draft: bool = Fals
 def profile_num_blocks(config: EngineConfig, model: TransformerForCausalLM, max_model_len: int,
                        max_num_batched_tokens: int, kv_cache_dtype: torch.dtype,
                        device: torch.device,
-                       draft_model: TransformerForCausalLM | None = None) -> int:
+                       draft_model: TransformerForCausalLM | None = None,
+                       extra_bytes_per_block: int = 0) -> int:
     """KV blocks for the memory left: on GPU, run the largest step once without a cache to
-    measure activation memory; a draft model's KV takes its share of every block."""
+    measure activation memory; a draft model's KV takes its share of every block, as do
+    `extra_bytes_per_block` (a draft head's KV and the target's feature cache)."""
     if device.type == "cuda":
         # Budget from this engine's own peak: weights + the profiling step (an earlier peak in
         # the same process, e.g. another model since freed, must not count).
@@ -66,8 +72,9 @@ def profile_num_blocks(config: EngineConfig, model: TransformerForCausalLM, max_
             model.compute_logits(hidden[-min(n, config.max_num_seqs * rows_per_seq(config)):])
         torch.cuda.synchronize(device)
     useful = config.max_num_seqs * -(-max_model_len // config.block_size)
-    extra = (0 if draft_model is None else
-             bytes_per_block(draft_model, config.block_size, kv_cache_dtype))
+    extra = extra_bytes_per_block + (0 if draft_model is None else
+                                     bytes_per_block(draft_model, config.block_size,
+                                                     kv_cache_dtype))
     return num_blocks_for_budget(model, config.block_size, kv_cache_dtype, device,
                                  config.gpu_memory_utilization, config.cpu_kv_cache_gib, useful,
                                  extra_bytes_per_block=extra)

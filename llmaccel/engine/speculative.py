@@ -43,6 +43,9 @@ NGRAM_COST_RATIO = 0.05
 # A draft model's step relative to the target's, for the adaptive k until measured: a 3x
 # smaller model runs a decode step in about a third of the time or more (launch-bound).
 DRAFT_COST_RATIO = 0.35
+# A draft head's step (one layer, plus the target's LM head) relative to the target's: a
+# fraction of a draft model's, above n-gram's; measured at run time where graphs exist.
+HEAD_COST_RATIO = 0.15
 # n-gram indexes are kept current while the GPU runs a step (index_running), a 1/INDEX_SPREAD
 # share of the running sequences per step, round robin: each sequence catches up every
 # INDEX_SPREAD steps on what it decoded since, and the host work per step stays small (one
@@ -53,16 +56,17 @@ INDEX_SPREAD = 8
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, stop_checker,
                  draft=None) -> None:
-        """`draft`: the DraftModelProposer (spec/draft_model.py) for method 'draft'."""
-        if config.method == "head":
-            raise SpeculativeConfigError(
-                "speculative method 'head' is not available in the engine yet; use 'ngram' "
-                "or 'draft'")
+        """`draft`: the DraftModelProposer (spec/draft_model.py) for method 'draft', the
+        HeadProposer (spec/draft_head.py) for 'head'."""
+        if config.method != "ngram" and draft is None:
+            raise SpeculativeConfigError(f"speculative method {config.method!r} needs its "
+                                         "proposer (the engine loads it)")
         self.config = config
         self.max_model_len = max_model_len
         self.stop_checker = stop_checker
         self.draft = draft
-        default_cost = NGRAM_COST_RATIO if draft is None else DRAFT_COST_RATIO
+        default_cost = (NGRAM_COST_RATIO if draft is None else
+                        HEAD_COST_RATIO if config.method == "head" else DRAFT_COST_RATIO)
         self.cost_ratio = (config.draft_cost_ratio if config.draft_cost_ratio is not None
                            else default_cost)
         # The engine's recent acceptance over all requests, for the cost model's on/off answer

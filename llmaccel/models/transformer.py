@@ -194,10 +194,18 @@ class TransformerForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, prefix="lm_head")
+        # [KV slots + 1, hidden]: with a draft head (models/draft_head.py), every step's
+        # final hidden states are kept by KV slot, where the head reads its input features;
+        # the last row takes the writes of rows without a slot (-1: padding, profiling).
+        self.feature_cache: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+        hidden = self.model(input_ids, positions, attn_metadata)
+        cache = self.feature_cache
+        if cache is not None and attn_metadata.slot_mapping is not None:
+            cache.index_copy_(0, attn_metadata.slot_mapping.remainder(cache.shape[0]), hidden)
+        return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.tie_word_embeddings:

@@ -162,7 +162,7 @@ class DraftModelProposer:
         for j in range(steps):
             if not step:
                 break
-            _, logits, greedy = self.runner.execute(SchedulerOutput(scheduled=step), next_ids)
+            _, logits, greedy = self._execute(step, next_ids, j)
             for view, n in step:
                 view.num_computed_tokens += n
             rows = active[:len(step)]
@@ -201,6 +201,12 @@ class DraftModelProposer:
                 drafts[i] = [int(host[j][r]) for j in range(ks[i])]
                 views[i].drafts = list(drafts[i])
         return drafts, out_q, None
+
+    def _execute(self, step: list[tuple[DraftView, int]], next_ids: torch.Tensor | None,
+                 j: int) -> tuple[list, torch.Tensor, torch.Tensor | None]:
+        """Draft step j over `step` (view, tokens) pairs: the catch-up at j = 0, then one
+        token per still-drafting view (a prefix of the previous step's views)."""
+        return self.runner.execute(SchedulerOutput(scheduled=step), next_ids)
 
     def _to_host(self, ids: torch.Tensor, columns: dict[Sequence, int]) -> DeviceDrafts:
         """Start copying `ids` to a reused pinned buffer (read back in the verify step, before

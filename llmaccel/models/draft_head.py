@@ -1,0 +1,168 @@
+"""An EAGLE-style draft head in the engine: one decoder layer over the target's features.
+
+Checkpoint (what `llmaccel distill-draft --kind head` writes; EAGLE-1's layout as vLLM loads
+it for method "eagle"): a Llama `config.json` with one hidden layer and our marker
+`llmaccel_draft_head`, and `fc.weight` [H, 2H] (optionally `fc.bias`) plus `layers.0.*` without
+`input_layernorm` (EAGLE-1's first layer has none). No embeddings and no LM head: both are the
+target's, shared.
+
+Forward at head position i: `fc(cat(embed(x_{i+1}), f_i))` through the decoder layer (no input
+norm), output `o_i = layer output + residual` (no final norm). f_i is the target's hidden state
+at position i after its final norm (what its LM head reads); `lm_head(o_i)` predicts x_{i+2}
+and o_i stands in for f_{i+1} when the head drafts further.
+
+The features come in through `static_features` (a buffer the CUDA graphs read: the proposer
+copies each step's features there) or, for steps larger than it (a long catch-up, run
+eagerly), `feature_input`. Outputs go to `static_out` (what a graph replay leaves) and
+`last_out` (the eager step's tensor).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmaccel.errors import CorruptCheckpointError, LLMAccelError
+from llmaccel.models.attention import get_attention_backend
+from llmaccel.models.layers.linear import Linear
+from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
+from llmaccel.models.transformer import DecoderLayer, TransformerForCausalLM
+
+HEAD_MARKER = "llmaccel_draft_head"
+# Rows of the static feature/output buffers when the head has no CUDA graphs (CPU, eager):
+# steps up to this size read the static buffer, larger ones a tensor of their own.
+DEFAULT_STATIC_ROWS = 512
+
+
+class DraftHeadModel(nn.Module):
+    def __init__(self, config, target: TransformerForCausalLM, max_positions: int,
+                 fc_bias: bool) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        # its own backend object: set_fused_kernels configures a backend per model
+        backend = get_attention_backend(target.attention_backend.name)
+        self.hidden_size = hidden
+        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
+        self.embed_tokens = target.model.embed_tokens  # shared: the target's
+        self.fc = Linear(2 * hidden, hidden, fc_bias, None, "fc")
+        self.layers = nn.ModuleList([DecoderLayer(config, backend, rotary, None, "layers.0")])
+        self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: the fc output goes in as is
+        # ModelRunner reads norm.use_triton to decide on Triton launch settings; the head's
+        # output needs no norm, so the target's stands in for that flag (never applied here).
+        self.norm = target.model.norm
+        self.static_features: torch.Tensor | None = None
+        self.static_out: torch.Tensor | None = None
+        self.feature_input: torch.Tensor | None = None
+        self.last_out: torch.Tensor | None = None
+
+    def allocate_buffers(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Static feature input and output buffers for steps of up to `rows` tokens (before
+        any CUDA graph is captured: graphs keep their addresses)."""
+        self.static_features = torch.zeros(rows, self.hidden_size, dtype=dtype, device=device)
+        self.static_out = torch.zeros(rows, self.hidden_size, dtype=dtype, device=device)
+
+    def forward(self, input_ids, positions, meta):
+        n = input_ids.shape[0]
+        feats = (self.feature_input if self.feature_input is not None
+                 else self.static_features[:n])
+        emb = self.embed_tokens(input_ids)
+        x = self.fc(torch.cat([emb, feats.to(emb.dtype)], dim=-1))
+        x, residual = self.layers[0](positions, x, None, meta)
+        out = x + residual
+        if n <= self.static_out.shape[0]:
+            self.static_out[:n].copy_(out)
+        self.last_out = out
+        return out
+
+
+class DraftHeadForCausalLM(TransformerForCausalLM):
+    """The head with the engine's model interface (ModelRunner, CUDA graphs, KV sizing);
+    logits through the target's LM head."""
+
+    def __init__(self, config, target: TransformerForCausalLM, max_positions: int,
+                 fc_bias: bool = False) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.quant_config = None
+        self.tie_word_embeddings = False
+        self.model = DraftHeadModel(config, target, max_positions, fc_bias)
+        self.feature_cache = None  # the head keeps no features of its own
+        # a plain attribute, not a submodule: the target's weights are not the head's
+        object.__setattr__(self, "_target", target)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._target.compute_logits(hidden_states)
+
+    def set_fused_kernels(self, enabled: bool, fuse_decode: bool | None = None) -> None:
+        # The fused decode layer folds the input norm into the qkv GEMV; the head has none.
+        super().set_fused_kernels(enabled, fuse_decode=False)
+
+    def load_weights(self, weights):
+        own = ((name if name.startswith("lm_head") else f"model.{name}", t)
+               for name, t in weights
+               if not name.startswith(("embed_tokens.", "model.embed_tokens.", "lm_head.")))
+        return super().load_weights(own)
+
+
+def read_head_config(path: str | Path):
+    """The head's HF config from its directory, checked to be one of our draft heads."""
+    from transformers import AutoConfig
+
+    path = Path(path).expanduser()
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise LLMAccelError(f"draft head {str(path)!r} has no config.json (make one with "
+                            "`llmaccel distill-draft TARGET --kind head --out DIR`)")
+    raw = json.loads(cfg_file.read_text())
+    if HEAD_MARKER not in raw:
+        raise LLMAccelError(f"{str(path)!r} is not a draft head (its config.json has no "
+                            f"'{HEAD_MARKER}' entry): use method 'draft' for a draft model")
+    if raw.get("num_hidden_layers") != 1:
+        raise CorruptCheckpointError(f"draft head {str(path)!r} has num_hidden_layers "
+                                     f"{raw.get('num_hidden_layers')}; a head has one layer")
+    return AutoConfig.from_pretrained(str(path)), raw[HEAD_MARKER]
+
+
+def load_draft_head(path: str | Path, target: TransformerForCausalLM, max_positions: int,
+                    device: torch.device, dtype: torch.dtype) -> DraftHeadForCausalLM:
+    """The head of `path` for `target`: its width and vocabulary must be the target's."""
+    from llmaccel.models.loader import safetensors_weights
+
+    config, marker = read_head_config(path)
+    tcfg = target.config
+    for key in ("hidden_size", "vocab_size"):
+        if getattr(config, key) != getattr(tcfg, key):
+            raise LLMAccelError(f"draft head {str(path)!r} has {key} {getattr(config, key)}, "
+                                f"the target {getattr(tcfg, key)}: it was trained for another "
+                                "model")
+    with torch.device(device):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            head = DraftHeadForCausalLM(config, target, max_positions,
+                                        bool(marker.get("fc_bias", False)))
+        finally:
+            torch.set_default_dtype(prev)
+    try:
+        loaded = head.load_weights(safetensors_weights(Path(path).expanduser(), device))
+    except KeyError as e:
+        raise CorruptCheckpointError(f"draft head tensor {e} of {str(path)!r} has no place in "
+                                     "an EAGLE-style head") from e
+    except ValueError as e:
+        raise CorruptCheckpointError(f"draft head {str(path)!r} does not match its config: "
+                                     f"{e}") from e
+    shared = {n for n, _ in head.named_parameters() if n.startswith(("model.embed_tokens",
+                                                                     "model.norm"))}
+    missing = sorted(set(dict(head.named_parameters())) - loaded - shared)
+    if missing:
+        raise CorruptCheckpointError(f"draft head {str(path)!r} lacks {len(missing)} weights "
+                                     f"(first: {missing[0]})")
+    for module in head.modules():
+        if isinstance(module, Linear):
+            module.quant_method.process_weights_after_loading(module)
+    head.set_fused_kernels(bool(getattr(target.model.norm, "use_triton", False)))
+    return head.eval()

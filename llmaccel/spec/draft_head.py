@@ -1,0 +1,127 @@
+"""Speculative method "head": an EAGLE-style draft head (models/draft_head.py) proposes tokens
+from the target's own hidden states.
+
+The head keeps its own one-layer paged KV and runs like a draft model (spec/draft_model.py:
+a catch-up step, then k - 1 single-token steps, drafts kept on the device for the verify
+step), with two differences:
+
+- Its input at head position i is the token at i + 1 and the target's feature f_i. The target
+  writes every step's final hidden states into a cache indexed by KV slot
+  (`TransformerForCausalLM.feature_cache`), so the catch-up gathers f_i for any position the
+  target has computed: after a verify step, after plain steps (speculation switched off), or
+  from prefix-cached blocks (same tokens at the same positions: same features).
+- Drafted positions ran on the head's own outputs instead of the target's features, so after
+  verification the head's KV is kept only up to the last real token; the next catch-up
+  recomputes the accepted tokens with the target's features (1 + accepted rows, one layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmaccel.engine.scheduler import SchedulerOutput
+from llmaccel.engine.sequence import Sequence
+from llmaccel.models.draft_head import (
+    DEFAULT_STATIC_ROWS,
+    DraftHeadForCausalLM,
+    load_draft_head,
+)
+from llmaccel.models.transformer import TransformerForCausalLM
+from llmaccel.spec.draft_model import DraftModelProposer, DraftView
+
+
+class HeadView(DraftView):
+    """A sequence as the head sees it: head position i holds the sequence's token i + 1 (the
+    feature at i is the target's), so it has one token fewer, followed by this step's drafts."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens - 1 + len(self.drafts)
+
+    def token_at(self, i: int) -> int:
+        return DraftView.token_at(self, i + 1)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return DraftView.token_slice(self, start + 1, end + 1)
+
+
+class HeadProposer(DraftModelProposer):
+    def __init__(self, head: DraftHeadForCausalLM, target: TransformerForCausalLM,
+                 num_blocks: int, block_size: int, max_model_len: int,
+                 kv_cache_dtype: torch.dtype, device: torch.device,
+                 cudagraph_capture_sizes: list[int] | None = None) -> None:
+        if target.feature_cache is None:
+            raise ValueError("the target keeps no feature cache for the draft head")
+        rows = max(cudagraph_capture_sizes) if cudagraph_capture_sizes else DEFAULT_STATIC_ROWS
+        # before the head's graphs are captured: they read and write these buffers
+        head.model.allocate_buffers(rows, target.feature_cache.dtype, device)
+        super().__init__(head, num_blocks, block_size, max_model_len, kv_cache_dtype, device,
+                         cudagraph_capture_sizes)
+        self.target = target
+        self._last_rows: torch.Tensor | None = None  # the previous step's row of each view
+
+    def _view(self, seq: Sequence) -> DraftView:
+        if seq.draft_view is None:
+            seq.draft_view = HeadView(seq)
+        view = seq.draft_view
+        view.drafts = []
+        return view
+
+    def _execute(self, step, next_ids, j):
+        head = self.model.model
+        device = head.static_features.device
+        if j == 0:  # catch-up: the target's features of each view's new positions
+            bs = self.block_manager.block_size
+            slots: list[int] = []
+            for view, n in step:
+                table, start = view.seq.block_table, view.num_computed_tokens
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            feats = self.target.feature_cache.index_select(
+                0, torch.tensor(slots, dtype=torch.long, device=device))
+        else:  # the head's own outputs at each still-drafting view's last row
+            out = head.static_out if self.runner.ran_graph else head.last_out
+            feats = out.index_select(0, self._last_rows[:len(step)])
+        rows = feats.shape[0]
+        if rows <= head.static_features.shape[0]:
+            head.static_features[:rows].copy_(feats)
+        else:
+            head.feature_input = feats  # an eager step larger than the static buffer
+        try:
+            result = self.runner.execute(SchedulerOutput(scheduled=step), next_ids)
+        finally:
+            head.feature_input = None
+        ends, total = [], 0
+        for _, n in step:
+            total += n
+            ends.append(total - 1)
+        self._last_rows = torch.tensor(ends, dtype=torch.long, device=device)
+        return result
+
+    def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
+                 num_accepted: int) -> None:
+        """After verification: the head's KV holds valid entries only where its input was the
+        target's feature, i.e. positions before the last real token of the step."""
+        view = seq.draft_view
+        if view is None:
+            return
+        view.num_computed_tokens = min(view.num_computed_tokens, real_tokens_before - 1)
+        view.drafts = []
+        keep = -(-(view.num_computed_tokens + 1) // self.block_manager.block_size)
+        if len(view.block_table) > keep:
+            self.block_manager.truncate(view, keep)
+
+
+def feature_bytes_per_block(target: TransformerForCausalLM, block_size: int,
+                            dtype: torch.dtype) -> int:
+    """The feature cache's share of each KV block (one hidden state per slot)."""
+    return block_size * target.config.hidden_size * dtype.itemsize
+
+
+def load_head_for(config, target: TransformerForCausalLM, target_model_config,
+                  device: torch.device) -> DraftHeadForCausalLM | None:
+    """The draft head of a speculative_config with method 'head' (else None)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "head":
+        return None
+    return load_draft_head(spec.model, target, target_model_config.max_model_len, device,
+                           target_model_config.dtype)
