@@ -147,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", default=None)
-    ap.add_argument("--methods", default="draft,ngram")
+    ap.add_argument("--head", default=None,
+                    help="a draft head directory (llmaccel distill-draft --kind head) for "
+                         "method 'head'")
+    ap.add_argument("--methods", default="draft,ngram", help="any of draft, ngram, head")
     ap.add_argument("--switch", default="auto",
                     help="comma-separated: auto (the engine's off switch decides per step), on "
                          "(speculate at every step: what the switch chooses against)")
@@ -232,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"method": method, "num_speculative_tokens": args.k}
         if method == "draft":
             spec["model"] = args.draft
+        elif method == "head":
+            spec["model"] = args.head
         if switch == "on":  # never off: what speculating at every step gives (adaptive k >= 1)
             spec["auto_disable"] = False
         elif limits.get(method) is not None:
@@ -266,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                        "config": {"batch": b, "method": method, "switch": switch,
                                   "disable_by_batch_size": spec.get("disable_by_batch_size"),
                                   "kind": kind, "k": args.k,
-                                  "max_tokens": args.max_tokens, "draft": args.draft,
+                                  "max_tokens": args.max_tokens,
+                                  "draft": spec.get("model"),
                                   "identical_to_plain": tokens == base_tokens,
                                   "plain_out_tok_s": round(n_out / base_wall, 2),
                                   "spec_out_tok_s": round(n_out / wall, 2)},
