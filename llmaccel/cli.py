@@ -284,6 +284,58 @@ def finetune(
                   f"{out}/adapter and {out}/finetune.json", highlight=False)
 
 
+@app.command("distill-draft")
+def distill_draft(
+    target: str = typer.Argument(..., help="The target: an HF directory, a hub id (org/name) "
+                                 "or a GGUF file (dequantized by transformers)."),
+    kind: str = typer.Option("head", help="student (the target's first --layers layers, "
+                             "trained on its distribution; engine method \"draft\") or head "
+                             "(an EAGLE-style layer over the target's features; method "
+                             "\"head\")."),
+    data: str = typer.Option("wikitext2", help="wikitext2 (the validation split, offline), a "
+                             "text file, or an HF dataset name (needs `datasets`, online)."),
+    layers: Optional[int] = typer.Option(None, min=1, help="student: decoder layers to keep "
+                                         "(default: a quarter of the target's, at least 1)."),
+    lr: Optional[float] = typer.Option(None, help="Learning rate (default: 1e-4 for a "
+                                       "student, 5e-4 for a head)."),
+    steps: int = typer.Option(200, min=1, help="Optimizer steps."),
+    batch_size: int = typer.Option(4, min=1),
+    seq_len: int = typer.Option(256, min=2, help="Tokens per training block."),
+    eval_every: int = typer.Option(25, min=1, help="Steps between held-out evaluations."),
+    patience: int = typer.Option(2, min=1, help="Evaluations without a new best held-out KL "
+                                 "before stopping."),
+    max_blocks: Optional[int] = typer.Option(None, min=2, help="Use at most this many blocks "
+                                             "of the data."),
+    kl_weight: float = typer.Option(0.1, min=0.0, help="head: weight of the KL term beside "
+                                    "the feature regression."),
+    feature_noise: float = typer.Option(0.1, min=0.0, help="head: uniform noise on the input "
+                                        "features, relative to their RMS (0: off)."),
+    seed: int = typer.Option(0),
+    out: str = typer.Option(..., "--out", help="Output directory (the draft, distill.json)."),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
+    dtype: str = typer.Option("auto", help="The target's dtype: auto (bf16 on a GPU, fp32 on "
+                              "the CPU), bfloat16, float16 or float32. The draft trains in "
+                              "fp32 and saves in the target checkpoint's dtype."),
+) -> None:
+    """Train a draft for speculative decoding on the target's next-token distribution: a
+    smaller student or an EAGLE-style head, with held-out KL, top-1 agreement and early
+    stopping."""
+    from llmaccel.train.distill import distill_draft as run_distill
+    from llmaccel.train.distill_common import DistillConfig
+
+    res = run_distill(DistillConfig(
+        target=target, out=out, kind=kind, data=data, layers=layers, lr=lr, steps=steps,
+        batch_size=batch_size, seq_len=seq_len, eval_every=eval_every, patience=patience,
+        max_blocks=max_blocks, kl_weight=kl_weight, feature_noise=feature_noise, seed=seed,
+        device=device, dtype=dtype))
+    why = f"; stopped early: {res.stopped}" if res.stopped else ""
+    method = "draft" if kind == "student" else "head"
+    console.print(f"{kind}: held-out KL {res.baseline_kl:.4f} -> {res.best_kl:.4f}, top-1 "
+                  f"agreement {res.baseline_top1:.1%} -> {res.best_top1:.1%} (best at step "
+                  f"{res.best_step} of {res.steps_run}{why}); wrote {out} (speculative "
+                  f"method \"{method}\") and {out}/distill.json", highlight=False)
+
+
 eval_app = typer.Typer(help="Measure model quality (perplexity).", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 

@@ -59,6 +59,7 @@ class HeadProposer(DraftModelProposer):
                          cudagraph_capture_sizes)
         self.target = target
         self._last_rows: torch.Tensor | None = None  # the previous step's row of each view
+        self._arange: torch.Tensor | None = None
 
     def _view(self, seq: Sequence) -> DraftView:
         if seq.draft_view is None:
@@ -76,8 +77,7 @@ class HeadProposer(DraftModelProposer):
             for view, n in step:
                 table, start = view.seq.block_table, view.num_computed_tokens
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            feats = self.target.feature_cache.index_select(
-                0, torch.tensor(slots, dtype=torch.long, device=device))
+            feats = self.target.feature_cache.index_select(0, _to_device(slots, device))
         else:  # the head's own outputs at each still-drafting view's last row
             out = head.static_out if self.runner.ran_graph else head.last_out
             feats = out.index_select(0, self._last_rows[:len(step)])
@@ -90,11 +90,16 @@ class HeadProposer(DraftModelProposer):
             result = self.runner.execute(SchedulerOutput(scheduled=step), next_ids)
         finally:
             head.feature_input = None
-        ends, total = [], 0
-        for _, n in step:
-            total += n
-            ends.append(total - 1)
-        self._last_rows = torch.tensor(ends, dtype=torch.long, device=device)
+        if j == 0:
+            ends, total = [], 0
+            for _, n in step:
+                total += n
+                ends.append(total - 1)
+            self._last_rows = _to_device(ends, device)
+        else:  # one row per view
+            if self._arange is None or self._arange.shape[0] < len(step):
+                self._arange = torch.arange(max(len(step), 64), device=device)
+            self._last_rows = self._arange[:len(step)]
         return result
 
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
@@ -109,6 +114,13 @@ class HeadProposer(DraftModelProposer):
         keep = -(-(view.num_computed_tokens + 1) // self.block_manager.block_size)
         if len(view.block_table) > keep:
             self.block_manager.truncate(view, keep)
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 indices on the device without a host sync: a copy from pageable memory waits for
+    the stream (the head's steps launched before it), one from pinned memory does not."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def feature_bytes_per_block(target: TransformerForCausalLM, block_size: int,
