@@ -163,3 +163,26 @@ def test_bad_heads_are_clear_errors(pair, tmp_path):
     (torn / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CorruptCheckpointError, match="num_hidden_layers 2"):
         load(torn)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_head_under_cuda_graphs_on_gpu(pair):
+    """The head's catch-up and draft steps replay CUDA graphs (static feature and output
+    buffers); in fp32 its drafts follow the CPU reference and outputs stay the target's."""
+    d, hf, tensors = pair
+    prompts = [[11, 12, 13, 14, 15] * 12 + [3, 4], [5, 6, 7, 8] * 3, list(range(30, 52))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(dtype="float32", device="cuda", skip_tokenizer_init=True, block_size=16,
+              enable_prefix_caching=True)
+    want = [o.outputs[0].token_ids for o in
+            LLM(str(d / "target"), **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(d / "target"), speculative_config={**SPEC, "model": str(d / "head"),
+                                                     "auto_disable": False}, **kw)
+    assert llm.engine.spec.draft.runner.graphs is not None
+    rounds = _record_rounds(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    same = sum(dr == reference_drafts(hf, tensors, ctx, len(dr)) for ctx, dr in rounds)
+    assert len(rounds) >= 30 and same >= 0.9 * len(rounds), (same, len(rounds))
+    assert llm.engine.block_manager.num_used_blocks == 0
