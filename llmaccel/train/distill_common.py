@@ -1,0 +1,275 @@
+"""What both kinds of draft distillation share: the settings, the frozen target, token blocks,
+the KL / agreement measures and the training loop with held-out early stopping.
+
+A draft is only as good as how often the target accepts its tokens, so both kinds train
+towards the target's next-token distribution (KL(p_target || q_draft), temperature 1) and
+report, per evaluation on held-out blocks, the mean KL over positions and the top-1 agreement
+(the draft's argmax equals the target's: the step-1 acceptance of greedy speculation). The
+best evaluation by held-out KL is kept, as `finetune` keeps its best perplexity.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from llmaccel.errors import LLMAccelError
+
+KINDS = ("student", "head")
+# Per kind: a whole (small) model moves far with 1e-3; one fresh-ish layer needs more room.
+DEFAULT_LR = {"student": 1e-4, "head": 5e-4}
+
+
+@dataclass
+class DistillConfig:
+    target: str
+    out: str
+    kind: str = "head"
+    data: str = "wikitext2"
+    layers: int | None = None       # student: decoder layers kept (default: a quarter, >= 1)
+    train_layers_only: bool = False  # student: freeze the embedding, final norm and lm_head
+    lr: float | None = None         # None: DEFAULT_LR of the kind
+    steps: int = 200
+    batch_size: int = 4
+    seq_len: int = 256
+    eval_every: int = 25
+    heldout: float = 0.1            # the last fraction of the token blocks, never trained on
+    patience: int = 2               # evaluations without a new best before stopping
+    max_blocks: int | None = None
+    kl_weight: float = 0.1          # head: KL term beside the feature regression (EAGLE's 0.1)
+    feature_noise: float = 0.1      # head: uniform input-feature noise, relative to their RMS
+    fc_bias: bool = False           # head: vLLM's EAGLE-1 llama loader has no fc bias
+    seed: int = 0
+    device: str | None = None
+    dtype: str = "auto"             # the target's: auto = bf16 on a GPU, fp32 on the CPU
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.kind]
+
+    def check(self) -> None:
+        checks = [(self.kind in KINDS,
+                   f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}"),
+                  (self.layers is None or self.layers >= 1,
+                   f"layers must be >= 1, got {self.layers}"),
+                  (self.layers is None or self.kind == "student",
+                   "layers sets the size of a student (kind 'student'); a head has one"),
+                  (self.lr is None or self.lr > 0, f"lr must be > 0, got {self.lr}"),
+                  (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
+                  (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+                  (self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}"),
+                  (self.patience >= 1, f"patience must be >= 1, got {self.patience}"),
+                  (self.kl_weight >= 0, f"kl_weight must be >= 0, got {self.kl_weight}"),
+                  (self.feature_noise >= 0,
+                   f"feature_noise must be >= 0, got {self.feature_noise}")]
+        for ok, message in checks:
+            if not ok:
+                raise LLMAccelError(message)
+
+
+@dataclass
+class DistillResult:
+    out: Path
+    kind: str
+    baseline_kl: float
+    best_kl: float
+    baseline_top1: float
+    best_top1: float
+    best_step: int
+    steps_run: int
+    stopped: str | None             # why training stopped early, None if it ran every step
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Target:
+    """The frozen target: model, tokenizer (None without tokenizer files), its config as a
+    dict (config.json as written where there is one, so rope settings copy exactly) and the
+    dtype to save drafts in (the checkpoint's, not the one trained in)."""
+    model: Any
+    tokenizer: Any
+    config: dict[str, Any]
+    save_dtype: torch.dtype
+
+
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}
+
+
+def load_target(cfg: DistillConfig) -> tuple[Target, torch.device]:
+    """Load the target (HF directory, hub id or GGUF, through the LoRA loader), frozen."""
+    from llmaccel.models.source import resolve_model_source
+    from llmaccel.train.lora import _load, _resolve
+
+    device, dtype = _resolve(cfg)
+    source = resolve_model_source(cfg.target)
+    if source.kind == "shape":
+        raise LLMAccelError(f"{cfg.target!r} is a benchmark shape with random weights; "
+                            "distilling a draft needs a real target (HF directory, hub id or "
+                            "GGUF)")
+    model, tokenizer = _load(_LoadArgs(cfg.target), device, dtype)
+    model.eval().requires_grad_(False)
+    raw = None
+    if source.kind == "hf" and source.path is not None:
+        path = Path(source.path) / "config.json"
+        raw = json.loads(path.read_text()) if path.is_file() else None
+    config = raw if raw is not None else model.config.to_dict()
+    stored = str(config.get("dtype") or config.get("torch_dtype") or "")
+    save_dtype = _DTYPE_NAMES.get(stored.removeprefix("torch."), dtype)
+    return Target(model, tokenizer, config, save_dtype), device
+
+
+@dataclass
+class _LoadArgs:
+    """What lora._load reads of its config."""
+    model: str
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def training_blocks(cfg: DistillConfig, tokenizer, text: str | None,
+                    blocks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held out) token blocks of `text`, or of `blocks` when given."""
+    from llmaccel.train.data import split_heldout, token_blocks
+
+    if blocks is None:
+        assert text is not None
+        if tokenizer is None:
+            raise LLMAccelError(f"no tokenizer found for {cfg.target!r}: cannot tokenize the "
+                                "training text")
+        blocks = token_blocks(tokenizer, text, cfg.seq_len, cfg.max_blocks)
+    return split_heldout(blocks, cfg.heldout)
+
+
+def kl_terms(p_logits: torch.Tensor, q_logits: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: KL(p || q) (nats) and whether argmax q == argmax p, for logits [..., V].
+    In fp32: bf16 log-probabilities are too coarse for a KL near zero."""
+    logp = F.log_softmax(p_logits.float(), dim=-1)
+    logq = F.log_softmax(q_logits.float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    agree = p_logits.argmax(-1) == q_logits.argmax(-1)
+    return kl, agree
+
+
+def mean_kl_loss(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(p || q), differentiable in q; p carries no gradient."""
+    v = q_logits.shape[-1]
+    logp = F.log_softmax(p_logits.detach().float().reshape(-1, v), dim=-1)
+    logq = F.log_softmax(q_logits.float().reshape(-1, v), dim=-1)
+    return F.kl_div(logq, logp, log_target=True, reduction="batchmean")
+
+
+class Meter:
+    """Sums of per-position measures over held-out batches -> their means."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.count = 0
+
+    def add(self, n: int, **sums: float) -> None:
+        self.count += n
+        for k, v in sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+
+    def means(self) -> dict[str, float]:
+        return {k: v / max(self.count, 1) for k, v in self.sums.items()}
+
+
+@dataclass
+class LoopOutcome:
+    history: list[dict[str, Any]]
+    best_step: int
+    steps_run: int
+    stopped: str | None
+
+
+def train_loop(cfg: DistillConfig, label: str, params: list[torch.nn.Parameter],
+               train: torch.Tensor, device: torch.device,
+               step_loss: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+               evaluate: Callable[[], dict[str, float]],
+               snapshot: Callable[[], Any], restore: Callable[[Any], None],
+               progress: bool) -> LoopOutcome:
+    """AdamW on `params` over random batches of `train`; every `eval_every` steps `evaluate`
+    (which must return heldout_kl and heldout_top1); stops after `patience` evaluations
+    without a new best held-out KL or on a non-finite loss; restores the best snapshot."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    history: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+
+    def record(step: int, train_loss: float | None) -> dict[str, Any]:
+        row = {"step": step, "train_loss": train_loss, **evaluate(),
+               "seconds": round(time.perf_counter() - t0, 2)}
+        history.append(row)
+        return row
+
+    first = record(0, None)
+    best_kl, best_step, best_state = first["heldout_kl"], 0, snapshot()
+    stopped, bad, losses, step = None, 0, [], 0
+    bar = Progress(TextColumn(label), BarColumn(), TextColumn(
+        "{task.completed}/{task.total} loss {task.fields[loss]:.3f} held-out KL "
+        "{task.fields[kl]:.3f} top-1 {task.fields[top1]:.1%}"), TimeRemainingColumn(),
+        disable=not progress)
+    task = bar.add_task("train", total=cfg.steps, loss=float("nan"), kl=best_kl,
+                        top1=first["heldout_top1"])
+    bar.start()
+    try:
+        for step in range(1, cfg.steps + 1):
+            idx = torch.randint(len(train), (cfg.batch_size,), generator=gen)
+            loss, _ = step_loss(train[idx].to(device))
+            if not torch.isfinite(loss):
+                stopped = f"the training loss is not finite at step {step}"
+                break
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            losses.append(loss.item())
+            bar.update(task, completed=step, loss=losses[-1])
+            if step % cfg.eval_every and step != cfg.steps:
+                continue
+            row = record(step, sum(losses) / len(losses))
+            losses = []
+            bar.update(task, loss=row["train_loss"], kl=row["heldout_kl"],
+                       top1=row["heldout_top1"])
+            if row["heldout_kl"] < best_kl:
+                best_kl, best_step, best_state, bad = row["heldout_kl"], step, snapshot(), 0
+            else:
+                bad += 1
+            if bad >= cfg.patience:
+                stopped = (f"held-out KL did not improve for {bad} evaluations (best "
+                           f"{best_kl:.4f} at step {best_step})")
+                break
+    finally:
+        bar.stop()
+    restore(best_state)
+    return LoopOutcome(history, best_step, step, stopped)
+
+
+def finish(cfg: DistillConfig, out: Path, outcome: LoopOutcome, n_train: int, n_held: int,
+           extra: dict[str, Any]) -> DistillResult:
+    """The result, and distill.json (settings, every evaluation, the outcome) in `out`."""
+    first = outcome.history[0]
+    best = next(h for h in outcome.history if h["step"] == outcome.best_step)
+    result = DistillResult(out, cfg.kind, first["heldout_kl"], best["heldout_kl"],
+                           first["heldout_top1"], best["heldout_top1"], outcome.best_step,
+                           outcome.steps_run, outcome.stopped, outcome.history)
+    summary = {"kind": cfg.kind, "target": cfg.target, "config": asdict(cfg),
+               "lr": cfg.learning_rate, "train_blocks": n_train, "heldout_blocks": n_held,
+               **extra, "baseline_kl": result.baseline_kl, "best_kl": result.best_kl,
+               "baseline_top1": result.baseline_top1, "best_top1": result.best_top1,
+               "best_step": outcome.best_step, "steps_run": outcome.steps_run,
+               "stopped": outcome.stopped, "history": outcome.history}
+    (out / "distill.json").write_text(json.dumps(summary, indent=1))
+    return result

@@ -1,0 +1,280 @@
+"""An EAGLE-1 style draft head: its training module, its training loop and its checkpoint.
+
+The head drafts from the target's own features. For tokens x_0..x_{T-1}, let f_i be the
+target's final hidden state at position i after its final RMSNorm (what its lm_head reads).
+At position i the head takes h = fc(cat[embed(x_{i+1}), f_i]) (the target's embedding), runs
+one pre-norm Llama decoder layer WITHOUT the input RMSNorm (causal attention over the head's
+own inputs 0..i, rope at position i), and returns o_i = h + attn(h) + mlp(norm(h + attn(h)))
+with no final norm. The target's lm_head turns o_i into the draft for x_{i+2}, and o_i stands
+in for f_{i+1} when drafting further. The engine's head (method "head") computes the same.
+
+Training (EAGLE-1): smooth-L1 regression of o_i onto f_{i+1} plus `kl_weight` times
+KL(p_{i+1} || q_i), p from the target's logits at i + 1, q from the head's; uniform noise on
+the input features (their RMS times `feature_noise`) so the head tolerates its own imperfect
+features when it drafts several tokens. The target is frozen; only fc and the layer train.
+
+Checkpoint (a directory): config.json, a one-layer Llama config with the target's shapes and
+rope settings plus the "llmaccel_draft_head" marker, and model.safetensors with fc.weight
+(fc.bias) and layers.0.* in HF Llama names, no input_layernorm, embed_tokens or lm_head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmaccel.errors import LLMAccelError
+from llmaccel.train.distill_common import (DistillConfig, Meter, Target, dtype_name, kl_terms,
+                                           mean_kl_loss)
+
+MARKER = "llmaccel_draft_head"
+FEATURE = "final_norm_output"
+LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                 "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+                 "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "post_attention_layernorm.weight")
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def head_config_dict(target_config: dict[str, Any], target_name: str, dtype: torch.dtype,
+                     fc_bias: bool = False) -> dict[str, Any]:
+    """The head's config.json: a one-layer Llama (what vLLM's EAGLE-1 loader reads) with the
+    target's shapes, its rope settings copied as written, and our marker."""
+    c = target_config
+    heads = c["num_attention_heads"]
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": c.get("num_key_value_heads") or heads,
+        "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
+        "hidden_act": c.get("hidden_act", "silu"), "rms_norm_eps": c.get("rms_norm_eps", 1e-6),
+        "max_position_embeddings": c.get("max_position_embeddings", 2048),
+        "vocab_size": c["vocab_size"], "num_hidden_layers": 1, "attention_bias": False,
+        "mlp_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": dtype_name(dtype), "dtype": dtype_name(dtype)}
+    for key in _ROPE_KEYS:  # positions must rotate exactly as the target's do
+        if key in c:
+            out[key] = c[key]
+    out[MARKER] = {"kind": "eagle", "target": target_name, "feature": FEATURE,
+                   "fc_bias": bool(fc_bias)}
+    return out
+
+
+def _llama_config(config_dict: dict[str, Any]):
+    from transformers import LlamaConfig
+
+    skip = {MARKER, "architectures", "model_type"}
+    config = LlamaConfig(**{k: v for k, v in config_dict.items() if k not in skip})
+    config._attn_implementation = "sdpa"  # our explicit causal mask is honoured by sdpa
+    return config
+
+
+class DraftHead(nn.Module):
+    """The head for training. Its parameters are exactly the checkpoint's tensors (fc.*,
+    layers.0.*); the target's embedding and lm_head weights are held as plain tensors (shared,
+    frozen, on the target's device: the head must live on that device too).
+
+    forward(next_ids [B, T], features [B, T, H]) -> o [B, T, H]: row t uses
+    embed(next_ids[:, t]) and features[:, t] at rope position t (or `position_ids`), causal
+    over rows 0..t. For a sequence x with target features f: head(x[:, 1:], f[:, :-1]).
+    """
+
+    def __init__(self, config_dict: dict[str, Any], embed_tokens: torch.Tensor,
+                 lm_head: torch.Tensor) -> None:
+        from transformers.models.llama.modeling_llama import (LlamaDecoderLayer,
+                                                              LlamaRotaryEmbedding)
+
+        super().__init__()
+        self.config_dict = config_dict
+        config = _llama_config(config_dict)
+        hidden = config.hidden_size
+        if embed_tokens.shape != (config.vocab_size, hidden) or lm_head.shape[1] != hidden:
+            raise LLMAccelError(f"draft head of hidden size {hidden} and vocab "
+                                f"{config.vocab_size} does not fit a target with embedding "
+                                f"{tuple(embed_tokens.shape)}")
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config_dict[MARKER]["fc_bias"])
+        layer = LlamaDecoderLayer(config, layer_idx=0)
+        layer.input_layernorm = nn.Identity()  # EAGLE-1: the first layer reads fc's output raw
+        self.layers = nn.ModuleList([layer])
+        self.rotary_emb = LlamaRotaryEmbedding(config)  # its inv_freq is not saved
+        # detached: plain tensors, so they stay out of parameters() and state_dict()
+        self.embed_tokens = embed_tokens.detach()
+        self.lm_head = lm_head.detach()
+
+    def forward(self, next_ids: torch.Tensor, features: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = self.fc.weight.dtype
+        embeds = F.embedding(next_ids, self.embed_tokens).to(dtype)
+        h = self.fc(torch.cat([embeds, features.to(dtype)], dim=-1))
+        b, t, _ = h.shape
+        if position_ids is None:
+            position_ids = torch.arange(t, device=h.device).expand(b, t)
+        # An explicit additive causal mask: without one, transformers' eager attention would
+        # attend to later positions (only sdpa infers causality from a missing mask).
+        mask = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype, device=h.device)
+        mask = mask.triu(1)[None, None]
+        cos_sin = self.rotary_emb(h, position_ids)
+        return self.layers[0](h, attention_mask=mask, position_ids=position_ids,
+                              position_embeddings=cos_sin)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's lm_head (in its dtype) on head outputs or target features, as fp32."""
+        return F.linear(hidden.to(self.lm_head.dtype), self.lm_head).float()
+
+
+@torch.no_grad()
+def target_features(target_model, input_ids: torch.Tensor) -> torch.Tensor:
+    """f: the target's last hidden states after its final norm, [B, T, H]."""
+    return target_model.base_model(input_ids=input_ids).last_hidden_state
+
+
+def build_draft_head(target_model, target_config: dict[str, Any] | None = None,
+                     target_name: str = "", fc_bias: bool = False, init: bool = True,
+                     save_dtype: torch.dtype | None = None) -> DraftHead:
+    """A head for `target_model` (an HF causal LM), fp32, on the target's device. `init`:
+    start from the target's last layer (else transformers' random init and a random fc)."""
+    target_config = target_config or target_model.config.to_dict()
+    dtype = save_dtype or target_model.dtype
+    embed = target_model.get_input_embeddings().weight
+    lm_head = target_model.get_output_embeddings().weight  # the embedding itself when tied
+    head = DraftHead(head_config_dict(target_config, target_name, dtype, fc_bias), embed,
+                     lm_head).to(device=embed.device, dtype=torch.float32)
+    if init:
+        _init_from_target(head, target_model)
+    return head
+
+
+@torch.no_grad()
+def _init_from_target(head: DraftHead, target_model) -> None:
+    base = target_model.base_model
+    last = base.layers[-1]
+    source = dict(last.named_parameters())
+    for name, p in head.layers[0].named_parameters():
+        if name in source and source[name].shape == p.shape:  # Qwen2's q/k/v biases: dropped
+            p.copy_(source[name])
+    # The head drops the layer's input norm; its scale is folded into q/k/v so the copied
+    # attention sees its inputs weighted as it was trained to.
+    norm = getattr(last, "input_layernorm", None)
+    if norm is not None and getattr(norm, "weight", None) is not None:
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(head.layers[0].self_attn, proj).weight
+            w.mul_(norm.weight.to(w.dtype)[None, :])
+    # fc starts as [s * I, I] / sqrt(2): h = (s * embed(x_{i+1}) + f_i) / sqrt(2). f_i is
+    # RMS-normalized (times the final norm's weight), so the copied layer starts on inputs of
+    # the scale it was trained on; s brings the (usually much smaller) token embedding to that
+    # scale so the next token is heard from the first step, and the 1/sqrt(2) keeps the sum
+    # at the features' scale. Training then learns the real mixing.
+    hidden = head.fc.out_features
+    eye = torch.eye(hidden, device=head.fc.weight.device)
+    final_norm = getattr(base, "norm", None)
+    feat_rms = (_rms(final_norm.weight) if final_norm is not None else 1.0)
+    s = feat_rms / max(_rms(head.embed_tokens), 1e-8)
+    head.fc.weight.copy_(torch.cat([s * eye, eye], dim=1) / math.sqrt(2.0))
+    if head.fc.bias is not None:
+        head.fc.bias.zero_()
+
+
+def _rms(t: torch.Tensor) -> float:
+    return t.float().pow(2).mean().sqrt().item()
+
+
+def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: float,
+                feature_noise: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training loss on token blocks [B, T]: smooth L1(o_i, f_{i+1}) + kl_weight *
+    KL(p_{i+1} || q_i) over i = 0..T-2, with noise on the input features f_i."""
+    f = target_features(target_model, batch)
+    with torch.no_grad():
+        p_logits = head.compute_logits(f[:, 1:])
+    inputs = f[:, :-1].float()
+    if feature_noise > 0:
+        rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
+        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * feature_noise * rms
+    o = head(batch[:, 1:], inputs)
+    reg = F.smooth_l1_loss(o, f[:, 1:].float())
+    kl = mean_kl_loss(p_logits, head.compute_logits(o))
+    return reg + kl_weight * kl, {"reg": reg.item(), "kl": kl.item()}
+
+
+@torch.no_grad()
+def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_size: int
+                  ) -> dict[str, float]:
+    """Held-out means over every position: KL(p_{i+1} || q_i), top-1 agreement, regression."""
+    head.eval()
+    meter = Meter()
+    device = head.fc.weight.device
+    for i in range(0, len(blocks), batch_size):
+        batch = blocks[i:i + batch_size].to(device)
+        f = target_features(target_model, batch)
+        o = head(batch[:, 1:], f[:, :-1])
+        kl, agree = kl_terms(head.compute_logits(f[:, 1:]), head.compute_logits(o))
+        reg = F.smooth_l1_loss(o, f[:, 1:].float(), reduction="none").mean(-1)
+        meter.add(kl.numel(), kl=kl.sum(), top1=agree.sum(), reg=reg.sum())
+    m = meter.means()
+    return {"heldout_kl": m["kl"], "heldout_top1": m["top1"], "heldout_reg": m["reg"]}
+
+
+def save_draft_head(head: DraftHead, out: str | Path, dtype: torch.dtype | None = None
+                    ) -> Path:
+    """config.json + model.safetensors (fc.*, layers.0.*) in `out`, weights in `dtype` (the
+    config's dtype by default)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(head.config_dict)
+    if dtype is not None:
+        config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
+    save_as = getattr(torch, config["dtype"])
+    tensors = {k: v.detach().to(save_as).contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def load_draft_head(directory: str | Path, target_model) -> DraftHead:
+    """A saved head back as a training module (fp32) on `target_model`'s device."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text())
+    if MARKER not in config:
+        raise LLMAccelError(f"{directory} is not an llmaccel draft head (no {MARKER!r} in "
+                            "config.json)")
+    embed = target_model.get_input_embeddings().weight
+    head = DraftHead(config, embed, target_model.get_output_embeddings().weight)
+    head.to(device=embed.device, dtype=torch.float32)
+    state = load_file(str(directory / "model.safetensors"), device=str(embed.device))
+    head.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return head
+
+
+def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: torch.Tensor,
+               device: torch.device, progress: bool):
+    """Train a head on the target's features, keep the best evaluation, save it in cfg.out."""
+    from llmaccel.train.distill_common import finish, train_loop
+
+    model = target.model
+    head = build_draft_head(model, target.config, cfg.target, cfg.fc_bias,
+                            save_dtype=target.save_dtype)
+    params = list(head.parameters())
+
+    def step_loss(batch: torch.Tensor):
+        head.train()
+        return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise)
+
+    outcome = train_loop(
+        cfg, "head", params, train, device, step_loss,
+        lambda: evaluate_head(head, model, held, cfg.batch_size),
+        lambda: {k: v.detach().clone() for k, v in head.state_dict().items()},
+        head.load_state_dict, progress)
+    out = save_draft_head(head, cfg.out, target.save_dtype)
+    return finish(cfg, out, outcome, len(train), len(held),
+                  {"saved": {"kind": "head", "dtype": dtype_name(target.save_dtype),
+                             "tensors": sorted(head.state_dict())}})
