@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from engine_matrix import hf_greedy
 from safetensors.torch import load_file
-from tiny_models import make_tiny_model, tiny_configs
+from tiny_models import make_tiny_model, periodic_blocks, tiny_configs
 
 from llmaccel.errors import LLMAccelError
 from llmaccel.train.distill import build_student, distill_draft, evaluate_student
@@ -24,18 +24,6 @@ from llmaccel.train.draft_head import (LAYER_TENSORS, build_draft_head, evaluate
                                        load_draft_head, save_draft_head, target_features)
 
 H, V = 64, 160  # tiny_models' hidden size and vocabulary
-
-
-def _blocks(n: int = 40, seq_len: int = 32, period: int = 7, seed: int = 0) -> torch.Tensor:
-    """Token blocks of a periodic sequence (random phase per block): learnable in a few steps,
-    so a working distillation loop must lower the held-out KL."""
-    g = torch.Generator().manual_seed(seed)
-    motif = torch.randint(3, 150, (period,), generator=g)
-    rows = []
-    for _ in range(n):
-        phase = int(torch.randint(period, (1,), generator=g))
-        rows.append(motif.roll(phase).repeat(seq_len // period + 1)[:seq_len])
-    return torch.stack(rows)
 
 
 def _cfg(target, out, **kw) -> DistillConfig:
@@ -60,7 +48,7 @@ def _target(path):
 @pytest.fixture(scope="module")
 def trained_head(target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("head")
-    blocks = _blocks()
+    blocks = periodic_blocks()
     return distill_draft(_cfg(target_dir, out, kind="head", lr=1e-2), progress=False,
                          blocks=blocks), out, blocks
 
@@ -154,7 +142,7 @@ def test_trained_head_drafts_for_the_target_in_the_engine(trained_head, target_d
 def test_a_diverging_head_stops_early_and_saves_its_best(target_dir, tmp_path):
     """A learning rate far too high: the held-out KL stops improving, training stops before
     its last step, and the saved head is the best evaluation's, not the last one's."""
-    blocks = _blocks()
+    blocks = periodic_blocks()
     res = distill_draft(_cfg(target_dir, tmp_path, kind="head", lr=3.0, steps=100,
                              eval_every=2, patience=2), progress=False, blocks=blocks)
     assert res.stopped and "did not improve" in res.stopped and res.steps_run < 100
@@ -177,7 +165,7 @@ def test_head_save_and_load_reproduce_the_logits(family, tmp_path):
     save_draft_head(head, tmp_path / "head")
     names = set(load_file(str(tmp_path / "head" / "model.safetensors")))
     assert names == {"fc.weight", "fc.bias"} | {f"layers.0.{n}" for n in LAYER_TENSORS}
-    ids = _blocks(2, 20)
+    ids = periodic_blocks(2, 20)
     f = target_features(target, ids)
     want = head.compute_logits(head(ids[:, 1:], f[:, :-1]))
     again = load_draft_head(tmp_path / "head", target)
@@ -233,7 +221,7 @@ def _step_by_step(head, next_ids: torch.Tensor, feats: torch.Tensor, emb: torch.
 def test_head_forward_equals_a_step_by_step_computation(family, tmp_path):
     target = make_tiny_model(tiny_configs()[family], tmp_path, seed=5)
     head = build_draft_head(target, init=False)  # random weights: nothing cancels by design
-    ids = _blocks(1, 12, period=5)
+    ids = periodic_blocks(1, 12, period=5)
     f = target_features(target, ids)
     with torch.no_grad():
         got = head(ids[:, 1:], f[:, :-1])[0]
@@ -248,7 +236,7 @@ def test_head_forward_equals_a_step_by_step_computation(family, tmp_path):
 @pytest.fixture(scope="module")
 def trained_student(target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("student")
-    blocks = _blocks()
+    blocks = periodic_blocks()
     return distill_draft(_cfg(target_dir, out, kind="student", lr=5e-3), progress=False,
                          blocks=blocks), out, blocks
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import make_tiny_model, tiny_configs
+from tiny_models import make_tiny_model, periodic_blocks, tiny_configs
 
 from llmaccel.errors import LLMAccelError
 from llmaccel.train.lora import FinetuneConfig, finetune, heldout_nll, is_degenerate
@@ -23,18 +23,6 @@ def tiny(tmp_path_factory):
     return d
 
 
-def _blocks(n: int = 40, seq_len: int = 32, period: int = 7, seed: int = 0) -> torch.Tensor:
-    """Token blocks of a periodic sequence (random phase per block): learnable in a few
-    steps, so a working LoRA loop must lower the loss."""
-    g = torch.Generator().manual_seed(seed)
-    motif = torch.randint(3, 150, (period,), generator=g)
-    rows = []
-    for _ in range(n):
-        phase = int(torch.randint(period, (1,), generator=g))
-        rows.append(motif.roll(phase).repeat(seq_len // period + 1)[:seq_len])
-    return torch.stack(rows)
-
-
 def _cfg(model, out, **kw) -> FinetuneConfig:
     base = dict(model=str(model), out=str(out), lora_r=4, lora_alpha=8.0, lr=1e-2, steps=30,
                 batch_size=4, eval_every=10, heldout=0.2, device="cpu", probe_tokens=0)
@@ -42,7 +30,7 @@ def _cfg(model, out, **kw) -> FinetuneConfig:
 
 
 def test_lora_steps_lower_the_loss_and_heldout_perplexity(tiny, tmp_path):
-    res = finetune(_cfg(tiny, tmp_path), progress=False, blocks=_blocks())
+    res = finetune(_cfg(tiny, tmp_path), progress=False, blocks=periodic_blocks())
     losses = [h["train_loss"] for h in res.history[1:]]
     assert losses[-1] < losses[0] and res.stopped is None and res.steps_run == 30
     assert res.best_ppl < 0.8 * res.baseline_ppl
@@ -53,7 +41,7 @@ def test_lora_steps_lower_the_loss_and_heldout_perplexity(tiny, tmp_path):
 
 def test_merged_weights_are_w_plus_scaled_ba(tiny, tmp_path):
     res = finetune(_cfg(tiny, tmp_path, steps=10, target_modules=("q_proj", "v_proj")),
-                   progress=False, blocks=_blocks())
+                   progress=False, blocks=periodic_blocks())
     base = load_file(str(tiny / "model.safetensors"))
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
     adapter = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
@@ -79,7 +67,7 @@ def test_diverging_run_stops_early_and_keeps_the_best_adapters(tiny, tmp_path):
     before its last step, and the merged model is the best evaluation's."""
     from transformers import AutoModelForCausalLM
 
-    blocks = _blocks()
+    blocks = periodic_blocks()
     res = finetune(_cfg(tiny, tmp_path, lr=3.0, steps=200, eval_every=2, patience=2),
                    progress=False, blocks=blocks)
     assert res.stopped and "did not improve" in res.stopped and res.steps_run < 200
@@ -100,9 +88,9 @@ def test_degenerate_generations():
 def test_settings_errors_name_the_problem(tiny, tmp_path):
     with pytest.raises(LLMAccelError, match="gate_projx"):
         finetune(_cfg(tiny, tmp_path, target_modules=("gate_projx",)), progress=False,
-                 blocks=_blocks())
+                 blocks=periodic_blocks())
     with pytest.raises(LLMAccelError, match="lr"):
-        finetune(_cfg(tiny, tmp_path, lr=0.0), progress=False, blocks=_blocks())
+        finetune(_cfg(tiny, tmp_path, lr=0.0), progress=False, blocks=periodic_blocks())
     with pytest.raises(LLMAccelError, match="does not exist"):
         finetune(_cfg(tiny, tmp_path, data="./no-such.txt"), progress=False)
 

@@ -83,3 +83,16 @@ def make_tiny_head(target: PretrainedConfig, directory: Path, seed: int = 0,
                                   "final_norm_output", "fc_bias": fc_bias}
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     return tensors
+
+
+def periodic_blocks(n: int = 40, seq_len: int = 32, period: int = 7, seed: int = 0
+                    ) -> torch.Tensor:
+    """[n, seq_len] token blocks of one periodic sequence (random phase per block): learnable
+    in a few steps, so a working training loop must lower its held-out loss."""
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(3, 150, (period,), generator=g)
+    rows = []
+    for _ in range(n):
+        phase = int(torch.randint(period, (1,), generator=g))
+        rows.append(motif.roll(phase).repeat(seq_len // period + 1)[:seq_len])
+    return torch.stack(rows)

@@ -46,6 +46,8 @@ class HeadView(DraftView):
 
 
 class HeadProposer(DraftModelProposer):
+    view_class = HeadView
+
     def __init__(self, head: DraftHeadForCausalLM, target: TransformerForCausalLM,
                  num_blocks: int, block_size: int, max_model_len: int,
                  kv_cache_dtype: torch.dtype, device: torch.device,
@@ -60,13 +62,6 @@ class HeadProposer(DraftModelProposer):
         self.target = target
         self._last_rows: torch.Tensor | None = None  # the previous step's row of each view
         self._arange: torch.Tensor | None = None
-
-    def _view(self, seq: Sequence) -> DraftView:
-        if seq.draft_view is None:
-            seq.draft_view = HeadView(seq)
-        view = seq.draft_view
-        view.drafts = []
-        return view
 
     def _execute(self, step, next_ids, j):
         head = self.model.model

@@ -112,9 +112,11 @@ class DraftModelProposer:
                                   block_size, max_model_len, cudagraph_capture_sizes)
         self._host_ids: torch.Tensor | None = None  # pinned, for DeviceDrafts.host
 
+    view_class = DraftView  # how a sequence looks to the proposer's model
+
     def _view(self, seq: Sequence) -> DraftView:
         if seq.draft_view is None:
-            seq.draft_view = DraftView(seq)
+            seq.draft_view = self.view_class(seq)
         view = seq.draft_view
         view.drafts = []
         return view

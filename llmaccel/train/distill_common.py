@@ -11,7 +11,6 @@ best evaluation by held-out KL is kept, as `finetune` keeps its best perplexity.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.errors import LLMAccelError
+from llmaccel.train.loop import LoopOutcome, train_with_early_stop
 
 KINDS = ("student", "head")
 # Per kind: a whole (small) model moves far with 1e-3; one fresh-ish layer needs more room.
@@ -98,37 +98,23 @@ class Target:
     save_dtype: torch.dtype
 
 
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}
-
-
 def load_target(cfg: DistillConfig) -> tuple[Target, torch.device]:
-    """Load the target (HF directory, hub id or GGUF, through the LoRA loader), frozen."""
+    """Load the target (HF directory, hub id or GGUF), frozen."""
     from llmaccel.models.source import resolve_model_source
-    from llmaccel.train.lora import _load, _resolve
+    from llmaccel.train.loop import DTYPES, load_causal_lm, resolve_device_dtype
 
-    device, dtype = _resolve(cfg)
-    source = resolve_model_source(cfg.target)
-    if source.kind == "shape":
-        raise LLMAccelError(f"{cfg.target!r} is a benchmark shape with random weights; "
-                            "distilling a draft needs a real target (HF directory, hub id or "
-                            "GGUF)")
-    model, tokenizer = _load(_LoadArgs(cfg.target), device, dtype)
+    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    model, tokenizer = load_causal_lm(cfg.target, device, dtype)
     model.eval().requires_grad_(False)
+    source = resolve_model_source(cfg.target)
     raw = None
     if source.kind == "hf" and source.path is not None:
         path = Path(source.path) / "config.json"
         raw = json.loads(path.read_text()) if path.is_file() else None
     config = raw if raw is not None else model.config.to_dict()
     stored = str(config.get("dtype") or config.get("torch_dtype") or "")
-    save_dtype = _DTYPE_NAMES.get(stored.removeprefix("torch."), dtype)
+    save_dtype = DTYPES.get(stored.removeprefix("torch."), dtype)
     return Target(model, tokenizer, config, save_dtype), device
-
-
-@dataclass
-class _LoadArgs:
-    """What lora._load reads of its config."""
-    model: str
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -184,77 +170,23 @@ class Meter:
         return {k: v / max(self.count, 1) for k, v in self.sums.items()}
 
 
-@dataclass
-class LoopOutcome:
-    history: list[dict[str, Any]]
-    best_step: int
-    steps_run: int
-    stopped: str | None
-
-
 def train_loop(cfg: DistillConfig, label: str, params: list[torch.nn.Parameter],
                train: torch.Tensor, device: torch.device,
                step_loss: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
                evaluate: Callable[[], dict[str, float]],
                snapshot: Callable[[], Any], restore: Callable[[Any], None],
                progress: bool) -> LoopOutcome:
-    """AdamW on `params` over random batches of `train`; every `eval_every` steps `evaluate`
-    (which must return heldout_kl and heldout_top1); stops after `patience` evaluations
-    without a new best held-out KL or on a non-finite loss; restores the best snapshot."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    history: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-
-    def record(step: int, train_loss: float | None) -> dict[str, Any]:
-        row = {"step": step, "train_loss": train_loss, **evaluate(),
-               "seconds": round(time.perf_counter() - t0, 2)}
-        history.append(row)
-        return row
-
-    first = record(0, None)
-    best_kl, best_step, best_state = first["heldout_kl"], 0, snapshot()
-    stopped, bad, losses, step = None, 0, [], 0
-    bar = Progress(TextColumn(label), BarColumn(), TextColumn(
-        "{task.completed}/{task.total} loss {task.fields[loss]:.3f} held-out KL "
-        "{task.fields[kl]:.3f} top-1 {task.fields[top1]:.1%}"), TimeRemainingColumn(),
-        disable=not progress)
-    task = bar.add_task("train", total=cfg.steps, loss=float("nan"), kl=best_kl,
-                        top1=first["heldout_top1"])
-    bar.start()
-    try:
-        for step in range(1, cfg.steps + 1):
-            idx = torch.randint(len(train), (cfg.batch_size,), generator=gen)
-            loss, _ = step_loss(train[idx].to(device))
-            if not torch.isfinite(loss):
-                stopped = f"the training loss is not finite at step {step}"
-                break
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            losses.append(loss.item())
-            bar.update(task, completed=step, loss=losses[-1])
-            if step % cfg.eval_every and step != cfg.steps:
-                continue
-            row = record(step, sum(losses) / len(losses))
-            losses = []
-            bar.update(task, loss=row["train_loss"], kl=row["heldout_kl"],
-                       top1=row["heldout_top1"])
-            if row["heldout_kl"] < best_kl:
-                best_kl, best_step, best_state, bad = row["heldout_kl"], step, snapshot(), 0
-            else:
-                bad += 1
-            if bad >= cfg.patience:
-                stopped = (f"held-out KL did not improve for {bad} evaluations (best "
-                           f"{best_kl:.4f} at step {best_step})")
-                break
-    finally:
-        bar.stop()
-    restore(best_state)
-    return LoopOutcome(history, best_step, step, stopped)
+    """train/loop.py's loop with the distillation settings: early stop on the held-out KL
+    (`evaluate` returns heldout_kl and heldout_top1)."""
+    return train_with_early_stop(
+        params=params, lr=cfg.learning_rate, steps=cfg.steps, batch_size=cfg.batch_size,
+        eval_every=cfg.eval_every, patience=cfg.patience, seed=cfg.seed, train=train,
+        device=device, step_loss=lambda batch: step_loss(batch)[0], evaluate=evaluate,
+        metric="heldout_kl", metric_name="KL", describe=lambda kl: f"{kl:.4f}",
+        snapshot=snapshot, restore=restore, label=label,
+        status=lambda row: (f"held-out KL {row['heldout_kl']:.3f} "
+                            f"top-1 {row['heldout_top1']:.1%}"),
+        progress=progress)
 
 
 def finish(cfg: DistillConfig, out: Path, outcome: LoopOutcome, n_train: int, n_held: int,

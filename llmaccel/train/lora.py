@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,49 +88,6 @@ def is_degenerate(ids: list[int]) -> str | None:
     return None
 
 
-def _load(cfg: FinetuneConfig, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from llmaccel.models.source import resolve_model_source
-
-    source = resolve_model_source(cfg.model)
-    if source.kind == "shape":
-        raise LLMAccelError(f"{cfg.model!r} is a benchmark shape with random weights; "
-                            "fine-tuning needs a real model (HF directory, hub id or GGUF)")
-    if source.kind == "gguf":
-        # transformers marks a GGUF-loaded model as quantized and refuses to save it (the
-        # merged model): train on the dequantized weights as a plain HF directory instead.
-        import shutil
-        import tempfile
-
-        from llmaccel.models.convert import gguf_to_hf_dir
-
-        tmp = tempfile.mkdtemp(prefix="llmaccel-lora-base-")
-        try:
-            _, tokenizer = gguf_to_hf_dir(source.path, tmp)
-            model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return model, tokenizer
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).to(device)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source.path)
-    except Exception:  # no tokenizer files: fine when token blocks are passed in
-        tokenizer = None
-    if tokenizer is not None and len(tokenizer) == 0:
-        tokenizer = None  # transformers 5 builds an empty one for a directory without files
-    return model, tokenizer
-
-
-def _resolve(cfg: FinetuneConfig) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    names = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if cfg.dtype not in names:
-        raise LLMAccelError(f"dtype must be one of {', '.join(names)}, got {cfg.dtype!r}")
-    return device, names[cfg.dtype]
-
-
 @torch.no_grad()
 def heldout_nll(model, blocks: torch.Tensor, batch_size: int) -> float:
     """Mean next-token NLL (nats) over every predicted position of the held-out blocks."""
@@ -167,15 +123,15 @@ def finetune(cfg: FinetuneConfig, progress: bool = True,
     """Train, evaluate, stop early, restore the best adapters, save adapter + merged model.
     `blocks`: [n, seq_len] token ids to use instead of tokenizing `cfg.data`."""
     from peft import LoraConfig, get_peft_model
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from llmaccel.train.data import load_training_text, split_heldout, token_blocks
+    from llmaccel.train.loop import load_causal_lm, resolve_device_dtype, train_with_early_stop
 
     cfg.check()
-    device, dtype = _resolve(cfg)
+    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
     text = load_training_text(cfg.data) if blocks is None else None  # bad data fails first
     torch.manual_seed(cfg.seed)
-    base, tokenizer = _load(cfg, device, dtype)
+    base, tokenizer = load_causal_lm(cfg.model, device, dtype)
     if blocks is None:
         if tokenizer is None:
             raise LLMAccelError(f"no tokenizer found for {cfg.model!r}: cannot tokenize the "
@@ -190,69 +146,43 @@ def finetune(cfg: FinetuneConfig, progress: bool = True,
         r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
         target_modules=list(cfg.target_modules), task_type="CAUSAL_LM"))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
 
-    def snapshot() -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    def step_loss(batch: torch.Tensor) -> torch.Tensor:
+        model.train()
+        return model(input_ids=batch, labels=batch).loss
 
-    def evaluate(step: int, train_loss: float | None) -> dict[str, Any]:
+    def evaluate() -> dict[str, Any]:
         nll = heldout_nll(model, held, cfg.batch_size)
         probes = _probe(model, tokenizer, cfg.probe_prompts, cfg.probe_tokens)
-        row = {"step": step, "train_loss": train_loss, "heldout_nll": nll,
-               "heldout_ppl": math.exp(nll), "seconds": round(time.perf_counter() - t0, 2),
-               "probes": [tokenizer.decode(p) for p in probes] if probes else [],
-               "degenerate": [is_degenerate(p) for p in probes]}
-        history.append(row)
-        return row
+        return {"heldout_nll": nll, "heldout_ppl": math.exp(nll),
+                "probes": [tokenizer.decode(p) for p in probes] if probes else [],
+                "degenerate": [is_degenerate(p) for p in probes]}
 
-    history: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    first = evaluate(0, None)
-    fine_before = [d is None for d in first["degenerate"]]
-    best_nll, best_step, best_state = first["heldout_nll"], 0, snapshot()
-    stopped, bad, losses, step = None, 0, [], 0
-    bar = Progress(TextColumn("LoRA"), BarColumn(), TextColumn(
-        "{task.completed}/{task.total} loss {task.fields[loss]:.3f} held-out ppl "
-        "{task.fields[ppl]:.3f}"), TimeRemainingColumn(), disable=not progress)
-    task = bar.add_task("train", total=cfg.steps, loss=float("nan"), ppl=math.exp(best_nll))
-    bar.start()
-    for step in range(1, cfg.steps + 1):
-        model.train()
-        idx = torch.randint(len(train), (cfg.batch_size,), generator=gen)
-        batch = train[idx].to(device)
-        loss = model(input_ids=batch, labels=batch).loss
-        if not torch.isfinite(loss):
-            stopped = f"the training loss is not finite at step {step}"
-            break
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(loss.item())
-        bar.update(task, completed=step, loss=losses[-1])
-        if step % cfg.eval_every and step != cfg.steps:
-            continue
-        row = evaluate(step, sum(losses) / len(losses))
-        losses = []
-        bar.update(task, loss=row["train_loss"], ppl=row["heldout_ppl"])
-        turned = [d for d, ok in zip(row["degenerate"], fine_before) if d and ok]
-        if row["heldout_nll"] < best_nll:
-            best_nll, best_step, best_state, bad = row["heldout_nll"], step, snapshot(), 0
-        else:
-            bad += 1
-        if turned:
-            stopped = f"probe generations turned {turned[0]} at step {step}"
-        elif bad >= cfg.patience:
-            stopped = (f"held-out perplexity did not improve for {bad} evaluations "
-                       f"(best {math.exp(best_nll):.3f} at step {best_step})")
-        if stopped:
-            break
-    bar.stop()
-    with torch.no_grad():  # the best evaluation's adapters (maybe the untrained ones)
+    def probes_turned(row: dict[str, Any], first: dict[str, Any]) -> str | None:
+        """A probe that was fine before training and is empty or looping now."""
+        turned = [d for d, before in zip(row["degenerate"], first["degenerate"])
+                  if d and before is None]
+        return f"probe generations turned {turned[0]} at step {row['step']}" if turned else None
+
+    @torch.no_grad()
+    def restore(state: dict[str, torch.Tensor]) -> None:
         for n, p in model.named_parameters():
-            if n in best_state:
-                p.copy_(best_state[n])
+            if n in state:
+                p.copy_(state[n])
+
+    outcome = train_with_early_stop(
+        params=params, lr=cfg.lr, steps=cfg.steps, batch_size=cfg.batch_size,
+        eval_every=cfg.eval_every, patience=cfg.patience, seed=cfg.seed, train=train,
+        device=device, step_loss=step_loss, evaluate=evaluate, metric="heldout_nll",
+        metric_name="perplexity", describe=lambda nll: f"{math.exp(nll):.3f}",
+        snapshot=lambda: {n: p.detach().clone() for n, p in model.named_parameters()
+                          if n in trained},
+        restore=restore, label="LoRA",
+        status=lambda row: f"held-out ppl {row['heldout_ppl']:.3f}", check=probes_turned,
+        progress=progress)
+    history, best_step, step = outcome.history, outcome.best_step, outcome.steps_run
+    best = next(h for h in history if h["step"] == best_step)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     model.peft_config["default"].base_model_name_or_path = cfg.model  # what the user named
@@ -261,13 +191,13 @@ def finetune(cfg: FinetuneConfig, progress: bool = True,
     merged.save_pretrained(out / "merged", safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out / "merged")
-    result = FinetuneResult(out, math.exp(first["heldout_nll"]), math.exp(best_nll), best_step,
-                            step, stopped, history)
+    result = FinetuneResult(out, history[0]["heldout_ppl"], best["heldout_ppl"], best_step,
+                            step, outcome.stopped, history)
     summary = {"config": {k: list(v) if isinstance(v, tuple) else v
                           for k, v in asdict(cfg).items()},
                "train_blocks": len(train), "heldout_blocks": len(held),
                "baseline_ppl": result.baseline_ppl, "best_ppl": result.best_ppl,
-               "best_step": best_step, "steps_run": step, "stopped": stopped,
+               "best_step": best_step, "steps_run": step, "stopped": outcome.stopped,
                "history": history}
     (out / "finetune.json").write_text(json.dumps(summary, indent=1))
     return result

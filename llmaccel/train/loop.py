@@ -1,0 +1,144 @@
+"""What every trainer in train/ shares: loading an HF causal LM to train on (a directory, a hub
+id, or a GGUF file dequantized to a plain HF directory), and the optimization loop with
+held-out evaluations, early stopping and the best weights restored.
+
+The loop stops when the held-out metric has not improved for `patience` evaluations, when the
+loss is not finite, or when a caller's check rejects an evaluation (LoRA: probe generations
+turned degenerate). A rejected evaluation never becomes the best, so the weights restored at
+the end are always ones that passed every check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmaccel.errors import LLMAccelError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device_dtype(device: str | None, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """`device` (None: cuda if present) and `dtype` ('auto': bf16 on a GPU, fp32 on the CPU)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    names = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, **DTYPES}
+    if dtype not in names:
+        raise LLMAccelError(f"dtype must be one of {', '.join(names)}, got {dtype!r}")
+    return dev, names[dtype]
+
+
+def load_causal_lm(model: str, device: torch.device, dtype: torch.dtype):
+    """(transformers model, tokenizer or None) for `model`, on `device` in `dtype`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmaccel.models.source import resolve_model_source
+
+    source = resolve_model_source(model)
+    if source.kind == "shape":
+        raise LLMAccelError(f"{model!r} is a benchmark shape with random weights; training "
+                            "needs a real model (HF directory, hub id or GGUF)")
+    if source.kind == "gguf":
+        # transformers marks a GGUF-loaded model as quantized and refuses to save it (a
+        # merged model, a student): train on the dequantized weights as a plain HF directory.
+        import shutil
+        import tempfile
+
+        from llmaccel.models.convert import gguf_to_hf_dir
+
+        tmp = tempfile.mkdtemp(prefix="llmaccel-train-base-")
+        try:
+            _, tokenizer = gguf_to_hf_dir(source.path, tmp)
+            net = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return net, tokenizer
+    net = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
+    except Exception:  # no tokenizer files: fine when token blocks are passed in
+        tokenizer = None
+    if tokenizer is not None and len(tokenizer) == 0:
+        tokenizer = None  # transformers 5 builds an empty one for a directory without files
+    return net, tokenizer
+
+
+@dataclass
+class LoopOutcome:
+    history: list[dict[str, Any]]
+    best_step: int
+    steps_run: int
+    stopped: str | None
+
+
+def train_with_early_stop(
+        *, params: list[torch.nn.Parameter], lr: float, steps: int, batch_size: int,
+        eval_every: int, patience: int, seed: int, train: torch.Tensor, device: torch.device,
+        step_loss: Callable[[torch.Tensor], torch.Tensor],
+        evaluate: Callable[[], dict[str, Any]], metric: str, metric_name: str,
+        describe: Callable[[float], str], snapshot: Callable[[], Any],
+        restore: Callable[[Any], None], label: str, status: Callable[[dict[str, Any]], str],
+        check: Callable[[dict[str, Any], dict[str, Any]], str | None] | None = None,
+        progress: bool = True) -> LoopOutcome:
+    """AdamW on `params` over random batches of `train` ([n, seq_len] token blocks).
+    `evaluate()` returns the held-out measures, `metric` among them (lower is better; shown
+    in messages as `metric_name` = `describe(value)`); every `eval_every` steps and at the
+    last step a history row {step, train_loss, **measures, seconds} is recorded, `status(row)`
+    updates the progress bar, and `check(row, first_row)` may reject it with a reason."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    history: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+
+    def record(step: int, train_loss: float | None) -> dict[str, Any]:
+        row = {"step": step, "train_loss": train_loss, **evaluate(),
+               "seconds": round(time.perf_counter() - t0, 2)}
+        history.append(row)
+        return row
+
+    first = record(0, None)
+    best, best_step, best_state = first[metric], 0, snapshot()
+    stopped, bad, losses, step = None, 0, [], 0
+    bar = Progress(TextColumn(label), BarColumn(), TextColumn(
+        "{task.completed}/{task.total} loss {task.fields[loss]:.3f} {task.fields[status]}"),
+        TimeRemainingColumn(), disable=not progress)
+    task = bar.add_task("train", total=steps, loss=float("nan"), status=status(first))
+    bar.start()
+    try:
+        for step in range(1, steps + 1):
+            idx = torch.randint(len(train), (batch_size,), generator=gen)
+            loss = step_loss(train[idx].to(device))
+            if not torch.isfinite(loss):
+                stopped = f"the training loss is not finite at step {step}"
+                break
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            losses.append(loss.item())
+            bar.update(task, completed=step, loss=losses[-1])
+            if step % eval_every and step != steps:
+                continue
+            row = record(step, sum(losses) / len(losses))
+            losses = []
+            bar.update(task, loss=row["train_loss"], status=status(row))
+            stopped = check(row, first) if check is not None else None
+            if stopped:
+                break
+            if row[metric] < best:
+                best, best_step, best_state, bad = row[metric], step, snapshot(), 0
+            else:
+                bad += 1
+            if bad >= patience:
+                stopped = (f"held-out {metric_name} did not improve for {bad} evaluations "
+                           f"(best {describe(best)} at step {best_step})")
+                break
+    finally:
+        bar.stop()
+    restore(best_state)  # the best evaluation's weights (maybe the untrained ones)
+    return LoopOutcome(history, best_step, step, stopped)
