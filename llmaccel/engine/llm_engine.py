@@ -87,12 +87,16 @@ class LLMEngine:
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.kv_cache_dtype, mc.dtype, device, self.model.attention_backend.name)
         bs = config.block_size
-        head_bytes = 0 if self.draft_head is None else (
-            bytes_per_block(self.draft_head, bs, self.kv_cache_dtype)
-            + feature_bytes_per_block(self.model, bs, mc.dtype))
+        # every KV block's share of the proposer's pools: its own KV, and for a head the
+        # target's features it reads
+        proposer = self.draft_model or self.draft_head
+        spec_bytes = 0 if proposer is None else bytes_per_block(proposer, bs,
+                                                                self.kv_cache_dtype)
+        if self.draft_head is not None:
+            spec_bytes += feature_bytes_per_block(self.model, bs, mc.dtype)
         num_blocks = config.num_gpu_blocks or profile_num_blocks(
             config, self.model, mc.max_model_len, self.max_num_batched_tokens,
-            self.kv_cache_dtype, device, self.draft_model, head_bytes)
+            self.kv_cache_dtype, device, spec_bytes)
         if num_blocks * bs < mc.max_model_len:
             raise LLMAccelError(f"the KV cache holds {num_blocks * bs} tokens, fewer than "
                                 f"max_model_len={mc.max_model_len}; lower max_model_len or give "

@@ -7,7 +7,7 @@ import torch
 
 from llmaccel.engine.config import EngineConfig
 from llmaccel.engine.cuda_graph import default_capture_sizes
-from llmaccel.engine.kv_cache import bytes_per_block, num_blocks_for_budget
+from llmaccel.engine.kv_cache import num_blocks_for_budget
 from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.transformer import TransformerForCausalLM
 
@@ -53,12 +53,10 @@ def capture_sizes(config: EngineConfig, device: torch.device, draft: bool = Fals
 
 def profile_num_blocks(config: EngineConfig, model: TransformerForCausalLM, max_model_len: int,
                        max_num_batched_tokens: int, kv_cache_dtype: torch.dtype,
-                       device: torch.device,
-                       draft_model: TransformerForCausalLM | None = None,
-                       extra_bytes_per_block: int = 0) -> int:
+                       device: torch.device, extra_bytes_per_block: int = 0) -> int:
     """KV blocks for the memory left: on GPU, run the largest step once without a cache to
-    measure activation memory; a draft model's KV takes its share of every block, as do
-    `extra_bytes_per_block` (a draft head's KV and the target's feature cache)."""
+    measure activation memory; `extra_bytes_per_block`: other pools with as many blocks
+    that share the budget (a draft model's or head's KV, the target's features for a head)."""
     if device.type == "cuda":
         # Budget from this engine's own peak: weights + the profiling step (an earlier peak in
         # the same process, e.g. another model since freed, must not count).
@@ -72,9 +70,6 @@ def profile_num_blocks(config: EngineConfig, model: TransformerForCausalLM, max_
             model.compute_logits(hidden[-min(n, config.max_num_seqs * rows_per_seq(config)):])
         torch.cuda.synchronize(device)
     useful = config.max_num_seqs * -(-max_model_len // config.block_size)
-    extra = extra_bytes_per_block + (0 if draft_model is None else
-                                     bytes_per_block(draft_model, config.block_size,
-                                                     kv_cache_dtype))
     return num_blocks_for_budget(model, config.block_size, kv_cache_dtype, device,
                                  config.gpu_memory_utilization, config.cpu_kv_cache_gib, useful,
-                                 extra_bytes_per_block=extra)
+                                 extra_bytes_per_block=extra_bytes_per_block)
