@@ -8,20 +8,20 @@ distill-draft --data FILE`.
 A head learns to predict the target's features on the text it is trained on; the target's own
 outputs are what it drafts for at serving time (EAGLE trains on a chat dataset; Medusa-2 on
 the model's own answers). Requests (none of them W5's prompts in spec_bench.py, though of the
-same kinds): functions from Python's standard library with rewrite/explain/annotate
-instructions, and WikiText-2 validation paragraphs with summarize/paraphrase/quote
-instructions, all chat-formatted with the target's template. Each record is the formatted
-prompt followed by the answer.
+same kinds): functions from the source files of Python's standard library (parsed, never
+imported) with rewrite/explain/annotate instructions, and WikiText-2 validation paragraphs and
+the standard library's longer docstrings with summarize/paraphrase/quote instructions, all
+chat-formatted with the target's template. Each record is the formatted prompt followed by the
+answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import importlib
-import inspect
 import random
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -38,33 +38,56 @@ PROSE_TASKS = [
     "Copy the following text, then list its three main points:",
     "Quote the first sentence of this paragraph, then say what the paragraph is about:",
     "Paraphrase this text:",
+    "Repeat the following passage exactly, then give it a title:",
+    "Explain this passage to a newcomer:",
+    "Write three questions that this text answers, with their answers:",
 ]
-STDLIB = ["textwrap", "heapq", "bisect", "difflib", "shutil", "json.encoder", "json.decoder",
-          "string", "fractions", "statistics", "calendar", "colorsys", "glob", "fnmatch",
-          "shlex", "pprint", "ipaddress", "csv", "functools", "operator", "random", "base64",
-          "quopri", "uu", "tokenize", "argparse", "configparser", "gettext", "locale",
-          "posixpath", "ntpath", "urllib.parse", "html", "email.utils", "datetime", "decimal",
-          "zipfile", "tarfile", "gzip", "logging", "copy", "enum", "dataclasses", "inspect",
-          "ast", "pathlib", "collections", "typing", "platform", "sysconfig"]
+# Parts of the standard library that are tests, GUIs or vendored tools, not library code.
+SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip",
+             "site-packages", "dist-packages", "__pycache__", "config-3"}
 
 
-def stdlib_functions(max_lines: int = 40, min_lines: int = 5) -> list[str]:
-    """Source of top-level and method functions of a few stdlib modules, 5-40 lines each."""
-    out: list[str] = []
-    for name in STDLIB:
-        try:
-            src = inspect.getsource(importlib.import_module(name))
-        except (ImportError, OSError, TypeError):
+def stdlib_sources() -> list[tuple[list[str], ast.Module]]:
+    """(source lines, parsed module) of every standard-library .py file, in path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        if any(part in SKIP_DIRS or part.startswith("config-")
+               for part in path.relative_to(root).parts[:-1]):
             continue
-        lines = src.splitlines()
-        for node in ast.walk(ast.parse(src)):
+        try:
+            src = path.read_text(encoding="utf-8")
+            out.append((src.splitlines(), ast.parse(src)))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+    return out
+
+
+def stdlib_functions(sources, max_lines: int = 40, min_lines: int = 5) -> list[str]:
+    """Source of the functions and methods of the standard library, 5-40 lines each."""
+    out: list[str] = []
+    for lines, tree in sources:
+        for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 if min_lines <= n <= max_lines:
                     body = lines[node.lineno - 1:node.end_lineno]
                     indent = len(body[0]) - len(body[0].lstrip())
                     out.append("\n".join(line[indent:] for line in body))
-    return out
+    return list(dict.fromkeys(out))  # a few are repeated across files
+
+
+def stdlib_docstrings(sources, min_words: int = 60, max_words: int = 220) -> list[str]:
+    """Module, class and function docstrings of 60-220 words: technical English prose."""
+    out = []
+    for _, tree in sources:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and min_words <= len(doc.split()) <= max_words:
+                    out.append(doc)
+    return list(dict.fromkeys(out))
 
 
 def wikitext_paragraphs(min_words: int = 60, max_words: int = 220) -> list[str]:
@@ -78,7 +101,9 @@ def wikitext_paragraphs(min_words: int = 60, max_words: int = 220) -> list[str]:
 
 def requests(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    code, prose = stdlib_functions(), wikitext_paragraphs()
+    sources = stdlib_sources()
+    code = stdlib_functions(sources)
+    prose = wikitext_paragraphs() + stdlib_docstrings(sources)
     rng.shuffle(code)
     rng.shuffle(prose)
     out = []

@@ -143,6 +143,15 @@ def _limits(text: str | None, methods: list[str]) -> dict[str, int]:
     return {m: int(n) for m, n in pairs}
 
 
+def _vocab_size(llm) -> int | None:
+    """The tokens a draft head scores (its draft vocabulary's size, else the whole
+    vocabulary); None for other methods."""
+    head = getattr(llm.engine, "draft_head", None)
+    if head is None:
+        return None
+    return int(head.draft_ids.numel()) if head.draft_ids is not None else head.config.vocab_size
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
@@ -151,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a draft head directory (llmaccel distill-draft --kind head) for "
                          "method 'head'")
     ap.add_argument("--methods", default="draft,ngram", help="any of draft, ngram, head")
+    ap.add_argument("--draft-vocab-sizes", default=None,
+                    help="head: comma-separated draft_vocab_size values, one head engine each "
+                         "('auto': the head's draft_vocab.json as saved; 0: the whole "
+                         "vocabulary); default: auto")
     ap.add_argument("--switch", default="auto",
                     help="comma-separated: auto (the engine's off switch decides per step), on "
                          "(speculate at every step: what the switch chooses against)")
@@ -229,14 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     del draft_alone
     gc.collect()  # the speculative engines size their KV caches from free memory
     torch.cuda.empty_cache() if device == "cuda" else None
-    runs = [(m, s) for m in args.methods.split(",") for s in args.switch.split(",")]
+    vocab_sizes = [None if v == "auto" else int(v)
+                   for v in (args.draft_vocab_sizes or "auto").split(",")]
+    runs = [(m, s, v) for m in args.methods.split(",") for s in args.switch.split(",")
+            for v in (vocab_sizes if m == "head" else [None])]
     limits = _limits(args.disable_by_batch_size, args.methods.split(","))
-    for method, switch in runs:
+    for method, switch, vocab in runs:
         spec = {"method": method, "num_speculative_tokens": args.k}
         if method == "draft":
             spec["model"] = args.draft
         elif method == "head":
             spec["model"] = args.head
+            spec["draft_vocab_size"] = vocab
         if switch == "on":  # never off: what speculating at every step gives (adaptive k >= 1)
             spec["auto_disable"] = False
         elif limits.get(method) is not None:
@@ -273,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "kind": kind, "k": args.k,
                                   "max_tokens": args.max_tokens,
                                   "draft": spec.get("model"),
+                                  "draft_vocab_size": _vocab_size(llm),
                                   "identical_to_plain": tokens == base_tokens,
                                   "plain_out_tok_s": round(n_out / base_wall, 2),
                                   "spec_out_tok_s": round(n_out / wall, 2)},
@@ -316,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                     rec["speedup_bound"] = round(bound, 3)
                     rec["share_of_bound"] = round(rec["value"] / bound, 3) if bound else None
                 records.append(rec)
-                rows.append(f"| {method} | {switch} | {kind} | {b} | "
+                dv = rec["config"]["draft_vocab_size"]
+                label = method if dv is None else f"{method} (vocab {dv})"
+                rows.append(f"| {label} | {switch} | {kind} | {b} | "
                             f"{rec['config']['plain_out_tok_s']} | "
                             f"{rec['config']['spec_out_tok_s']} | {rec['value']} | {acc:.2f} | "
                             f"{rec['mean_accepted_len']} | {mean_k:.2f} | {steps} / {off} | "

@@ -310,6 +310,15 @@ def distill_draft(
                                     "the feature regression."),
     feature_noise: float = typer.Option(0.1, min=0.0, help="head: uniform noise on the input "
                                         "features, relative to their RMS (0: off)."),
+    draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
+                                         "most frequent tokens as its draft vocabulary, the "
+                                         "only ones it scores when drafting (0: none)."),
+    schedule: str = typer.Option("cosine", help="Learning rate: cosine (down to a tenth over "
+                                 "--steps) or constant."),
+    warmup: Optional[int] = typer.Option(None, min=0, help="Linear warm-up steps (default: a "
+                                         "tenth of --steps, at most 100)."),
+    max_seconds: Optional[float] = typer.Option(None, min=1.0, help="Stop after this many "
+                                                "seconds of training (evaluated, best kept)."),
     seed: int = typer.Option(0),
     out: str = typer.Option(..., "--out", help="Output directory (the draft, distill.json)."),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
@@ -326,8 +335,9 @@ def distill_draft(
     res = run_distill(DistillConfig(
         target=target, out=out, kind=kind, data=data, layers=layers, lr=lr, steps=steps,
         batch_size=batch_size, seq_len=seq_len, eval_every=eval_every, patience=patience,
-        max_blocks=max_blocks, kl_weight=kl_weight, feature_noise=feature_noise, seed=seed,
-        device=device, dtype=dtype))
+        max_blocks=max_blocks, kl_weight=kl_weight, feature_noise=feature_noise,
+        draft_vocab_size=draft_vocab_size, schedule=schedule, warmup=warmup,
+        max_seconds=max_seconds, seed=seed, device=device, dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""
     method = "draft" if kind == "student" else "head"
     console.print(f"{kind}: held-out KL {res.baseline_kl:.4f} -> {res.best_kl:.4f}, top-1 "

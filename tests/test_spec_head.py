@@ -69,9 +69,11 @@ def reference_head(t: dict, cfg, emb_ids, feats):
 
 
 @torch.no_grad()
-def reference_drafts(hf, t: dict, tokens: list[int], k: int) -> list[int]:
+def reference_drafts(hf, t: dict, tokens: list[int], k: int,
+                     vocab: list[int] | None = None) -> list[int]:
     """k greedy drafts after `tokens`: the target's final-norm features f_i of the context,
-    the head over (token i + 1, f_i), then its own outputs for further drafts."""
+    the head over (token i + 1, f_i), then its own outputs for further drafts; with `vocab`,
+    each draft is the argmax over those tokens only."""
     ids = torch.tensor([tokens])
     feats = list(hf.model(ids).last_hidden_state[0, :-1])
     emb, lm = hf.model.embed_tokens.weight, hf.lm_head.weight
@@ -79,7 +81,9 @@ def reference_drafts(hf, t: dict, tokens: list[int], k: int) -> list[int]:
     drafts = []
     for _ in range(k):
         out = reference_head(t, hf.config, emb[torch.tensor(toks)], torch.stack(feats))[-1]
-        d = int((out @ lm.T).argmax())
+        logits = out @ lm.T
+        d = (int(logits.argmax()) if vocab is None
+             else vocab[int(logits[torch.tensor(vocab)].argmax())])
         drafts.append(d)
         toks.append(d)
         feats.append(out)
@@ -132,6 +136,71 @@ def test_drafts_equal_the_reference_and_outputs_the_target(pair, mode):
         assert stats.prefix_hit_rate > 0 and stats.num_preemptions > 0
 
 
+def _with_vocab(d, tmp_path, ids) -> str:
+    """A copy of the pair's head with a draft_vocab.json of `ids`."""
+    import shutil
+
+    head = tmp_path / "head-vocab"
+    shutil.copytree(d / "head", head)
+    (head / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+    return str(head)
+
+
+@pytest.mark.parametrize("size", [None, 20])
+def test_a_draft_vocabulary_restricts_the_drafts(pair, tmp_path, size):
+    """With draft_vocab.json the head drafts the argmax over its tokens only (the first
+    draft_vocab_size of them when set); greedy outputs stay the target's; blocks come back."""
+    d, hf, tensors = pair
+    ids = list(range(100, 10, -3))  # 30 ids, deliberately not sorted
+    head = _with_vocab(d, tmp_path, ids)
+    vocab = ids if size is None else ids[:size]
+    prompts = [[11, 12, 13, 14, 15] * 6 + [3, 4], [5, 6, 7, 8] * 3, list(range(30, 52))]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", skip_tokenizer_init=True, block_size=16)
+    want = [o.outputs[0].token_ids for o in
+            LLM(str(d / "target"), **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(d / "target"), speculative_config={**SPEC, "model": head,
+                                                     "draft_vocab_size": size}, **kw)
+    assert llm.engine.draft_head.draft_ids.tolist() == vocab
+    rounds = _record_rounds(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert len(rounds) >= 20
+    for context, drafts in rounds:
+        assert set(drafts) <= set(vocab)
+        assert drafts == reference_drafts(hf, tensors, context, len(drafts), vocab)
+    # the restriction matters: the whole vocabulary drafts differently somewhere
+    assert any(dr != reference_drafts(hf, tensors, ctx, len(dr)) for ctx, dr in rounds)
+    assert llm.engine.spec.draft.block_manager.num_used_blocks == 0
+
+
+def test_bad_draft_vocabularies_are_clear_errors(pair, tmp_path):
+    d, _, _ = pair
+    target = str(d / "target")
+
+    def load(head, **spec):
+        return LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
+                   speculative_config={**SPEC, "model": str(head), **spec})
+
+    with pytest.raises(LLMAccelError, match="needs the head's draft_vocab.json"):
+        load(d / "head", draft_vocab_size=8)
+    head = _with_vocab(d, tmp_path, [1, 2, 3])
+    with pytest.raises(LLMAccelError, match="larger than the 3 tokens"):
+        load(head, draft_vocab_size=4)
+    assert load(head, draft_vocab_size=0).engine.draft_head.draft_ids is None
+    for bad in ([1, 1], [1, 10 ** 6], [], "x"):
+        (tmp_path / "head-vocab" / "draft_vocab.json").write_text(
+            json.dumps({"token_ids": bad}))
+        with pytest.raises(CorruptCheckpointError, match="distinct token ids"):
+            load(head)
+    (tmp_path / "head-vocab" / "draft_vocab.json").write_text("{not json")
+    with pytest.raises(CorruptCheckpointError, match="is not a draft vocabulary"):
+        load(head)
+    with pytest.raises(LLMAccelError, match="applies to method='head'"):
+        LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
+            speculative_config={"method": "ngram", "draft_vocab_size": 8})
+
+
 def test_bad_heads_are_clear_errors(pair, tmp_path):
     d, hf, _ = pair
     target = str(d / "target")
@@ -167,22 +236,25 @@ def test_bad_heads_are_clear_errors(pair, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_head_under_cuda_graphs_on_gpu(pair):
+@pytest.mark.parametrize("vocab", [None, list(range(100, 10, -3))])
+def test_head_under_cuda_graphs_on_gpu(pair, tmp_path, vocab):
     """The head's catch-up and draft steps replay CUDA graphs (static feature and output
-    buffers); in fp32 its drafts follow the CPU reference and outputs stay the target's."""
+    buffers, the draft vocabulary's scatter); in fp32 its drafts follow the CPU reference and
+    outputs stay the target's."""
     d, hf, tensors = pair
+    head = str(d / "head") if vocab is None else _with_vocab(d, tmp_path, vocab)
     prompts = [[11, 12, 13, 14, 15] * 12 + [3, 4], [5, 6, 7, 8] * 3, list(range(30, 52))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = dict(dtype="float32", device="cuda", skip_tokenizer_init=True, block_size=16,
               enable_prefix_caching=True)
     want = [o.outputs[0].token_ids for o in
             LLM(str(d / "target"), **kw).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(d / "target"), speculative_config={**SPEC, "model": str(d / "head"),
+    llm = LLM(str(d / "target"), speculative_config={**SPEC, "model": head,
                                                      "auto_disable": False}, **kw)
     assert llm.engine.spec.draft.runner.graphs is not None
     rounds = _record_rounds(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    same = sum(dr == reference_drafts(hf, tensors, ctx, len(dr)) for ctx, dr in rounds)
+    same = sum(dr == reference_drafts(hf, tensors, ctx, len(dr), vocab) for ctx, dr in rounds)
     assert len(rounds) >= 30 and same >= 0.9 * len(rounds), (same, len(rounds))
     assert llm.engine.block_manager.num_used_blocks == 0

@@ -65,6 +65,33 @@ def test_head_training_lowers_heldout_kl_and_raises_agreement(trained_head):
     assert summary["best_kl"] == res.best_kl and summary["best_step"] == res.best_step
 
 
+def test_head_saves_its_training_texts_draft_vocabulary(trained_head):
+    res, out, blocks = trained_head
+    vocab = json.loads((out / "draft_vocab.json").read_text())
+    train = blocks[:len(blocks) - 8]  # heldout 0.2 of 40 blocks: the last 8
+    counts = torch.bincount(train.flatten(), minlength=V)
+    # every token of the text, most frequent first (the motif's 7 tokens), counts as counted
+    assert sorted(vocab["token_ids"]) == sorted(set(train.flatten().tolist()))
+    assert vocab["counts"] == [int(counts[i]) for i in vocab["token_ids"]]
+    assert vocab["counts"] == sorted(vocab["counts"], reverse=True)
+    assert vocab["coverage"] == 1.0 and vocab["tokens_counted"] == train.numel()
+    summary = json.loads((out / "distill.json").read_text())
+    assert summary["saved"]["draft_vocab"]["size"] == 7
+    # evaluations report agreement over the draft vocabulary: at most the full one's (the
+    # random target's argmax is rarely a motif token)
+    for row in res.history:
+        assert 0.0 <= row["heldout_top1_draft_vocab"] <= 1.0
+
+
+def test_a_small_draft_vocabulary_keeps_the_most_frequent_tokens():
+    from llmaccel.train.draft_head import draft_vocabulary
+
+    blocks = torch.tensor([[5, 5, 5, 9, 9, 2], [5, 9, 2, 7, 7, 7]])
+    ids, info = draft_vocabulary(blocks, 12, 3)
+    assert ids.tolist() == [5, 7, 9] and info["counts"] == [4, 3, 3]  # ties: lower id first
+    assert info["distinct_tokens"] == 4 and info["coverage"] == round(10 / 12, 6)
+
+
 def test_saved_head_has_the_checkpoint_format_and_reloads(trained_head, target_dir):
     res, out, blocks = trained_head
     tensors = load_file(str(out / "model.safetensors"))
@@ -120,7 +147,10 @@ def test_trained_head_drafts_for_the_target_in_the_engine(trained_head, target_d
     expected = hf_greedy(target, prompts, max_tokens)
     llm = LLM(str(target_dir), dtype="float32", device="cpu", skip_tokenizer_init=True,
               speculative_config={"method": "head", "model": str(out),
-                                  "num_speculative_tokens": 3, "adaptive": False})
+                                  "num_speculative_tokens": 3, "adaptive": False,
+                                  # the whole vocabulary: the training text (7 tokens) is
+                                  # not this random target's output, as real heads' is
+                                  "draft_vocab_size": 0})
     rounds, verify = [], llm.engine.spec.verify
 
     def recording(seqs, *args, **kw):  # (context, drafts) of every drafting sequence

@@ -11,6 +11,13 @@ norm), output `o_i = layer output + residual` (no final norm). f_i is the target
 at position i after its final norm (what its LM head reads); `lm_head(o_i)` predicts x_{i+2}
 and o_i stands in for f_{i+1} when the head drafts further.
 
+With a draft vocabulary (draft_vocab.json beside the weights: token ids ranked by frequency in
+the head's training text; `draft_vocab_size` keeps the first N) the head scores only those
+tokens: their rows of the target's LM head are copied into a smaller matrix, and the logits of
+every other token are -inf. The LM head is most of a head step's weight reads (Qwen2.5-1.5B:
+151,936 x 1,536), so a 32k vocabulary cuts a step to about a third; drafts outside it are
+never proposed, and verification stays exact whatever is drafted.
+
 The features come in through `static_features` (a buffer the CUDA graphs read: the proposer
 copies each step's features there) or, for steps larger than it (a long catch-up, run
 eagerly), `feature_input`. Outputs go to `static_out` (what a graph replay leaves) and
@@ -28,10 +35,12 @@ from torch import nn
 from llmaccel.errors import CorruptCheckpointError, LLMAccelError
 from llmaccel.models.attention import get_attention_backend
 from llmaccel.models.layers.linear import Linear
+from llmaccel.models.layers.quantization import dense_linear
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
 from llmaccel.models.transformer import DecoderLayer, TransformerForCausalLM
 
 HEAD_MARKER = "llmaccel_draft_head"
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 # Rows of the static feature/output buffers when the head has no CUDA graphs (CPU, eager):
 # steps up to this size read the static buffer, larger ones a tensor of their own.
 DEFAULT_STATIC_ROWS = 512
@@ -93,9 +102,25 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
         self.feature_cache = None  # the head keeps no features of its own
         # a plain attribute, not a submodule: the target's weights are not the head's
         object.__setattr__(self, "_target", target)
+        self.draft_ids: torch.Tensor | None = None  # the draft vocabulary, if any
+        self.draft_lm_head: torch.Tensor | None = None
+
+    def set_draft_vocab(self, token_ids: list[int] | None) -> None:
+        """Score only `token_ids` (None: the target's whole vocabulary)."""
+        if token_ids is None:
+            self.draft_ids = self.draft_lm_head = None
+            return
+        weight = _lm_head_weight(self._target)
+        self.draft_ids = torch.tensor(token_ids, dtype=torch.long, device=weight.device)
+        self.draft_lm_head = weight.index_select(0, self.draft_ids).contiguous()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._target.compute_logits(hidden_states)
+        if self.draft_ids is None:
+            return self._target.compute_logits(hidden_states)
+        small = dense_linear(hidden_states, self.draft_lm_head, None,
+                             self.model.norm.use_triton)
+        logits = small.new_full((small.shape[0], self.config.vocab_size), -torch.inf)
+        return logits.index_copy_(1, self.draft_ids, small)
 
     def set_fused_kernels(self, enabled: bool, fuse_decode: bool | None = None) -> None:
         # The fused decode layer folds the input norm into the qkv GEMV; the head has none.
@@ -106,6 +131,46 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
                for name, t in weights
                if not name.startswith(("embed_tokens.", "model.embed_tokens.", "lm_head.")))
         return super().load_weights(own)
+
+
+def _lm_head_weight(target: TransformerForCausalLM) -> torch.Tensor:
+    """The target's LM head as a dense [vocab, hidden] matrix (the embedding when tied)."""
+    if target.tie_word_embeddings:
+        return target.model.embed_tokens.weight
+    weight = getattr(target.lm_head, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or not weight.is_floating_point()
+            or weight.dim() != 2 or weight.element_size() < 2):
+        raise LLMAccelError("a draft vocabulary needs the target's LM head as a 16- or 32-bit "
+                            "matrix, and this target's is quantized: set draft_vocab_size=0")
+    return weight
+
+
+def read_draft_vocab(path: str | Path, vocab_size: int, size: int | None) -> list[int] | None:
+    """The head's draft vocabulary: the first `size` ids of its draft_vocab.json (None: all of
+    them; 0: no draft vocabulary), checked. None when it has no file and no size was asked."""
+    file = Path(path).expanduser() / DRAFT_VOCAB_FILE
+    if size == 0:
+        return None
+    if not file.is_file():
+        if size is not None:
+            raise LLMAccelError(f"draft_vocab_size={size} needs the head's {DRAFT_VOCAB_FILE}, "
+                                f"and {str(path)!r} has none (set draft_vocab_size=0 or "
+                                "leave it unset)")
+        return None
+    try:
+        ids = json.loads(file.read_text())["token_ids"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{file} is not a draft vocabulary (a JSON object with "
+                                     f"'token_ids'): {e}") from e
+    if (not isinstance(ids, list) or not ids
+            or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
+            or len(set(ids)) != len(ids)):
+        raise CorruptCheckpointError(f"{file}: token_ids must be distinct token ids in [0, "
+                                     f"{vocab_size}), at least one")
+    if size is not None and size > len(ids):
+        raise LLMAccelError(f"draft_vocab_size={size} is larger than the {len(ids)} tokens of "
+                            f"{file}")
+    return ids if size is None else ids[:size]
 
 
 def read_head_config(path: str | Path):
@@ -128,8 +193,10 @@ def read_head_config(path: str | Path):
 
 
 def load_draft_head(path: str | Path, target: TransformerForCausalLM, max_positions: int,
-                    device: torch.device, dtype: torch.dtype) -> DraftHeadForCausalLM:
-    """The head of `path` for `target`: its width and vocabulary must be the target's."""
+                    device: torch.device, dtype: torch.dtype,
+                    draft_vocab_size: int | None = None) -> DraftHeadForCausalLM:
+    """The head of `path` for `target`: its width and vocabulary must be the target's. Its
+    draft vocabulary: see `read_draft_vocab`."""
     from llmaccel.models.loader import safetensors_weights
 
     config, marker = read_head_config(path)
@@ -164,5 +231,6 @@ def load_draft_head(path: str | Path, target: TransformerForCausalLM, max_positi
     for module in head.modules():
         if isinstance(module, Linear):
             module.quant_method.process_weights_after_loading(module)
+    head.set_draft_vocab(read_draft_vocab(path, tcfg.vocab_size, draft_vocab_size))
     head.set_fused_kernels(bool(getattr(target.model.norm, "use_triton", False)))
     return head.eval()

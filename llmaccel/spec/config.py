@@ -42,6 +42,9 @@ class SpeculativeConfig:
     # Draft step cost relative to a target step, for the adaptive k (None: measured at run time).
     draft_cost_ratio: float | None = None
     draft_quantization: str | None = None  # the draft model's quantization, if any
+    # head: score only the first N tokens of its draft_vocab.json (None: all it lists, or the
+    # whole vocabulary when it has none; 0: the whole vocabulary). vLLM's EAGLE-3 name.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -61,6 +64,10 @@ class SpeculativeConfig:
              f"disable_by_batch_size must be >= 1 or None, got {self.disable_by_batch_size}"),
             (self.draft_cost_ratio is None or self.draft_cost_ratio >= 0.0,
              f"draft_cost_ratio must be >= 0, got {self.draft_cost_ratio}"),
+            (self.draft_vocab_size is None or self.draft_vocab_size >= 0,
+             f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
+            (self.draft_vocab_size is None or self.method == "head",
+             "draft_vocab_size applies to method='head' (a draft head's vocabulary)"),
             (self.method == "ngram" or self.model,
              f"method={self.method!r} needs `model` (the draft model or head to load)"),
             (self.method != "ngram" or self.model is None,

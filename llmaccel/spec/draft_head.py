@@ -131,4 +131,4 @@ def load_head_for(config, target: TransformerForCausalLM, target_model_config,
     if spec is None or spec.method != "head":
         return None
     return load_draft_head(spec.model, target, target_model_config.max_model_len, device,
-                           target_model_config.dtype)
+                           target_model_config.dtype, spec.draft_vocab_size)

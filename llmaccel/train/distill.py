@@ -17,14 +17,13 @@ Out: the draft in `out` and distill.json (settings, every evaluation, the outcom
 from __future__ import annotations
 
 import re
-from contextlib import nullcontext
-
 import torch
 
 from llmaccel.errors import LLMAccelError
 from llmaccel.train.distill_common import (DistillConfig, DistillResult, Meter, Target,
-                                           dtype_name, finish, kl_terms, load_target,
-                                           mean_kl_loss, train_loop, training_blocks)
+                                           autocast_for, dtype_name, finish, kl_terms,
+                                           load_target, mean_kl_loss, train_loop,
+                                           training_blocks)
 
 _LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")
 
@@ -65,18 +64,11 @@ def build_student(target_model, num_layers: int):
     return student.to(target_model.device).eval()
 
 
-def _autocast(device: torch.device, dtype: torch.dtype):
-    """Mixed precision for the fp32 student on a GPU whose target runs in 16-bit."""
-    if device.type == "cuda" and dtype != torch.float32:
-        return torch.autocast("cuda", dtype=dtype)
-    return nullcontext()
-
-
 def student_losses(student, target_model, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Mean over every position of KL(target || student) on token blocks [B, T]."""
     with torch.no_grad():
         p_logits = target_model(input_ids=batch).logits
-    with _autocast(batch.device, target_model.dtype):
+    with autocast_for(batch.device, target_model.dtype):
         q_logits = student(input_ids=batch).logits
     kl = mean_kl_loss(p_logits, q_logits)
     return kl, {"kl": kl.item()}
@@ -91,7 +83,7 @@ def evaluate_student(student, target_model, blocks: torch.Tensor, batch_size: in
     device = next(student.parameters()).device
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i:i + batch_size].to(device)
-        with _autocast(device, target_model.dtype):
+        with autocast_for(device, target_model.dtype):
             q_logits = student(input_ids=batch).logits
         kl, agree = kl_terms(target_model(input_ids=batch).logits, q_logits)
         meter.add(kl.numel(), kl=kl.sum(), top1=agree.sum())

@@ -11,6 +11,7 @@ best evaluation by held-out KL is kept, as `finetune` keeps its best perplexity.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -45,6 +46,13 @@ class DistillConfig:
     kl_weight: float = 0.1          # head: KL term beside the feature regression (EAGLE's 0.1)
     feature_noise: float = 0.1      # head: uniform input-feature noise, relative to their RMS
     fc_bias: bool = False           # head: vLLM's EAGLE-1 llama loader has no fc bias
+    # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
+    # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
+    # whole vocabulary); FR-Spec / EAGLE-3 cut the draft's LM-head cost this way.
+    draft_vocab_size: int = 32768
+    schedule: str = "cosine"        # learning rate: cosine (down to a tenth) or constant
+    warmup: int | None = None       # linear warm-up steps (None: a tenth of steps, <= 100)
+    max_seconds: float | None = None  # stop (evaluate, keep the best) after this long
     seed: int = 0
     device: str | None = None
     dtype: str = "auto"             # the target's: auto = bf16 on a GPU, fp32 on the CPU
@@ -52,6 +60,10 @@ class DistillConfig:
     @property
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.kind]
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else min(100, self.steps // 10)
 
     def check(self) -> None:
         checks = [(self.kind in KINDS,
@@ -67,7 +79,15 @@ class DistillConfig:
                   (self.patience >= 1, f"patience must be >= 1, got {self.patience}"),
                   (self.kl_weight >= 0, f"kl_weight must be >= 0, got {self.kl_weight}"),
                   (self.feature_noise >= 0,
-                   f"feature_noise must be >= 0, got {self.feature_noise}")]
+                   f"feature_noise must be >= 0, got {self.feature_noise}"),
+                  (self.draft_vocab_size >= 0,
+                   f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
+                  (self.schedule in ("cosine", "constant"),
+                   f"schedule must be cosine or constant, got {self.schedule!r}"),
+                  (self.warmup is None or self.warmup >= 0,
+                   f"warmup must be >= 0, got {self.warmup}"),
+                  (self.max_seconds is None or self.max_seconds > 0,
+                   f"max_seconds must be > 0, got {self.max_seconds}")]
         for ok, message in checks:
             if not ok:
                 raise LLMAccelError(message)
@@ -115,6 +135,14 @@ def load_target(cfg: DistillConfig) -> tuple[Target, torch.device]:
     stored = str(config.get("dtype") or config.get("torch_dtype") or "")
     save_dtype = DTYPES.get(stored.removeprefix("torch."), dtype)
     return Target(model, tokenizer, config, save_dtype), device
+
+
+def autocast_for(device: torch.device, dtype: torch.dtype):
+    """Mixed precision for an fp32 draft on a GPU whose target runs in 16-bit (the CPU runs
+    in fp32 as is: the reference)."""
+    if device.type == "cuda" and dtype != torch.float32:
+        return torch.autocast("cuda", dtype=dtype)
+    return nullcontext()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -186,7 +214,8 @@ def train_loop(cfg: DistillConfig, label: str, params: list[torch.nn.Parameter],
         snapshot=snapshot, restore=restore, label=label,
         status=lambda row: (f"held-out KL {row['heldout_kl']:.3f} "
                             f"top-1 {row['heldout_top1']:.1%}"),
-        progress=progress)
+        progress=progress, schedule=cfg.schedule, warmup=cfg.warmup_steps,
+        max_seconds=cfg.max_seconds)
 
 
 def finish(cfg: DistillConfig, out: Path, outcome: LoopOutcome, n_train: int, n_held: int,

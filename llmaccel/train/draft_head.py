@@ -16,6 +16,10 @@ features when it drafts several tokens. The target is frozen; only fc and the la
 Checkpoint (a directory): config.json, a one-layer Llama config with the target's shapes and
 rope settings plus the "llmaccel_draft_head" marker, and model.safetensors with fc.weight
 (fc.bias) and layers.0.* in HF Llama names, no input_layernorm, embed_tokens or lm_head.
+Beside them, draft_vocab.json: the training text's most frequent target tokens, ranked, which
+are all the engine's head scores when it drafts (the LM head is most of a head step's cost;
+FR-Spec and EAGLE-3 restrict the draft's vocabulary the same way). A JSON file, not a tensor,
+so the weights stay exactly EAGLE-1's for loaders that know nothing of it.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmaccel.errors import LLMAccelError
-from llmaccel.train.distill_common import (DistillConfig, Meter, Target, dtype_name, kl_terms,
-                                           mean_kl_loss)
+from llmaccel.models.draft_head import DRAFT_VOCAB_FILE
+from llmaccel.train.distill_common import (DistillConfig, Meter, Target, autocast_for,
+                                           dtype_name, kl_terms, mean_kl_loss)
 
 MARKER = "llmaccel_draft_head"
 FEATURE = "final_norm_output"
@@ -196,28 +201,58 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
     if feature_noise > 0:
         rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * feature_noise * rms
-    o = head(batch[:, 1:], inputs)
-    reg = F.smooth_l1_loss(o, f[:, 1:].float())
+    with autocast_for(batch.device, target_model.dtype):
+        o = head(batch[:, 1:], inputs)
+    reg = F.smooth_l1_loss(o.float(), f[:, 1:].float())
     kl = mean_kl_loss(p_logits, head.compute_logits(o))
     return reg + kl_weight * kl, {"reg": reg.item(), "kl": kl.item()}
 
 
 @torch.no_grad()
-def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_size: int
-                  ) -> dict[str, float]:
-    """Held-out means over every position: KL(p_{i+1} || q_i), top-1 agreement, regression."""
+def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_size: int,
+                  draft_vocab: torch.Tensor | None = None) -> dict[str, float]:
+    """Held-out means over every position: KL(p_{i+1} || q_i), top-1 agreement, regression,
+    and with `draft_vocab` (token ids) the top-1 agreement of the head's argmax over those
+    tokens only (what the engine drafts with that vocabulary)."""
     head.eval()
     meter = Meter()
     device = head.fc.weight.device
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i:i + batch_size].to(device)
         f = target_features(target_model, batch)
-        o = head(batch[:, 1:], f[:, :-1])
-        kl, agree = kl_terms(head.compute_logits(f[:, 1:]), head.compute_logits(o))
-        reg = F.smooth_l1_loss(o, f[:, 1:].float(), reduction="none").mean(-1)
-        meter.add(kl.numel(), kl=kl.sum(), top1=agree.sum(), reg=reg.sum())
+        with autocast_for(device, target_model.dtype):
+            o = head(batch[:, 1:], f[:, :-1])
+        p_logits, q_logits = head.compute_logits(f[:, 1:]), head.compute_logits(o)
+        kl, agree = kl_terms(p_logits, q_logits)
+        reg = F.smooth_l1_loss(o.float(), f[:, 1:].float(), reduction="none").mean(-1)
+        sums = {"kl": kl.sum(), "top1": agree.sum(), "reg": reg.sum()}
+        if draft_vocab is not None:
+            ids = draft_vocab.to(device)
+            restricted = ids[q_logits[..., ids].argmax(-1)]
+            sums["top1_vocab"] = (restricted == p_logits.argmax(-1)).sum()
+        meter.add(kl.numel(), **sums)
     m = meter.means()
-    return {"heldout_kl": m["kl"], "heldout_top1": m["top1"], "heldout_reg": m["reg"]}
+    out = {"heldout_kl": m["kl"], "heldout_top1": m["top1"], "heldout_reg": m["reg"]}
+    if draft_vocab is not None:
+        out["heldout_top1_draft_vocab"] = m["top1_vocab"]
+    return out
+
+
+def draft_vocabulary(blocks: torch.Tensor, vocab_size: int, size: int
+                     ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The `size` most frequent token ids of `blocks` (ties: lower id first; only tokens that
+    occur), and what to save about them: ids, counts, the share of the tokens they cover."""
+    counts = torch.bincount(blocks.flatten().long(), minlength=vocab_size)
+    # a stable sort of -count keeps equal counts in id order
+    order = torch.sort(-counts, stable=True).indices
+    seen = int((counts > 0).sum())
+    ids = order[:min(size, seen)]
+    total = int(counts.sum())
+    info = {"token_ids": ids.tolist(), "counts": counts[ids].tolist(),
+            "source": "token frequencies of the head's training text",
+            "tokens_counted": total, "distinct_tokens": seen,
+            "coverage": round(float(counts[ids].sum()) / max(total, 1), 6)}
+    return ids, info
 
 
 def save_draft_head(head: DraftHead, out: str | Path, dtype: torch.dtype | None = None
@@ -264,6 +299,10 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     head = build_draft_head(model, target.config, cfg.target, cfg.fc_bias,
                             save_dtype=target.save_dtype)
     params = list(head.parameters())
+    vocab, vocab_info = None, None
+    if cfg.draft_vocab_size:
+        vocab, vocab_info = draft_vocabulary(train, head.embed_tokens.shape[0],
+                                             cfg.draft_vocab_size)
 
     def step_loss(batch: torch.Tensor):
         head.train()
@@ -271,10 +310,18 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
 
     outcome = train_loop(
         cfg, "head", params, train, device, step_loss,
-        lambda: evaluate_head(head, model, held, cfg.batch_size),
+        lambda: evaluate_head(head, model, held, cfg.batch_size, vocab),
         lambda: {k: v.detach().clone() for k, v in head.state_dict().items()},
         head.load_state_dict, progress)
     out = save_draft_head(head, cfg.out, target.save_dtype)
-    return finish(cfg, out, outcome, len(train), len(held),
-                  {"saved": {"kind": "head", "dtype": dtype_name(target.save_dtype),
-                             "tensors": sorted(head.state_dict())}})
+    saved: dict[str, Any] = {"kind": "head", "dtype": dtype_name(target.save_dtype),
+                             "tensors": sorted(head.state_dict())}
+    stale = out / DRAFT_VOCAB_FILE
+    if vocab_info is not None:
+        stale.write_text(json.dumps(vocab_info))
+        saved["draft_vocab"] = {k: vocab_info[k] for k in ("tokens_counted", "distinct_tokens",
+                                                           "coverage")}
+        saved["draft_vocab"]["size"] = len(vocab_info["token_ids"])
+    elif stale.exists():  # an earlier head's vocabulary must not outlive it
+        stale.unlink()
+    return finish(cfg, out, outcome, len(train), len(held), {"saved": saved})

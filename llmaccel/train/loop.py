@@ -3,13 +3,15 @@ id, or a GGUF file dequantized to a plain HF directory), and the optimization lo
 held-out evaluations, early stopping and the best weights restored.
 
 The loop stops when the held-out metric has not improved for `patience` evaluations, when the
-loss is not finite, or when a caller's check rejects an evaluation (LoRA: probe generations
-turned degenerate). A rejected evaluation never becomes the best, so the weights restored at
-the end are always ones that passed every check.
+loss is not finite, when a caller's check rejects an evaluation (LoRA: probe generations
+turned degenerate), or when a time limit is reached (evaluated and kept like a last step, so a
+run bounded by a wall clock still saves its best weights). A rejected evaluation never
+becomes the best, so the weights restored at the end are always ones that passed every check.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,15 +84,28 @@ def train_with_early_stop(
         describe: Callable[[float], str], snapshot: Callable[[], Any],
         restore: Callable[[Any], None], label: str, status: Callable[[dict[str, Any]], str],
         check: Callable[[dict[str, Any], dict[str, Any]], str | None] | None = None,
-        progress: bool = True) -> LoopOutcome:
+        progress: bool = True, schedule: str = "constant", warmup: int = 0,
+        max_seconds: float | None = None) -> LoopOutcome:
     """AdamW on `params` over random batches of `train` ([n, seq_len] token blocks).
     `evaluate()` returns the held-out measures, `metric` among them (lower is better; shown
     in messages as `metric_name` = `describe(value)`); every `eval_every` steps and at the
     last step a history row {step, train_loss, **measures, seconds} is recorded, `status(row)`
-    updates the progress bar, and `check(row, first_row)` may reject it with a reason."""
+    updates the progress bar, and `check(row, first_row)` may reject it with a reason.
+    `schedule`: constant, or cosine (lr decays to a tenth over `steps`), either after `warmup`
+    linear warm-up steps. `max_seconds`: evaluate and stop once training has run that long."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+    if schedule not in ("constant", "cosine"):
+        raise LLMAccelError(f"schedule must be constant or cosine, got {schedule!r}")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    def lr_at(step: int) -> float:
+        if step <= warmup:
+            return lr * step / (warmup + 1)
+        if schedule == "constant":
+            return lr
+        done = (step - warmup) / max(steps - warmup, 1)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
     gen = torch.Generator().manual_seed(seed)
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -111,6 +126,8 @@ def train_with_early_stop(
     bar.start()
     try:
         for step in range(1, steps + 1):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
             idx = torch.randint(len(train), (batch_size,), generator=gen)
             loss = step_loss(train[idx].to(device))
             if not torch.isfinite(loss):
@@ -122,7 +139,9 @@ def train_with_early_stop(
             opt.step()
             losses.append(loss.item())
             bar.update(task, completed=step, loss=losses[-1])
-            if step % eval_every and step != steps:
+            out_of_time = (max_seconds is not None
+                           and time.perf_counter() - t0 >= max_seconds)
+            if step % eval_every and step != steps and not out_of_time:
                 continue
             row = record(step, sum(losses) / len(losses))
             losses = []
@@ -137,6 +156,9 @@ def train_with_early_stop(
             if bad >= patience:
                 stopped = (f"held-out {metric_name} did not improve for {bad} evaluations "
                            f"(best {describe(best)} at step {best_step})")
+                break
+            if out_of_time:
+                stopped = f"the time limit of {max_seconds:g} s was reached at step {step}"
                 break
     finally:
         bar.stop()
