@@ -122,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunk", type=int, default=1024,
+                    help="requests per generate call (each chunk is written as it finishes)")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="stop after the chunk that passes this many seconds of generation")
     ap.add_argument("--out", required=True, help="the text file to write")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -131,17 +135,27 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.target, dtype=args.dtype, max_model_len=2048)
     tok = llm.get_tokenizer()
     texts = requests(args.n, args.seed)
-    prompts = [format_prompt(tok, t, None) for t in texts]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens),
-                        use_tqdm=False)
-    seconds = time.perf_counter() - start
-    records = [tok.decode(o.prompt_token_ids) + o.outputs[0].text for o in outs]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n\n".join(records) + "\n", encoding="utf-8")
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"wrote {args.out}: {len(records)} requests, {n_out} generated tokens in "
-          f"{seconds:.1f} s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("", encoding="utf-8")
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    start, done, n_out = time.perf_counter(), 0, 0
+    # In chunks: a bounded waiting queue per call, and a run cut short keeps what it made.
+    for i in range(0, len(texts), args.chunk):
+        prompts = [format_prompt(tok, t, None) for t in texts[i:i + args.chunk]]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        records = [tok.decode(o.prompt_token_ids) + o.outputs[0].text for o in outs]
+        with out.open("a", encoding="utf-8") as f:
+            f.write("\n\n".join(records) + "\n\n")
+        done += len(records)
+        n_out += sum(len(o.outputs[0].token_ids) for o in outs)
+        seconds = time.perf_counter() - start
+        print(f"{done}/{len(texts)} requests, {n_out} generated tokens, {seconds:.1f} s",
+              flush=True)
+        if args.max_seconds is not None and seconds >= args.max_seconds:
+            break
+    print(f"wrote {args.out}: {done} requests, {n_out} generated tokens in "
+          f"{time.perf_counter() - start:.1f} s")
     return 0
 
 
