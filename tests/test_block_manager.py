@@ -93,10 +93,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # -- setup -------------------------------------------------------------------------------
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 24),
-                vocab=st.integers(1, 4))
-    def setup(self, block_size: int, num_blocks: int, vocab: int) -> None:
+                vocab=st.integers(1, 4), evict_batch=st.integers(1, 3))
+    def setup(self, block_size: int, num_blocks: int, vocab: int, evict_batch: int) -> None:
         self.bs, self.vocab = block_size, vocab
         self.bm = BlockManager(num_blocks, block_size, self.prefix_caching)
+        self.bm.evict_batch = evict_batch  # large pools evict several idle blocks at once
         self.running: list[Sequence] = []     # hold blocks
         self.waiting: list[Sequence] = []     # preempted, or admission failed: hold nothing
         self.batch: dict[Sequence, int] = {}  # scheduled this step, K/V not written yet
@@ -763,6 +764,27 @@ def test_same_block_computed_twice_is_deduplicated():
     assert a.block_table[0] == b_block
     assert bm.ref_count[b_block] == 2 and bm.ref_count[a_own] == 0
     assert a_own in bm.free_blocks and len(bm.cache) == 1
+
+
+def test_a_full_cache_evicts_in_batches():
+    """Taking blocks from a pool full of idle cached blocks scans the cache once per batch of
+    num_blocks / 256 blocks, not once per block; the rest of the batch stays free."""
+    bm = BlockManager(1024, 1, enable_prefix_caching=True)
+    assert bm.evict_batch == 4
+    for i in range(1024):  # 1024 one-token sequences, each leaving a cached idle block
+        seq = Sequence(f"s{i}", 0, [i], PARAMS)
+        assert bm.allocate_slots(seq, 1)
+        bm.cache_full_blocks(seq, 1)
+        bm.free(seq)
+    assert bm.num_idle_cached == 1024 and not bm.free_blocks
+    calls, evict = [], bm.cache.evict
+    bm.cache.evict = lambda n, is_free: calls.append(n) or evict(n, is_free)
+    seq = Sequence("new", 0, [5000] * 10, PARAMS)
+    assert bm.allocate_slots(seq, 10)
+    assert calls == [4, 4, 4] and len(bm.free_blocks) == 2
+    assert bm.num_available_blocks == 1024 - 10 and bm.num_idle_cached == 1024 - 12
+    bm.free(seq)
+    assert bm.num_available_blocks == 1024
 
 
 def test_allocation_is_all_or_nothing():
