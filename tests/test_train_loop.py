@@ -1,0 +1,66 @@
+"""train/loop.py: the learning-rate schedules (warm-up, cosine down to a tenth) and the time
+limit, which stops training like a last step: evaluated, the best weights restored."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmaccel.errors import LLMAccelError
+from llmaccel.train.loop import train_with_early_stop
+
+
+def _run(schedule: str, warmup: int, steps: int, max_seconds: float | None = None,
+         slow: float = 0.0):
+    import time
+
+    w = torch.nn.Parameter(torch.tensor([3.0]))
+    lrs: list[float] = []
+    opt_step = torch.optim.AdamW.step
+
+    def step_loss(batch):
+        if slow:
+            time.sleep(slow)
+        return (w - 1.0).pow(2).sum()
+
+    def spy(self, *a, **kw):  # the lr each step ran with
+        lrs.append(self.param_groups[0]["lr"])
+        return opt_step(self, *a, **kw)
+
+    torch.optim.AdamW.step = spy
+    try:
+        out = train_with_early_stop(
+            params=[w], lr=0.1, steps=steps, batch_size=1, eval_every=1000, patience=5,
+            seed=0, train=torch.zeros(4, 2, dtype=torch.long), device=torch.device("cpu"),
+            step_loss=step_loss, evaluate=lambda: {"loss": float((w - 1.0).pow(2))},
+            metric="loss", metric_name="loss", describe=str,
+            snapshot=lambda: w.detach().clone(), restore=lambda s: w.data.copy_(s),
+            label="t", status=lambda row: "", progress=False, schedule=schedule,
+            warmup=warmup, max_seconds=max_seconds)
+    finally:
+        torch.optim.AdamW.step = opt_step
+    return out, lrs
+
+
+def test_cosine_schedule_warms_up_then_decays_to_a_tenth():
+    _, lrs = _run("cosine", warmup=4, steps=20)
+    assert lrs[:4] == pytest.approx([0.1 * s / 5 for s in range(1, 5)])
+    assert lrs[4] == pytest.approx(0.1 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 16))))
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # never rises after warm-up
+    assert lrs[-1] == pytest.approx(0.01)
+
+
+def test_constant_schedule_keeps_the_learning_rate():
+    _, lrs = _run("constant", warmup=0, steps=6)
+    assert lrs == pytest.approx([0.1] * 6)
+    with pytest.raises(LLMAccelError, match="schedule must be"):
+        _run("linear", warmup=0, steps=2)
+
+
+def test_time_limit_stops_with_an_evaluation():
+    out, lrs = _run("constant", warmup=0, steps=10_000, max_seconds=0.05, slow=0.01)
+    assert out.stopped and "time limit of 0.05 s" in out.stopped
+    assert out.steps_run == len(lrs) < 100
+    assert out.history[-1]["step"] == out.steps_run  # evaluated at the stop
