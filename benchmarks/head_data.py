@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import random
 import sys
 import sysconfig
@@ -47,6 +48,7 @@ SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "en
              "site-packages", "dist-packages", "__pycache__", "config-3"}
 
 
+@functools.cache  # parsing the whole standard library takes seconds
 def stdlib_sources() -> list[tuple[list[str], ast.Module]]:
     """(source lines, parsed module) of every standard-library .py file, in path order."""
     root = Path(sysconfig.get_paths()["stdlib"])

@@ -34,7 +34,7 @@ def _run(schedule: str, warmup: int, steps: int, max_seconds: float | None = Non
         out = train_with_early_stop(
             params=[w], lr=0.1, steps=steps, batch_size=1, eval_every=1000, patience=5,
             seed=0, train=torch.zeros(4, 2, dtype=torch.long), device=torch.device("cpu"),
-            step_loss=step_loss, evaluate=lambda: {"loss": float((w - 1.0).pow(2))},
+            step_loss=step_loss, evaluate=lambda: {"loss": float((w.detach() - 1.0).pow(2))},
             metric="loss", metric_name="loss", describe=str,
             snapshot=lambda: w.detach().clone(), restore=lambda s: w.data.copy_(s),
             label="t", status=lambda row: "", progress=False, schedule=schedule,

@@ -217,6 +217,7 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
     head.eval()
     meter = Meter()
     device = head.fc.weight.device
+    ids = draft_vocab.to(device) if draft_vocab is not None else None
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i:i + batch_size].to(device)
         f = target_features(target_model, batch)
@@ -226,8 +227,7 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
         kl, agree = kl_terms(p_logits, q_logits)
         reg = F.smooth_l1_loss(o.float(), f[:, 1:].float(), reduction="none").mean(-1)
         sums = {"kl": kl.sum(), "top1": agree.sum(), "reg": reg.sum()}
-        if draft_vocab is not None:
-            ids = draft_vocab.to(device)
+        if ids is not None:
             restricted = ids[q_logits[..., ids].argmax(-1)]
             sums["top1_vocab"] = (restricted == p_logits.argmax(-1)).sum()
         meter.add(kl.numel(), **sums)
@@ -316,12 +316,12 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     out = save_draft_head(head, cfg.out, target.save_dtype)
     saved: dict[str, Any] = {"kind": "head", "dtype": dtype_name(target.save_dtype),
                              "tensors": sorted(head.state_dict())}
-    stale = out / DRAFT_VOCAB_FILE
+    vocab_file = out / DRAFT_VOCAB_FILE
     if vocab_info is not None:
-        stale.write_text(json.dumps(vocab_info))
+        vocab_file.write_text(json.dumps(vocab_info))
         saved["draft_vocab"] = {k: vocab_info[k] for k in ("tokens_counted", "distinct_tokens",
                                                            "coverage")}
         saved["draft_vocab"]["size"] = len(vocab_info["token_ids"])
-    elif stale.exists():  # an earlier head's vocabulary must not outlive it
-        stale.unlink()
+    elif vocab_file.exists():  # an earlier head's vocabulary must not outlive it
+        vocab_file.unlink()
     return finish(cfg, out, outcome, len(train), len(held), {"saved": saved})
