@@ -5,6 +5,8 @@ where the GPU waits for the host (CUDA events around each forward pass; GPU only
 
     python benchmarks/profile_spec.py --target t.gguf --draft d.gguf --batches 4 --kinds prose
     python benchmarks/profile_spec.py --target qwen2.5-0.5b --draft qwen2.5-0.5b --gaps
+    python benchmarks/profile_spec.py --target qwen2.5-1.5b --head HEAD --gaps --fixed-k \
+        --chain on,off
 
 (A shape name loads random weights with the engine's seed, so a shape drafting for itself
 accepts nearly everything: host overhead of full-length rounds without staging real models.)
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
+import os
 import pstats
 import sys
 import time
@@ -76,7 +80,17 @@ def gaps(llm, prompts, params) -> None:
         marks.append((f"{kind} {shape}", start, end))
         return out
 
+    def execute_chain(self, seqs, counts, first_ids, steps, __fn=ModelRunner.execute_chain):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = __fn(self, seqs, counts, first_ids, steps)
+        end.record()
+        marks.append((f"draft chain x{steps}", start, end))
+        return out
+
+    originals.append((ModelRunner, "execute_chain", ModelRunner.execute_chain))
     ModelRunner.execute = execute
+    ModelRunner.execute_chain = execute_chain
     for cls, name, label in _phase_wrappers():
         fn = getattr(cls, name)
         originals.append((cls, name, fn))
@@ -127,6 +141,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", default=None, help="a draft model (else n-gram lookup)")
+    ap.add_argument("--head", default=None, help="a draft head directory (method 'head')")
+    ap.add_argument("--fixed-k", action="store_true",
+                    help="draft k tokens every round: adaptive k and the off switch off (what "
+                         "a round costs, whatever the acceptance)")
+    ap.add_argument("--chain", default="on",
+                    help="comma-separated on,off: chained draft steps (LLMACCEL_DRAFT_CHAIN)")
     ap.add_argument("--batches", default="4", help="comma-separated batch sizes")
     ap.add_argument("--kinds", default="prose", help="comma-separated: code, prose")
     ap.add_argument("--k", type=int, default=4)
@@ -136,15 +156,23 @@ def main() -> None:
                     help="instead of cProfile: GPU time and idle time per forward pass (CUDA "
                          "events) and host time per engine phase")
     args = ap.parse_args()
-    spec = ({"method": "draft", "model": args.draft} if args.draft else {"method": "ngram"})
+    spec = ({"method": "draft", "model": args.draft} if args.draft else
+            {"method": "head", "model": args.head} if args.head else {"method": "ngram"})
     spec["num_speculative_tokens"] = args.k
-    llm = LLM(args.target, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=False,
-              speculative_config=spec)
+    if args.fixed_k:
+        spec.update(adaptive=False, auto_disable=False)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    for kind in args.kinds.split(","):
-        for batch in map(int, args.batches.split(",")):
-            print(f"\n=== {spec['method']}, {kind} prompts, batch {batch}")
-            profile_one(llm, _prompts(llm, kind, batch), params, args)
+    for chain in args.chain.split(","):
+        os.environ["LLMACCEL_DRAFT_CHAIN"] = "1" if chain == "on" else "0"
+        llm = LLM(args.target, dtype="bfloat16", max_model_len=2048,
+                  enable_prefix_caching=False, speculative_config=spec)
+        for kind in args.kinds.split(","):
+            for batch in map(int, args.batches.split(",")):
+                print(f"\n=== {spec['method']}, chain {chain}, {kind} prompts, batch {batch}")
+                profile_one(llm, _prompts(llm, kind, batch), params, args)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _prompts(llm, kind: str, batch: int) -> list:

@@ -164,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="head: comma-separated draft_vocab_size values, one head engine each "
                          "('auto': the head's draft_vocab.json as saved; 0: the whole "
                          "vocabulary); default: auto")
+    ap.add_argument("--draft-chain", default="on",
+                    help="draft/head: comma-separated on,off -- the k - 1 draft steps after the "
+                         "catch-up as one chained CUDA graph (on, the default) or one launch "
+                         "each (off: LLMACCEL_DRAFT_CHAIN=0), one engine each")
     ap.add_argument("--switch", default="auto",
                     help="comma-separated: auto (the engine's off switch decides per step), on "
                          "(speculate at every step: what the switch chooses against)")
@@ -244,11 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache() if device == "cuda" else None
     vocab_sizes = [None if v == "auto" else int(v)
                    for v in (args.draft_vocab_sizes or "auto").split(",")]
-    runs = [(m, s, v) for m in args.methods.split(",") for s in args.switch.split(",")
-            for v in (vocab_sizes if m == "head" else [None])]
+    chains = args.draft_chain.split(",")
+    runs = [(m, s, v, c) for m in args.methods.split(",") for s in args.switch.split(",")
+            for v in (vocab_sizes if m == "head" else [None])
+            for c in (chains if m != "ngram" else ["on"])]
     limits = _limits(args.disable_by_batch_size, args.methods.split(","))
-    for method, switch, vocab in runs:
+    for method, switch, vocab, chain in runs:
         spec = {"method": method, "num_speculative_tokens": args.k}
+        # read when the draft's runner is made (engine/model_runner.py)
+        os.environ["LLMACCEL_DRAFT_CHAIN"] = "1" if chain == "on" else "0"
         if method == "draft":
             spec["model"] = args.draft
         elif method == "head":
@@ -291,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "max_tokens": args.max_tokens,
                                   "draft": spec.get("model"),
                                   "draft_vocab_size": _vocab_size(llm),
+                                  "draft_chain": None if method == "ngram" else chain,
                                   "identical_to_plain": tokens == base_tokens,
                                   "plain_out_tok_s": round(n_out / base_wall, 2),
                                   "spec_out_tok_s": round(n_out / wall, 2)},
@@ -336,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                 records.append(rec)
                 dv = rec["config"]["draft_vocab_size"]
                 label = method if dv is None else f"{method} (vocab {dv})"
+                if method != "ngram" and len(chains) > 1:
+                    label += f" (chain {chain})"
                 rows.append(f"| {label} | {switch} | {kind} | {b} | "
                             f"{rec['config']['plain_out_tok_s']} | "
                             f"{rec['config']['spec_out_tok_s']} | {rec['value']} | {acc:.2f} | "

@@ -14,6 +14,15 @@ graphs too: ModelRunner gives each token its own row (see model_runner.py).
 The pinned host inputs are double-buffered: a draft model replays several steps without a
 host sync, and the host must not overwrite inputs whose copy the device has not made yet; each
 buffer waits on the event recorded after its last copy before it is rewritten.
+
+Chained decode (`capture_chains`, `run_chain`): a draft's k - 1 single-token steps as ONE graph.
+Each step's greedy token is the next step's input id, and positions, context lengths and KV
+slots advance on the device (slot = block_table[pos // block_size] * block_size + pos %
+block_size), so the host prepares and launches one replay per round instead of k - 1. A draft
+head's step costs the GPU a fraction of a millisecond, less than the host's work to launch it
+(one `ModelRunner.execute`), so without the chain its drafts are bound by the host. Rows draft
+different counts (adaptive k): a row past its count writes no KV (slot -1) and re-reads its
+last position; its later outputs are ignored.
 """
 
 from __future__ import annotations
@@ -58,16 +67,27 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int, warmup: int = 1) -> float
     return start.elapsed_time(end) / iters
 
 
+# Rows of the static int64 inputs: ids, positions, slots, sampled rows, patch sources, patch
+# targets, and for chained decode each row's first position and step count.
+INPUT_ROWS = 8
+
+
+def _maybe_pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    return t.pin_memory() if pin else t
+
+
 class _HostStaging:
     """One set of pinned host inputs (written through numpy views: no per-element torch
     overhead) and the event after their last copy to the device."""
 
     def __init__(self, n: int, w: int) -> None:
-        # ids, positions, slots, sampled rows, patch sources and targets (int64); seq lens,
-        # tables (int32)
-        self.inputs = torch.zeros(6, n, dtype=torch.long).pin_memory()
-        self.seq_lens = torch.ones(n, dtype=torch.int32).pin_memory()
-        self.tables = torch.zeros(n, w, dtype=torch.int32).pin_memory()
+        # ids, positions, slots, sampled rows, patch sources and targets, chain starts and
+        # counts (int64); seq lens, tables (int32). Pinned where there is a GPU to copy to
+        # (CPU runs use the chain eagerly: tests).
+        pin = torch.cuda.is_available()
+        self.inputs = _maybe_pin(torch.zeros(INPUT_ROWS, n, dtype=torch.long), pin)
+        self.seq_lens = _maybe_pin(torch.ones(n, dtype=torch.int32), pin)
+        self.tables = _maybe_pin(torch.zeros(n, w, dtype=torch.int32), pin)
         self.np_inputs, self.np_seq_lens, self.np_tables = (
             self.inputs.numpy(), self.seq_lens.numpy(), self.tables.numpy())
         # The table list each host row holds and how many of its entries are written there.
@@ -80,15 +100,15 @@ class _HostStaging:
 
 class CUDAGraphRunner:
     def __init__(self, model: TransformerForCausalLM, capture_sizes: list[int],
-                 max_blocks_per_seq: int, device: torch.device) -> None:
+                 max_blocks_per_seq: int, device: torch.device, block_size: int = 16) -> None:
         self.model = model
         self.sizes = sorted(set(capture_sizes))
         self.max_bs = self.sizes[-1]
         self.device = device
+        self.block_size = block_size
         n, w = self.max_bs, max_blocks_per_seq
-        # Static device inputs: ids, positions, slots, sampled rows, patch sources and
-        # targets (int64) and seq lens, tables (int32).
-        self.inputs = torch.zeros(6, n, dtype=torch.long, device=device)
+        # Static device inputs: the INPUT_ROWS int64 rows and seq lens, tables (int32).
+        self.inputs = torch.zeros(INPUT_ROWS, n, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -96,6 +116,13 @@ class CUDAGraphRunner:
         self._flip = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+        self._row_index = torch.arange(n, device=device)
+        # chained decode: graphs and their draft ids [steps, rows] per (rows, steps)
+        self.chain_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.chain_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.chain_sizes: list[int] = []
+        self.chain_steps = 0
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -110,22 +137,68 @@ class CUDAGraphRunner:
         # Greedy sampling rides along in the graph: most decode batches need nothing else.
         return logits, greedy_with_logprobs(logits, use_kernel=USE_GREEDY_KERNEL)
 
+    def _chain_forward(self, bs: int, steps: int) -> torch.Tensor:
+        """`steps` greedy decode steps of bs rows, each fed the last one's tokens -> the
+        tokens [steps, bs] (float64, exact ids). Row r starts at position inputs[6, r] with
+        input id inputs[0, r] and writes KV for its first inputs[7, r] steps only."""
+        start, count = self.inputs[6, :bs], self.inputs[7, :bs]
+        block, rows = self.block_size, self._row_index[:bs]
+        out = torch.empty(steps, bs, dtype=torch.float64, device=self.device)
+        for s in range(steps):
+            # a row past its count stays on its last written position (valid KV to attend)
+            pos = start - 1 + count.clamp(max=s + 1)
+            self.inputs[1, :bs].copy_(pos)
+            self.seq_lens[:bs].copy_(pos + 1)
+            blocks = self.block_tables[rows, pos // block].long()
+            self.inputs[2, :bs].copy_(torch.where(count > s, blocks * block + pos % block, -1))
+            hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
+            tokens = greedy_with_logprobs(self.model.compute_logits(hidden),
+                                          use_kernel=USE_GREEDY_KERNEL)[0]
+            out[s].copy_(tokens)
+            self.inputs[0, :bs].copy_(tokens)  # float64 ids -> int64, exact
+            self.model.prepare_chained_step(bs)
+        return out
+
     @torch.inference_mode()
     def capture(self) -> None:
         self.inputs[2].fill_(-1)  # capture-time runs must not write into the cache
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
-            with torch.cuda.stream(stream):
-                self._forward(bs)  # warm-up: Triton compiles, cuBLAS picks its kernels
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self._forward(bs)
-            self.graphs[bs] = graph
+            self.graphs[bs], self.outputs[bs] = self._capture_one(lambda: self._forward(bs))
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode row counts %s", self.sizes)
+
+    def _capture_one(self, fn):
+        """One warm-up run of `fn` (Triton compiles, cuBLAS picks its kernels), then its
+        graph in the shared pool -> (graph, fn's outputs as captured)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            outputs = fn()
+        return graph, outputs
+
+    @torch.inference_mode()
+    def capture_chains(self, max_steps: int, max_rows: int) -> None:
+        """Chained-decode graphs of 1..max_steps steps for the captured row counts up to
+        max_rows (on the CPU nothing is captured: `run_chain` runs the same steps eagerly)."""
+        self.chain_sizes = [bs for bs in self.sizes if bs <= max_rows]
+        self.chain_steps = max_steps
+        if self.device.type != "cuda" or max_steps < 1:
+            return
+        # capture-time runs write nothing: every row has a count of 0 (slot -1)
+        self.inputs[6].fill_(1)
+        self.inputs[7].fill_(0)
+        for bs in reversed(self.chain_sizes):
+            for steps in range(1, max_steps + 1):
+                graph, out = self._capture_one(lambda: self._chain_forward(bs, steps))
+                self.chain_graphs[bs, steps], self.chain_outputs[bs, steps] = graph, out
+        torch.cuda.synchronize(self.device)
+        logger.info("captured chained-decode graphs of 1-%d steps for row counts %s",
+                    max_steps, self.chain_sizes)
 
     @torch.inference_mode()
     def time_replays(self, iters: int = 3) -> dict[int, float]:
@@ -138,6 +211,60 @@ class CUDAGraphRunner:
 
     def can_run(self, num_rows: int) -> bool:
         return num_rows <= self.max_bs
+
+    def can_chain(self, num_rows: int, steps: int) -> bool:
+        return (1 <= steps <= self.chain_steps and bool(self.chain_sizes)
+                and num_rows <= self.chain_sizes[-1])
+
+    def _next_staging(self) -> _HostStaging:
+        """The host buffer set to fill now, once the device has read its last contents."""
+        st = self._staging[self._flip]
+        self._flip ^= 1
+        if st.copied is not None:
+            st.copied.synchronize()
+        return st
+
+    def _stage_tables(self, st: _HostStaging, tables: list[list[int]]) -> None:
+        held_rows = st.rows
+        for i, table in enumerate(tables):
+            held, done = held_rows[i]
+            if held is not table:
+                done = 0
+            if done < len(table):
+                st.np_tables[i, done:len(table)] = table[done:]
+                held_rows[i] = (table, len(table))
+        # Stale table entries beyond a row's length are never read (positions < seq_len only).
+
+    def _copy_in(self, st: _HostStaging, bs: int) -> None:
+        """The staged inputs to the static device buffers (asynchronously)."""
+        self.inputs.copy_(st.inputs, non_blocking=True)
+        self.seq_lens.copy_(st.seq_lens, non_blocking=True)
+        self.block_tables[:bs].copy_(st.tables[:bs], non_blocking=True)
+        if self.device.type == "cuda":
+            if st.copied is None:
+                st.copied = torch.cuda.Event()
+            st.copied.record()
+
+    def run_chain(self, starts: list[int], counts: list[int], tables: list[list[int]],
+                  first_ids: torch.Tensor, steps: int) -> torch.Tensor:
+        """`steps` chained greedy decode steps (see `_chain_forward`) of len(starts) rows: row
+        r feeds first_ids[r] (on the device) at position starts[r], and its tokens at the next
+        positions, writing KV for counts[r] <= steps of them -> tokens [steps, rows] (a view of
+        the graph's output, valid until its next replay)."""
+        n = len(starts)
+        bs = self.chain_sizes[bisect.bisect_left(self.chain_sizes, n)]
+        st = self._next_staging()
+        inp = st.np_inputs
+        inp[6, :n], inp[7, :n] = starts, counts
+        inp[6, n:bs], inp[7, n:bs], inp[0, n:bs] = 1, 0, 0  # padding rows write nothing
+        self._stage_tables(st, tables)
+        self._copy_in(st, bs)
+        self.inputs[0, :n].copy_(first_ids)
+        graph = self.chain_graphs.get((bs, steps))
+        if graph is None:  # CPU: the same steps, eagerly
+            return self._chain_forward(bs, steps)[:, :n]
+        graph.replay()
+        return self.chain_outputs[bs, steps][:, :n]
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             seq_lens: list[int], tables: list[list[int]],
@@ -153,10 +280,7 @@ class CUDAGraphRunner:
         (drafts the host has not seen yet: ModelRunner.execute)."""
         n = len(ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        st = self._staging[self._flip]
-        self._flip ^= 1
-        if st.copied is not None:
-            st.copied.synchronize()  # the device has read this buffer's previous contents
+        st = self._next_staging()
         inp = st.np_inputs
         inp[0, :n], inp[1, :n], inp[2, :n] = ids, positions, slots
         inp[0, n:bs], inp[1, n:bs], inp[2, n:bs] = 0, 0, -1  # padding rows: no cache writes
@@ -168,27 +292,18 @@ class CUDAGraphRunner:
             inp[4, :d], inp[5, :d] = patch[0], patch[1]
         st.np_seq_lens[:n] = seq_lens
         st.np_seq_lens[n:bs] = 1
-        held_rows = st.rows
-        for i, table in enumerate(tables):
-            held, done = held_rows[i]
-            if held is not table:
-                done = 0
-            if done < len(table):
-                st.np_tables[i, done:len(table)] = table[done:]
-                held_rows[i] = (table, len(table))
-        # Stale table entries beyond a row's length are never read (positions < seq_len only).
-        self.inputs.copy_(st.inputs, non_blocking=True)
-        self.seq_lens.copy_(st.seq_lens, non_blocking=True)
-        self.block_tables[:bs].copy_(st.tables[:bs], non_blocking=True)
-        if st.copied is None:
-            st.copied = torch.cuda.Event()
-        st.copied.record()
+        self._stage_tables(st, tables)
+        self._copy_in(st, bs)
         if device_ids is not None:
             self.inputs[0, :n].copy_(device_ids)  # float64 argmax ids -> int64, exact
         if patch is not None:
             values = patch[2].reshape(-1).index_select(0, self.inputs[4, :d]).long()
             self.inputs[0].index_copy_(0, self.inputs[5, :d], values)
-        self.graphs[bs].replay()
+        graph = self.graphs.get(bs)
+        if graph is None:  # CPU (tests): the captured step's work, eagerly
+            self.outputs[bs] = self._forward(bs)
+        else:
+            graph.replay()
         logits, greedy = self.outputs[bs]
         if rows is None:
             return logits[:n], greedy[:, :n]

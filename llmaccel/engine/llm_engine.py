@@ -122,12 +122,13 @@ class LLMEngine:
             draft = None
             sizes = capture_sizes(config, device, draft=True,
                                   max_num_batched_tokens=self.max_num_batched_tokens)
+            k = config.speculative_config.num_speculative_tokens
             if self.draft_model is not None:
                 draft = DraftModelProposer(self.draft_model, num_blocks, bs, mc.max_model_len,
-                                           self.kv_cache_dtype, device, sizes)
+                                           self.kv_cache_dtype, device, sizes, k)
             elif self.draft_head is not None:
                 draft = HeadProposer(self.draft_head, self.model, num_blocks, bs,
-                                     mc.max_model_len, self.kv_cache_dtype, device, sizes)
+                                     mc.max_model_len, self.kv_cache_dtype, device, sizes, k)
             self.spec = SpecDecoder(config.speculative_config, mc.max_model_len,
                                     self.stop_checker, draft)
             self.spec.costs = measure_step_costs(self.runner, draft)

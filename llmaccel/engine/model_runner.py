@@ -11,6 +11,7 @@ else (long prefill chunks, CPU) runs eagerly with the prefill kernel.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -34,12 +35,20 @@ DECODE_ROWS_MAX = 16
 # spends ~0.3 ms of host time per layer, which pays for ~1 GB of K/V reads per layer at the
 # ~3 TB/s the rows reached. 512 MiB keeps a margin for slower memory (0: never).
 PREFILL_ROWS_KV_BYTES = 512 << 20
+# Chained draft steps (cuda_graph.py: k - 1 greedy steps in one graph) for draft steps of up
+# to this many rows; larger draft batches loop over single-step graphs (their GPU time, not
+# the host's launches, bounds them). LLMACCEL_DRAFT_CHAIN=0 when a runner is made turns chains
+# off (to measure both: benchmarks/spec_bench.py --draft-chain on,off).
+CHAIN_MAX_ROWS = 64
 
 
 class ModelRunner:
     def __init__(self, model: TransformerForCausalLM, kv_caches: list[torch.Tensor],
                  block_size: int, max_model_len: int = 0,
-                 cudagraph_capture_sizes: list[int] | None = None) -> None:
+                 cudagraph_capture_sizes: list[int] | None = None,
+                 chain_steps: int = 0) -> None:
+        """`chain_steps`: a draft's runner also captures chained greedy steps of 1 to this
+        many steps (`execute_chain`)."""
         self.model = model
         self.kv_caches = kv_caches
         # Copy-on-write moves FP8 blocks as bytes: torch's float8 indexing is patchy by device.
@@ -64,8 +73,11 @@ class ModelRunner:
                                "decode runs eagerly", model.attention_backend.name)
             else:
                 self.graphs = CUDAGraphRunner(model, cudagraph_capture_sizes,
-                                              -(-max_model_len // block_size), self.device)
+                                              -(-max_model_len // block_size), self.device,
+                                              block_size)
                 self.graphs.capture()
+                if chain_steps > 0 and os.environ.get("LLMACCEL_DRAFT_CHAIN", "1") == "1":
+                    self.graphs.capture_chains(chain_steps, CHAIN_MAX_ROWS)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks before a sequence writes into its copy."""
@@ -80,6 +92,21 @@ class ModelRunner:
             offsets = torch.arange(self.block_size, device=self.device)
             features[(dst[:, None] * self.block_size + offsets).flatten()] = features[
                 (src[:, None] * self.block_size + offsets).flatten()]
+
+    def can_chain(self, num_rows: int, steps: int) -> bool:
+        """Whether `execute_chain` serves `steps` chained steps of `num_rows` rows."""
+        return self.graphs is not None and self.graphs.can_chain(num_rows, steps)
+
+    @torch.inference_mode()
+    def execute_chain(self, seqs: list, counts: list[int], first_ids: torch.Tensor,
+                      steps: int) -> torch.Tensor:
+        """`steps` greedy single-token steps of each of `seqs` in one launch (no host work in
+        between): seqs[i] feeds first_ids[i] (on the device) at its num_computed_tokens, then
+        its own argmaxes, writing KV for counts[i] <= steps positions (allocated by the
+        caller) -> the argmaxes [steps, len(seqs)] (float64). The caller advances
+        num_computed_tokens."""
+        return self.graphs.run_chain([s.num_computed_tokens for s in seqs], counts,
+                                     [s.block_table for s in seqs], first_ids, steps)
 
     def _small_step_as_rows(self, step: SchedulerOutput) -> bool:
         """Whether a step with a longer run (a prefill chunk) still runs as decode rows in a

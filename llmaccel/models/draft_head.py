@@ -124,6 +124,10 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
         logits = small.new_full((small.shape[0], self.config.vocab_size), -torch.inf)
         return logits.index_copy_(1, self.draft_ids, small)
 
+    def prepare_chained_step(self, rows: int) -> None:
+        # the next head step's features: this step's outputs (o_i stands in for f_{i+1})
+        self.model.static_features[:rows].copy_(self.model.static_out[:rows])
+
     def set_fused_kernels(self, enabled: bool, fuse_decode: bool | None = None) -> None:
         # The fused decode layer folds the input norm into the qkv GEMV; the head has none.
         super().set_fused_kernels(enabled, fuse_decode=False)

@@ -207,6 +207,10 @@ class TransformerForCausalLM(nn.Module):
             cache.index_copy_(0, attn_metadata.slot_mapping.remainder(cache.shape[0]), hidden)
         return hidden
 
+    def prepare_chained_step(self, rows: int) -> None:
+        """Between two chained decode steps (engine/cuda_graph.py), inside the graph: set up
+        the next step's inputs beyond its ids (nothing for a plain model)."""
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.tie_word_embeddings:
             return dense_linear(hidden_states, self.model.embed_tokens.weight, None,

@@ -51,14 +51,15 @@ class HeadProposer(DraftModelProposer):
     def __init__(self, head: DraftHeadForCausalLM, target: TransformerForCausalLM,
                  num_blocks: int, block_size: int, max_model_len: int,
                  kv_cache_dtype: torch.dtype, device: torch.device,
-                 cudagraph_capture_sizes: list[int] | None = None) -> None:
+                 cudagraph_capture_sizes: list[int] | None = None,
+                 num_speculative_tokens: int = 0) -> None:
         if target.feature_cache is None:
             raise ValueError("the target keeps no feature cache for the draft head")
         rows = max(cudagraph_capture_sizes) if cudagraph_capture_sizes else DEFAULT_STATIC_ROWS
         # before the head's graphs are captured: they read and write these buffers
         head.model.allocate_buffers(rows, target.feature_cache.dtype, device)
         super().__init__(head, num_blocks, block_size, max_model_len, kv_cache_dtype, device,
-                         cudagraph_capture_sizes)
+                         cudagraph_capture_sizes, num_speculative_tokens)
         self.target = target
         self._last_rows: torch.Tensor | None = None  # the previous step's row of each view
         self._arange: torch.Tensor | None = None
@@ -96,6 +97,15 @@ class HeadProposer(DraftModelProposer):
                 self._arange = torch.arange(max(len(step), 64), device=device)
             self._last_rows = self._arange[:len(step)]
         return result
+
+    def _chain(self, views, counts, first_ids, steps):
+        # the first chained step's features: the catch-up's outputs at each view's last row;
+        # later steps take the previous step's outputs inside the graph
+        # (DraftHeadForCausalLM.prepare_chained_step)
+        head = self.model.model
+        out = head.static_out if self.runner.ran_graph else head.last_out
+        head.static_features[:len(views)].copy_(out.index_select(0, self._last_rows))
+        return super()._chain(views, counts, first_ids, steps)
 
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
                  num_accepted: int) -> None:

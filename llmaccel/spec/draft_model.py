@@ -9,6 +9,9 @@ only `num_computed_tokens` is lowered to the accepted prefix (and unneeded block
 Sampled requests draft by sampling the draft's processed distribution q (kept for the
 rejection sampler); greedy requests draft its argmax.
 
+Greedy drafting without a confidence threshold runs the k - 1 steps after the catch-up as one
+chained CUDA graph (engine/cuda_graph.py) where one is captured: one launch instead of k - 1.
+
 Without a confidence threshold the drafts can stay on the device (`keep_on_device`): the
 target's verify step reads them from there (ModelRunner.execute patches its input ids), so the
 host launches verification while the draft model still runs, and learns the drafts from a
@@ -104,12 +107,16 @@ def check_vocab_compatible(target_config, draft_config, target_tokenizer=None,
 class DraftModelProposer:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int,
                  kv_cache_dtype: torch.dtype, device: torch.device,
-                 cudagraph_capture_sizes: list[int] | None = None) -> None:
+                 cudagraph_capture_sizes: list[int] | None = None,
+                 num_speculative_tokens: int = 0) -> None:
+        """`num_speculative_tokens`: the most drafts a step asks for; with CUDA graphs, the
+        k - 1 steps after the catch-up run as one chained graph (`_chain`)."""
         self.model = model
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, allocate_kv_caches(model, num_blocks, block_size,
                                                             kv_cache_dtype, device),
-                                  block_size, max_model_len, cudagraph_capture_sizes)
+                                  block_size, max_model_len, cudagraph_capture_sizes,
+                                  chain_steps=max(0, num_speculative_tokens - 1))
         self._host_ids: torch.Tensor | None = None  # pinned, for DeviceDrafts.host
 
     view_class = DraftView  # how a sequence looks to the proposer's model
@@ -190,6 +197,16 @@ class DraftModelProposer:
                 for i in rows:
                     views[i].drafts.append(0)  # stands for the token still on the device
                 next_ids = tokens[:len(still)]
+                if (j == 0 and still and probs is None
+                        and self.runner.can_chain(len(rows), steps - 1)):
+                    # all greedy: the other steps in one launch, every row to its own k
+                    counts = [ks[i] - 1 for i in rows]
+                    on_device[1:] = self._chain([views[i] for i in rows], counts, tokens,
+                                                steps - 1)
+                    for i, c in zip(rows, counts):
+                        views[i].num_computed_tokens += c
+                        views[i].drafts += [0] * c
+                    break
             step = [(views[i], 1) for i in still]
         out_q = [torch.stack(q) if q else None for q in qs]
         if on_device is not None and keep_on_device:
@@ -209,6 +226,12 @@ class DraftModelProposer:
         """Draft step j over `step` (view, tokens) pairs: the catch-up at j = 0, then one
         token per still-drafting view (a prefix of the previous step's views)."""
         return self.runner.execute(SchedulerOutput(scheduled=step), next_ids)
+
+    def _chain(self, views: list[DraftView], counts: list[int], first_ids: torch.Tensor,
+               steps: int) -> torch.Tensor:
+        """Greedy draft steps 1..`steps` of `views` (those of the catch-up, in its order)
+        chained in one graph: counts[r] of them for views[r] -> draft ids [steps, rows]."""
+        return self.runner.execute_chain(views, counts, first_ids, steps)
 
     def _to_host(self, ids: torch.Tensor, columns: dict[Sequence, int]) -> DeviceDrafts:
         """Start copying `ids` to a reused pinned buffer (read back in the verify step, before
