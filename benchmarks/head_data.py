@@ -128,13 +128,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests per generate call (each chunk is written as it finishes)")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="stop after the chunk that passes this many seconds of generation")
+    ap.add_argument("--enable-prefix-caching", action="store_true",
+                    help="keep the engine's prefix cache on (off by default: requests share "
+                         "only the chat template's first tokens, so caching them buys little)")
     ap.add_argument("--out", required=True, help="the text file to write")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
 
     from llmaccel import LLM, SamplingParams
     from llmaccel.models.tokenizer import format_prompt
 
-    llm = LLM(args.target, dtype=args.dtype, max_model_len=2048)
+    llm = LLM(args.target, dtype=args.dtype, max_model_len=2048,
+              enable_prefix_caching=args.enable_prefix_caching)
     tok = llm.get_tokenizer()
     texts = requests(args.n, args.seed)
     out = Path(args.out)
