@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text("", encoding="utf-8")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     start, done, n_out = time.perf_counter(), 0, 0
+    last = llm.get_stats()
     # In chunks: a bounded waiting queue per call, and a run cut short keeps what it made.
     for i in range(0, len(texts), args.chunk):
         prompts = [format_prompt(tok, t, None) for t in texts[i:i + args.chunk]]
@@ -156,8 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         done += len(records)
         n_out += sum(len(o.outputs[0].token_ids) for o in outs)
         seconds = time.perf_counter() - start
-        print(f"{done}/{len(texts)} requests, {n_out} generated tokens, {seconds:.1f} s",
-              flush=True)
+        # the engine's view of the chunk: a chunk that runs slower than the last shows
+        # whether it took more steps (preemption, smaller batches) or slower ones
+        st = llm.get_stats()
+        steps = st.num_steps - last.num_steps
+        print(f"{done}/{len(texts)} requests, {n_out} generated tokens, {seconds:.1f} s; "
+              f"chunk: {steps} engine steps, "
+              f"{(st.num_batched_tokens - last.num_batched_tokens) / max(steps, 1):.0f} "
+              f"tokens/step, {st.num_preemptions - last.num_preemptions} preemptions; "
+              f"KV in use after it {st.kv_usage:.1%}", flush=True)
+        last = st
         if args.max_seconds is not None and seconds >= args.max_seconds:
             break
     print(f"wrote {args.out}: {done} requests, {n_out} generated tokens in "

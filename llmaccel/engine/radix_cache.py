@@ -29,6 +29,12 @@ class RadixCache:
         self.root = RadixNode((), -1, None)
         self.node_of_block: dict[int, RadixNode] = {}
         self._clock = itertools.count(1)
+        # Eviction candidates: a min-heap of (last_access when pushed, tiebreak, node). Every
+        # leaf has at least one entry; entries go stale (the node was touched since, gained a
+        # child, or left the tree) and are fixed or dropped when popped, so an eviction costs
+        # O(log n) per block instead of a scan of every cached node.
+        self._leaf_heap: list[tuple[int, int, RadixNode]] = []
+        self._tiebreak = itertools.count()
         self.query_tokens = 0  # hit-rate accounting, over prompt tokens looked up
         self.hit_tokens = 0
 
@@ -73,9 +79,10 @@ class RadixCache:
             if child is None:
                 if block_id in self.node_of_block:
                     break  # this block already caches another path (should not happen)
-                child = RadixNode(key, block_id, node)
+                child = RadixNode(key, block_id, node, last_access=now)
                 node.children[key] = child
                 self.node_of_block[block_id] = child
+                self._push(child)  # a new node is a leaf
                 added.append(block_id)
             child.last_access = now
             node = child
@@ -84,21 +91,39 @@ class RadixCache:
     def is_cached(self, block_id: int) -> bool:
         return block_id in self.node_of_block
 
+    def _push(self, node: RadixNode) -> None:
+        heapq.heappush(self._leaf_heap, (node.last_access, next(self._tiebreak), node))
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the current leaves (stale entries piled up)."""
+        self._leaf_heap = [(n.last_access, next(self._tiebreak), n)
+                           for n in self.node_of_block.values() if not n.children]
+        heapq.heapify(self._leaf_heap)
+
     def evict(self, num_blocks: int, is_free: Callable[[int], bool]) -> list[int]:
         """Remove up to num_blocks unreferenced leaves, oldest first; returns their block ids.
         A parent whose last child goes becomes a leaf and may go too."""
-        heap = [(n.last_access, id(n), n) for n in self.node_of_block.values()
-                if not n.children and is_free(n.block_id)]
-        heapq.heapify(heap)
-        evicted = []
+        if len(self._leaf_heap) > 2 * len(self.node_of_block) + 64:
+            self._compact()
+        heap, evicted, held = self._leaf_heap, [], []
         while heap and len(evicted) < num_blocks:
-            _, _, node = heapq.heappop(heap)
+            stamp, _, node = heapq.heappop(heap)
+            if self.node_of_block.get(node.block_id) is not node or node.children:
+                continue  # gone, or no longer a leaf (pushed again when it becomes one)
+            if stamp != node.last_access:
+                self._push(node)  # touched since: its place in the LRU order moved
+                continue
+            if not is_free(node.block_id):
+                held.append(node)  # referenced: a candidate again once released
+                continue
             parent = node.parent
             del parent.children[node.key]
             del self.node_of_block[node.block_id]
             evicted.append(node.block_id)
-            if parent is not self.root and not parent.children and is_free(parent.block_id):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            if parent is not self.root and not parent.children:
+                self._push(parent)
+        for node in held:
+            self._push(node)
         return evicted
 
     @property
