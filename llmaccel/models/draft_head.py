@@ -15,10 +15,10 @@ With a draft vocabulary (draft_vocab.json beside the weights: token ids ranked b
 the head's training text; `draft_vocab_size` keeps the first N) the head scores only those
 tokens: their rows of the target's LM head are copied into a smaller matrix, and the logits of
 every other token are -inf. The LM head is most of a head step's weight reads (Qwen2.5-1.5B:
-151,936 x 1,536), so a 32k vocabulary cuts those reads to about a third -- but on an H100 the
-step's time is bound by per-step overhead, not by those reads, and a 29.6k vocabulary did not
-speed W5 up (benchmarks/results/2026-11-24-W5-head-h100-summary-s11.md). Drafts outside the
-vocabulary are never proposed; verification stays exact whatever is drafted.
+151,936 x 1,536): on an H100 a chained head step took 0.31 ms with the whole vocabulary and
+0.17 ms with a 21.5k one (benchmarks/results/2026-11-24-W5-head-h100-summary-s12.md; before
+draft steps were chained, per-step launches hid the difference, session 11). Drafts outside
+the vocabulary are never proposed; verification stays exact whatever is drafted.
 
 The features come in through `static_features` (a buffer the CUDA graphs read: the proposer
 copies each step's features there) or, for steps larger than it (a long catch-up, run
