@@ -75,8 +75,7 @@ class HeadProposer(DraftModelProposer):
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             feats = self.target.feature_cache.index_select(0, _to_device(slots, device))
         else:  # the head's own outputs at each still-drafting view's last row
-            out = head.static_out if self.runner.ran_graph else head.last_out
-            feats = out.index_select(0, self._last_rows[:len(step)])
+            feats = self._last_outputs(len(step))
         rows = feats.shape[0]
         if rows <= head.static_features.shape[0]:
             head.static_features[:rows].copy_(feats)
@@ -102,10 +101,14 @@ class HeadProposer(DraftModelProposer):
         # the first chained step's features: the catch-up's outputs at each view's last row;
         # later steps take the previous step's outputs inside the graph
         # (DraftHeadForCausalLM.prepare_chained_step)
+        self.model.model.static_features[:len(views)].copy_(self._last_outputs(len(views)))
+        return super()._chain(views, counts, first_ids, steps)
+
+    def _last_outputs(self, n: int) -> torch.Tensor:
+        """The previous head step's outputs at the last row of each of its first n views."""
         head = self.model.model
         out = head.static_out if self.runner.ran_graph else head.last_out
-        head.static_features[:len(views)].copy_(out.index_select(0, self._last_rows))
-        return super()._chain(views, counts, first_ids, steps)
+        return out.index_select(0, self._last_rows[:n])
 
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
                  num_accepted: int) -> None:
