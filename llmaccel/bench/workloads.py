@@ -1,4 +1,4 @@
-"""Seeded random-token prompts for the BENCHMARKS.md workloads W1, W2 and W4.
+"""Seeded random-token prompts for the BENCHMARKS.md workloads W1-W4.
 
 Python's `random.Random` draws the tokens, so a seed gives the same prompts on every machine and
 torch version. Ids come from a safe band of the vocabulary: low ids and the top of the
@@ -39,6 +39,21 @@ class W2Spec:
 
 
 @dataclass(frozen=True)
+class W3Spec:
+    """Serving: requests arrive over time (a rate or a concurrency, set per load point)."""
+    num_prompts: int = 200
+    input_min: int = 100
+    input_max: int = 1024
+    output_min: int = 50
+    output_max: int = 512
+    seed: int = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.input_max + self.output_max
+
+
+@dataclass(frozen=True)
 class W4Spec:
     """Shared prefix: one system prompt, a unique tail per request."""
     num_requests: int = 64
@@ -56,13 +71,14 @@ class W4Spec:
 QUICK_W1 = W1Spec(prompt_len=16, new_tokens=16)
 QUICK_W2 = W2Spec(num_requests=4, input_min=8, input_max=48, new_tokens=8)
 QUICK_W4 = W4Spec(num_requests=4, prefix_len=64, unique_len=8, new_tokens=4)
+QUICK_W3 = W3Spec(num_prompts=8, input_min=8, input_max=48, output_min=4, output_max=12)
 
 
 def specs(quick: bool = False) -> tuple[W1Spec, W2Spec, W4Spec]:
     return (QUICK_W1, QUICK_W2, QUICK_W4) if quick else (W1Spec(), W2Spec(), W4Spec())
 
 
-def fit_to_length(spec: W1Spec | W2Spec | W4Spec, max_len: int):
+def fit_to_length(spec: W1Spec | W2Spec | W3Spec | W4Spec, max_len: int):
     """Shrink a spec's prompt side so prompt + new tokens fit a model of `max_len` positions
     (tiny test models); the number of new tokens is kept."""
     over = spec.max_model_len - max_len
@@ -70,7 +86,7 @@ def fit_to_length(spec: W1Spec | W2Spec | W4Spec, max_len: int):
         return spec
     if isinstance(spec, W1Spec):
         return replace(spec, prompt_len=max(1, spec.prompt_len - over))
-    if isinstance(spec, W2Spec):
+    if isinstance(spec, (W2Spec, W3Spec)):
         top = max(1, spec.input_max - over)
         return replace(spec, input_max=top, input_min=min(spec.input_min, top))
     return replace(spec, prefix_len=max(1, spec.prefix_len - over))
@@ -100,6 +116,15 @@ def w2_prompts(spec: W2Spec, vocab_size: int) -> list[list[int]]:
     rng = random.Random(spec.seed)
     lengths = [rng.randint(spec.input_min, spec.input_max) for _ in range(spec.num_requests)]
     return [_tokens(rng, n, vocab_size) for n in lengths]
+
+
+def w3_requests(spec: W3Spec, vocab_size: int) -> list[tuple[list[int], int]]:
+    """(prompt, new tokens) pairs: input U(input_min, input_max), output U(output_min,
+    output_max), inclusive, from one seeded stream."""
+    rng = random.Random(f"w3-{spec.seed}")
+    shapes = [(rng.randint(spec.input_min, spec.input_max),
+               rng.randint(spec.output_min, spec.output_max)) for _ in range(spec.num_prompts)]
+    return [(_tokens(rng, n_in, vocab_size), n_out) for n_in, n_out in shapes]
 
 
 def w4_prefix(spec: W4Spec, vocab_size: int) -> list[int]:

@@ -71,5 +71,7 @@ class SpecDecodeStats:
                 "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_len": self.mean_accepted_len,
                 "per_position_acceptance": self.per_position_acceptance,
+                "accepted_per_position": list(self.accepted_per_position),
+                "drafted_per_position": list(self.drafted_per_position),
                 "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s,
                 "num_off_steps": self.num_off_steps}
