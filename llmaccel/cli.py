@@ -346,7 +346,14 @@ def distill_draft(
                   f"method \"{method}\") and {out}/distill.json", highlight=False)
 
 
-eval_app = typer.Typer(help="Measure model quality (perplexity).", no_args_is_help=True)
+from llmaccel.bench.command import bench_app  # noqa: E402 - next to its registration
+from llmaccel.bench.report_command import report  # noqa: E402
+
+app.add_typer(bench_app, name="bench")
+app.command("report")(report)
+
+eval_app = typer.Typer(help="Measure model quality: perplexity, functional code accuracy "
+                        "(pass@k), lm-evaluation-harness tasks.", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 
 
@@ -364,22 +371,33 @@ def eval_ppl(
     dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32."),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer path or hub id."),
+    backend: str = typer.Option("llmaccel", help="llmaccel (our engine's model) or hf "
+                                "(transformers' AutoModelForCausalLM and its own loss, over the "
+                                "same windows and token ids: an independent check)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Perplexity by the sliding-window method, through our engine's model: any checkpoint
-    format the engine loads (GPTQ, AWQ, compressed-tensors, NF4, FP8) or a plain model."""
+    format the engine loads (GPTQ, AWQ, compressed-tensors, NF4, FP8) or a plain model; or,
+    with --backend hf, through transformers on the same windows."""
     from llmaccel.eval.perplexity import evaluate_perplexity
 
     res = evaluate_perplexity(model, data=data, joining=join, context=context, stride=stride,
                               limit=limit, dtype=dtype, device=device, tokenizer=tokenizer,
-                              progress=not as_json)
+                              progress=not as_json, backend=backend)
     if as_json:
         print(json.dumps({"model": model, **res.to_dict()}))
         return
     console.print(f"perplexity {res.ppl:.4f} (nll {res.nll:.4f}) over {res.scored_tokens:,} "
                   f"scored of {res.total_tokens:,} tokens; {res.windows} windows, context "
                   f"{res.context}, stride {res.stride}, data {res.data} (rows joined: "
-                  f"{res.joining}); {res.seconds:.1f}s", highlight=False)
+                  f"{res.joining}); backend {res.backend}; {res.seconds:.1f}s", highlight=False)
+
+
+from llmaccel.eval.code.command import eval_code  # noqa: E402 - next to its registration
+from llmaccel.eval.lm_eval_command import eval_lm_eval  # noqa: E402
+
+eval_app.command("code")(eval_code)
+eval_app.command("lm-eval")(eval_lm_eval)
 
 
 def main() -> None:

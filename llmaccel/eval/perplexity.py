@@ -13,13 +13,19 @@ PPL = exp(sum of token NLLs / number of scored tokens).
 WikiText-2 rows: `joining="hf"` joins the rows of the `datasets` split with "\\n\\n" (the usual
 recipe: each non-blank line of wiki.test.raw is a row keeping its "\\n", a blank line is the
 row ""); `joining="raw"` is the file's text as is. Results state context, stride and joining.
+
+Backends (`backend`): "llmaccel" runs our engine's model; "hf" runs transformers'
+AutoModelForCausalLM and takes its own loss (labels -100 outside the scored tokens), over the same
+windows and the same token ids from the same tokenizer: an independent check of our forward.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,9 @@ from llmaccel.errors import LLMAccelError
 from llmaccel.models.attention import AttentionMetadata
 
 JOININGS = ("hf", "raw")
+# Who computes the NLLs: our engine's model, or transformers' AutoModelForCausalLM with its own
+# loss (eval/hf_perplexity.py): an independent check over the same windows and token ids.
+BACKENDS = ("llmaccel", "hf")
 _DATA_FILES = {"wikitext2": Path("wikitext-2-raw") / "wiki.test.raw"}
 LOGITS_CHUNK = 512  # rows of logits in memory at once (a 152k vocabulary: 300 MB in fp32)
 
@@ -45,6 +54,7 @@ class PerplexityResult:
     data: str
     joining: str
     seconds: float
+    backend: str = "llmaccel"  # one of BACKENDS
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,15 +129,17 @@ def window_nll(model, ids: torch.Tensor, first: int) -> tuple[float, int]:
     return total, n - first
 
 
-def perplexity(model, token_ids: list[int] | torch.Tensor, context: int, stride: int | None = None,
-               limit: int | None = None, data: str = "", joining: str = "",
-               progress: bool = False) -> PerplexityResult:
-    """Perplexity of `model` (our TransformerForCausalLM) on a token stream. `limit`: at most
-    this many windows (a quick, partial figure: the result's scored_tokens says how much)."""
+# (window ids, index of its first scored token) -> (sum of NLLs in nats, tokens scored)
+WindowNLL = Callable[[torch.Tensor, int], tuple[float, int]]
+
+
+def sliding_window_perplexity(window_fn: WindowNLL, ids: torch.Tensor, context: int,
+                              stride: int | None = None, limit: int | None = None,
+                              data: str = "", joining: str = "", progress: bool = False,
+                              backend: str = "llmaccel") -> PerplexityResult:
+    """The sliding-window loop shared by every backend: `window_fn` scores one window."""
     start_time = time.perf_counter()
     stride = context if stride is None else stride
-    device = next(model.parameters()).device
-    ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
     spans = windows(ids.shape[0], context, stride)
     if limit is not None:
         if limit < 1:
@@ -142,7 +154,7 @@ def perplexity(model, token_ids: list[int] | torch.Tensor, context: int, stride:
         task = bar.add_task("perplexity", total=len(spans))
     try:
         for begin, end, first in spans:
-            nll, n = window_nll(model, ids[begin:end], first - begin)
+            nll, n = window_fn(ids[begin:end], first - begin)
             total += nll
             count += n
             if bar is not None:
@@ -155,28 +167,66 @@ def perplexity(model, token_ids: list[int] | torch.Tensor, context: int, stride:
     return PerplexityResult(ppl=math.exp(mean), nll=mean, scored_tokens=count,
                             total_tokens=int(ids.shape[0]), windows=len(spans), context=context,
                             stride=stride, data=data, joining=joining,
-                            seconds=time.perf_counter() - start_time)
+                            seconds=time.perf_counter() - start_time, backend=backend)
+
+
+def perplexity(model, token_ids: list[int] | torch.Tensor, context: int, stride: int | None = None,
+               limit: int | None = None, data: str = "", joining: str = "",
+               progress: bool = False) -> PerplexityResult:
+    """Perplexity of `model` (our TransformerForCausalLM) on a token stream. `limit`: at most
+    this many windows (a quick, partial figure: the result's scored_tokens says how much)."""
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    return sliding_window_perplexity(partial(window_nll, model), ids, context, stride, limit,
+                                     data=data, joining=joining, progress=progress,
+                                     backend="llmaccel")
+
+
+def tokenize_eval_text(mc, text: str, tokenizer: str | None = None) -> list[int]:
+    """The evaluation text's token ids through the engine's tokenizer (`get_tokenizer`): every
+    backend is given these very ids."""
+    from llmaccel.models.tokenizer import get_tokenizer
+
+    return list(get_tokenizer(mc, tokenizer)(text).input_ids)
+
+
+def joining_label(data: str, joining: str) -> str:
+    """What a result states as its row joining: a plain text file is used as is."""
+    return joining if data in _DATA_FILES else "file"
 
 
 def evaluate_perplexity(model: str, *, data: str = "wikitext2", joining: str = "hf",
                         context: int = 2048, stride: int | None = None, limit: int | None = None,
                         dtype: str = "auto", device: str | None = None,
-                        tokenizer: str | None = None, progress: bool = False
-                        ) -> PerplexityResult:
-    """Load `model` (any source and checkpoint format the engine reads) and measure it."""
-    from llmaccel.models.loader import load_model
-    from llmaccel.models.tokenizer import get_tokenizer
+                        tokenizer: str | None = None, progress: bool = False,
+                        backend: str = "llmaccel") -> PerplexityResult:
+    """Load `model` (any source and checkpoint format the engine reads) and measure it, through
+    our engine (backend "llmaccel") or transformers (backend "hf")."""
+    if backend not in BACKENDS:
+        raise LLMAccelError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    text = load_eval_text(data, joining)  # a missing data file fails before any model loads
+    joined = joining_label(data, joining)
+    if backend == "hf":
+        from llmaccel.eval.hf_perplexity import hf_perplexity, load_hf_causal_lm
+        from llmaccel.models.config import make_model_config
 
-    text = load_eval_text(data, joining)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        mc = make_model_config(model, dtype=dtype, max_model_len=context, device=dev)
+        token_ids = tokenize_eval_text(mc, text, tokenizer)
+        hf = load_hf_causal_lm(mc, dev)
+        return hf_perplexity(hf, token_ids, context, stride, limit, data=data, joining=joined,
+                             progress=progress)
+    from llmaccel.models.loader import load_model
+
     mc, net = load_model(model, dtype=dtype, device=device, max_model_len=context,
                          progress=progress)
     if context > mc.max_model_len:
         raise LLMAccelError(f"context {context} exceeds the model's {mc.max_model_len} positions")
-    tok = get_tokenizer(mc, tokenizer)
-    token_ids = tok(text).input_ids
-    return perplexity(net, token_ids, context, stride, limit, data=data,
-                      joining=joining if data in _DATA_FILES else "file", progress=progress)
+    token_ids = tokenize_eval_text(mc, text, tokenizer)
+    return perplexity(net, token_ids, context, stride, limit, data=data, joining=joined,
+                      progress=progress)
 
 
-__all__ = ["JOININGS", "PerplexityResult", "evaluate_perplexity", "join_rows",
-           "load_eval_text", "perplexity", "window_nll", "windows"]
+__all__ = ["BACKENDS", "JOININGS", "PerplexityResult", "WindowNLL", "evaluate_perplexity",
+           "join_rows", "joining_label", "load_eval_text", "perplexity",
+           "sliding_window_perplexity", "tokenize_eval_text", "window_nll", "windows"]
