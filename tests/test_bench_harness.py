@@ -76,6 +76,19 @@ def test_markdown_ratios_are_computed_from_the_records():
     assert '- hf-cb: {"error": "OOM | boom"}' in md
 
 
+def test_serving_rows_are_kept_per_load_point_and_divided_only_within_one():
+    records = [_rec("W3", "llmaccel", "out_tok_s", 1000.0, load="rate=4"),
+               _rec("W3", "llmaccel", "out_tok_s", 4000.0, load="rate=16"),
+               _rec("W3", "openai:vllm", "out_tok_s", 500.0, load="rate=4"),
+               _rec("W3", "openai:vllm", "out_tok_s", 1000.0, load="rate=16")]
+    md = summary_markdown(records)
+    assert "| llmaccel @ rate=4 | 1,000 |" in md and "| llmaccel @ rate=16 | 4,000 |" in md
+    assert "| openai:vllm @ rate=16 | 1,000 |" in md
+    lines = ratio_lines(records)
+    assert lines == ["at rate=4: llmaccel / openai:vllm (out_tok_s) = 2.00×",
+                     "at rate=16: llmaccel / openai:vllm (out_tok_s) = 4.00×"]
+
+
 def test_guarded_turns_an_exception_into_a_failure():
     def boom():
         raise RuntimeError("CUDA out of\nmemory")

@@ -189,8 +189,7 @@ def print_table(records, failures, keys: tuple[str, ...]) -> None:
         table.add_column(k, justify="right")
     rows: dict[tuple[str, str], dict[str, float]] = {}
     for r in records:
-        label = r.row
-        load = str(r.config.get("load", ""))
+        label, load = r.label, r.load
         rows.setdefault((label, load), {})[r.metric] = r.value
     for (label, load), vals in rows.items():
         table.add_row(label, load, *[f"{vals[k]:,.4g}" if k in vals else "–" for k in keys])

@@ -48,10 +48,21 @@ class Record:
     command: str
 
     @property
-    def row(self) -> str:
-        """Table row label: the backend, plus a variant (e.g. prefix cache on/off) if any."""
+    def label(self) -> str:
+        """The backend, plus a variant (e.g. prefix cache on/off) if any."""
         variant = self.config.get("variant")
         return f"{self.backend} [{variant}]" if variant else self.backend
+
+    @property
+    def load(self) -> str:
+        """The load point of a serving run ("rate=4", "concurrency=8"); "" elsewhere."""
+        return str(self.config.get("load") or "")
+
+    @property
+    def row(self) -> str:
+        """Table row label: `label`, and the load point where there is one (W3 has a row per
+        backend and load point)."""
+        return f"{self.label} @ {self.load}" if self.load else self.label
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Record:
@@ -145,8 +156,24 @@ def _table(records: list[Record]) -> tuple[list[str], dict[str, dict[str, float]
 
 def ratio_lines(records: list[Record]) -> list[str]:
     """Speed ratios of one (workload, model) group: llmaccel against each other backend, and
-    prefix cache off against on. Each line names its metric and direction."""
-    metrics, values = _table(records)
+    prefix cache off against on, each at one load point (rows at different loads are never
+    divided). Each line names its metric and direction (and load)."""
+    loads = list(dict.fromkeys(r.load for r in records))
+    lines = []
+    for load in loads:
+        at = [r for r in records if r.load == load]
+        lines += [f"at {load}: {line}" if load else line for line in _ratio_lines_at(at)]
+    return lines
+
+
+def _ratio_lines_at(records: list[Record]) -> list[str]:
+    """ratio_lines for records of one load point (rows keyed by `label`)."""
+    metrics: list[str] = []
+    values: dict[str, dict[str, float]] = {}
+    for r in records:
+        if r.metric not in metrics:
+            metrics.append(r.metric)
+        values.setdefault(r.label, {})[r.metric] = r.value
     lines = []
     ours = values.get(OURS)
     for row, theirs in values.items():
