@@ -7,7 +7,7 @@ engine matrix: the spec-ngram modes.)"""
 from __future__ import annotations
 
 import pytest
-from tiny_models import make_tiny_model, tiny_configs
+from tiny_models import make_tiny_model, save_word_tokenizer, tiny_configs
 
 from llmaccel import LLM, SamplingParams
 
@@ -50,6 +50,50 @@ def test_stops_and_max_tokens_inside_accepted_drafts(tiny):
             assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
     stats = spec.get_stats().spec_decode
     assert stats["num_accepted_tokens"] > 0
+    assert spec.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def worded(tmp_path_factory):
+    """A tiny Llama with a word-level tokenizer (w0 .. w29): text, so stop strings."""
+    d = tmp_path_factory.mktemp("spec-worded")
+    cfg = tiny_configs()["llama"]
+    cfg.vocab_size = save_word_tokenizer([f"w{i}" for i in range(30)], d)
+    cfg.eos_token_id = 1
+    make_tiny_model(cfg, d, seed=2)
+    return str(d)
+
+
+def test_stop_strings_in_a_batch_with_drafts(worded):
+    """Many requests in one batch, each ending at a stop string found in its greedy output,
+    while the others go on verifying drafts: every output (ids, text, finish, logprob) equals
+    decoding without speculation. (A request that met its stop string while its drafts were
+    being verified once shifted the logits rows of every request after it in the batch; and
+    tokens accepted after the stop string's token stayed in the output ids.)"""
+    prompts = [" ".join(f"w{(i * 7 + j * (i % 3 + 1)) % 30}" for j in range(12)) * 2
+               for i in range(16)]
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64)
+    plain = LLM(worded, **kw)
+    spec = LLM(worded, speculative_config=SPEC, **kw)
+    free = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                          use_tqdm=False)
+    params = []
+    for i, out in enumerate(free):
+        words = out.outputs[0].text.split()
+        # a word the greedy output produces, early for some requests and late for others
+        params.append(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                     stop=[words[min(len(words) - 1, 3 + 5 * (i % 6))]]))
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert sum(w.outputs[0].finish_reason == "stop" for w in want) >= 12
+    for i, (w, g) in enumerate(zip(want, got)):
+        w, g = w.outputs[0], g.outputs[0]
+        assert g.token_ids == w.token_ids, i
+        assert (g.text, g.finish_reason, g.stop_reason) == (w.text, w.finish_reason,
+                                                            w.stop_reason), i
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3), i
+    stats = spec.get_stats().spec_decode
+    assert stats["num_accepted_tokens"] > 0, stats
     assert spec.engine.block_manager.num_used_blocks == 0
 
 

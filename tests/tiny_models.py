@@ -96,3 +96,19 @@ def periodic_blocks(n: int = 40, seq_len: int = 32, period: int = 7, seed: int =
         phase = int(torch.randint(period, (1,), generator=g))
         rows.append(motif.roll(phase).repeat(seq_len // period + 1)[:seq_len])
     return torch.stack(rows)
+
+
+def save_word_tokenizer(words: list[str], directory: Path, eos: str = "</s>") -> int:
+    """A word-level HF tokenizer (<unk>, `eos`, then `words` in order; split on whitespace,
+    decoded with spaces) saved to `directory`: text prompts and stop strings on tiny models.
+    Returns its size (the model's vocab_size)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, eos: 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                            eos_token=eos).save_pretrained(directory)
+    return len(vocab)
+

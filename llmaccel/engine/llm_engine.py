@@ -45,6 +45,9 @@ class _Launched:
     greedy: torch.Tensor | None       # [2, rows] argmax ids and logprobs, on the device
     plain: bool = False               # every row greedy, no logprobs, nothing banned (async)
     greedy_host: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # copied early
+    # logits rows of each sampling sequence (1 + its drafts), fixed at launch: a sequence
+    # that finishes before the step completes (a stop string) loses its drafts meanwhile
+    rows_per_seq: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -258,7 +261,8 @@ class LLMEngine:
         plain = bool(sampling) and self.config.async_scheduling and self._plain(sampling)
         if greedy is None and plain:
             greedy = greedy_with_logprobs(logits)  # eager steps: argmax on the device too
-        return _Launched(sched, sampling, logits, greedy, plain)
+        return _Launched(sched, sampling, logits, greedy, plain,
+                         rows_per_seq=[1 + len(seq.spec_token_ids) for seq in sampling])
 
     def _plain(self, seqs: list[Sequence]) -> bool:
         """Greedy, no logprobs, nothing banned: the token is the argmax."""
@@ -314,9 +318,9 @@ class LLMEngine:
         step emitted."""
         sched, sampling = launched.sched, launched.sampling
         offsets, num_rows = [], 0  # a sequence with drafts has 1 + len(drafts) logits rows
-        for seq in sampling:
+        for n in launched.rows_per_seq:
             offsets.append(num_rows)
-            num_rows += 1 + len(seq.spec_token_ids)
+            num_rows += n
         rows, seqs, spec_seqs, spec_offsets = [], [], [], []
         for i, seq in enumerate(sampling):
             if seq.is_finished:  # a stop string found just now, or aborted

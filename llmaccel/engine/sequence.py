@@ -47,6 +47,9 @@ class Sequence:
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     spec_tracker: AcceptanceTracker | None = None  # recent acceptance, for the adaptive k
     spec_draft_probs: torch.Tensor | None = None  # [k, vocab] q of sampled drafts (draft model)
+    # logprobs of the tokens of the last verified step (several): a stop string found in
+    # them ends the output at its token, and the tokens after it leave the cumulative logprob
+    last_step_logprobs: list[float] = field(default_factory=list)
     draft_view: object | None = None  # the draft model's KV state (spec/draft_model.DraftView)
     ngram_index: object | None = None  # n-gram -> latest end, for n-gram lookup (spec/ngram)
     _block_keys: list[tuple[int, ...]] = field(default_factory=list, repr=False)

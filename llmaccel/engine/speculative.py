@@ -367,9 +367,11 @@ class SpecDecoder:
         for seq, tokens, lps, accepted in zip(seqs, all_tokens, logprobs, all_accepted):
             self.accept(seq, accepted)
             seq.first_token_time = seq.first_token_time or now
+            seq.last_step_logprobs = []
             for token, lp in zip(tokens, lps):
                 seq.output_token_ids.append(token)
                 seq.cumulative_logprob += lp
+                seq.last_step_logprobs.append(lp)
                 emitted += 1
                 if self.stop_checker.check_token(seq):
                     scheduler.finish(seq, seq.finish_reason)

@@ -38,26 +38,49 @@ class StopChecker:
 
     def update_text(self, seq: Sequence) -> bool:
         """Detokenize the new tokens and look for stop strings (a stop string overrides a
-        length finish of the same token, as it ends the text earlier). True if done."""
+        length finish, or an EOS / stop id, of the same step, as it ends the text earlier).
+        Several new tokens (accepted drafts) are taken one at a time, so a stop string ends
+        the output at the token that completes it, as without speculation. True if done."""
         p = seq.params
-        if self.tokenizer is not None:
-            new_text = detokenize_incrementally(self.tokenizer, seq.output_token_ids,
-                                                seq.detokenizer, p.skip_special_tokens)
+        if self.tokenizer is None:
+            return seq.finish_reason is not None
+        ids = seq.output_token_ids
+        check = bool(p.stop) and seq.finish_reason != "abort" and not isinstance(
+            seq.stop_reason, str)
+        first = seq.detokenizer.read_offset + 1 if check else len(ids)
+        for end in range(min(first, len(ids)), len(ids) + 1):
+            new_text = detokenize_incrementally(self.tokenizer, ids[:end], seq.detokenizer,
+                                                p.skip_special_tokens)
             seq.text += new_text
-            if (new_text and p.stop and seq.finish_reason in (None, "length")
-                    and len(seq.output_token_ids) >= p.min_tokens):
-                self._check_stop_strings(seq, len(new_text))
+            if (check and new_text and end >= p.min_tokens
+                    and self._check_stop_strings(seq, len(new_text))):
+                self._drop_after(seq, end)
+                break
         return seq.finish_reason is not None
 
     @staticmethod
-    def _check_stop_strings(seq: Sequence, new_chars: int) -> None:
+    def _drop_after(seq: Sequence, end: int) -> None:
+        """Tokens after the one that completed a stop string are not output (they came in the
+        same verified step): their ids, logprobs and share of the cumulative logprob go."""
+        dropped = len(seq.output_token_ids) - end
+        if dropped <= 0:
+            return
+        del seq.output_token_ids[end:]
+        del seq.output_logprobs[end:]
+        recent = seq.last_step_logprobs
+        if len(recent) >= dropped:
+            seq.cumulative_logprob -= sum(recent[len(recent) - dropped:])
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, new_chars: int) -> bool:
         # Only a match that ends in the new text is new: search from just before it.
         start = max(0, len(seq.text) - new_chars - max(len(s) for s in seq.params.stop) + 1)
         hits = [(seq.text.find(s, start), s) for s in seq.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
-            return
+            return False
         index, stop = min(hits)
         end = index + len(stop) if seq.params.include_stop_str_in_output else index
         seq.text = seq.text[:end]
         seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
