@@ -26,59 +26,15 @@ from pathlib import Path
 
 import torch
 
-# name -> (method, bits, group_size or None for the method's default)
-METHODS = {
-    "rtn-int8": ("rtn", 8, -1),
-    "rtn-int4-g128": ("rtn", 4, 128),
-    "nf4": ("nf4", 4, None),
-    "hqq-int4": ("hqq", 4, None),
-    "gptq-int4-g128": ("gptq", 4, 128),
-    "gptq-int4-g128-act-order": ("gptq", 4, 128),  # desc_act: columns by decreasing diag(H)
-    "awq-int4-g128": ("awq", 4, 128),
-    "fp8": ("fp8", 8, None),
-}
+from llmaccel.quant.schemes import SCHEMES as METHODS
+from llmaccel.quant.schemes import fitting_group, hf_source, quantize_scheme  # noqa: F401
+
 ALL = ("bf16", *METHODS)
-
-
-def hf_source(model: str, work: Path) -> Path:
-    """An HF safetensors directory for `model` (converted once from a GGUF file)."""
-    path = Path(model)
-    if path.suffix != ".gguf":
-        return path
-    out = work / (path.stem + "-hf")
-    if (out / "config.json").is_file():
-        return out
-    from llmaccel.models.convert import gguf_to_hf_dir
-
-    gguf_to_hf_dir(path, out, torch.bfloat16)
-    return out
-
-
-def linear_in_features(src: Path) -> list[int]:
-    cfg = json.loads((src / "config.json").read_text())
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads = cfg["num_attention_heads"]
-    hd = cfg.get("head_dim") or h // heads
-    return [h, heads * hd, inter]
-
-
-def fitting_group(src: Path, group: int | None) -> int | None:
-    """`group` if it tiles every linear's input, else the largest of 64, 32 that does."""
-    if group is None or group == -1:
-        return group
-    ks = linear_in_features(src)
-    for g in (group, 64, 32):
-        if g <= group and all(k % g == 0 for k in ks):
-            return g
-    return -1
 
 
 def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list[dict]]:
     from llmaccel.bench.results import current_commit
     from llmaccel.eval.perplexity import evaluate_perplexity
-    from llmaccel.quant.calibration import CalibConfig
-    from llmaccel.quant.driver import quantize_model
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     work = Path(args.work)
@@ -98,33 +54,11 @@ def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list[dict]]
         if name == "bf16":
             path = src
         else:
-            method, bits, group = METHODS[name]
-            group_used = fitting_group(src, group)
-            path = work / f"{args.name}-{name}"
-            calib = CalibConfig("wikitext2", args.n_samples, args.seq_len, 0)
-            # Methods without calibration get no calibration batches either (they would only
-            # feed the driver's per-layer error report).
-            act_order = method == "gptq" and (args.act_order or name.endswith("act-order"))
-            no_calib = (None if method in ("gptq", "awq")
-                        else torch.empty(0, 0, dtype=torch.long))
-            report = quantize_model(src, method=method, bits=bits, group_size=group_used,
-                                    out_dir=path, calib=calib, device=device,
-                                    calib_token_ids=no_calib,
-                                    act_order=act_order, sink_weight=args.sink_weight,
-                                    show_progress=False)
-            config.update({"method": method, "bits": report.bits,
-                           "group_size": report.group_size, "sym": report.sym,
-                           "format": report.format, "quantize_s": round(report.seconds, 1)})
-            if method in ("gptq", "awq"):
-                config["calibration"] = {"data": "wikitext2 valid", "n_samples": args.n_samples,
-                                         "seq_len": args.seq_len}
-            if method == "gptq":
-                from llmaccel.quant.gptq import sink_weight
-
-                config["act_order"] = act_order
-                config["sink_weight"] = sink_weight(args.seq_len, args.sink_weight)
-            if group is not None and group_used != group:
-                config["note"] = f"group {group} does not tile this model; used {group_used}"
+            done = quantize_scheme(src, name, work / f"{args.name}-{name}", device=device,
+                                   n_samples=args.n_samples, seq_len=args.seq_len,
+                                   sink_weight=args.sink_weight, act_order=args.act_order)
+            path = done.path
+            config.update(done.config)
         res = evaluate_perplexity(str(path), context=args.context, limit=args.limit,
                                   dtype=dtype, device=device)
         config.update({"scored_tokens": res.scored_tokens, "windows": res.windows,

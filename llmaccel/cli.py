@@ -374,6 +374,13 @@ def eval_ppl(
     backend: str = typer.Option("llmaccel", help="llmaccel (our engine's model) or hf "
                                 "(transformers' AutoModelForCausalLM and its own loss, over the "
                                 "same windows and token ids: an independent check)."),
+    quantization: Optional[str] = typer.Option(
+        None, help="Quantize the model first by a scheme of BENCHMARKS.md (rtn-int8, "
+        "rtn-int4-g128, nf4, hqq-int4, gptq-int4-g128, awq-int4-g128, fp8; GPTQ/AWQ calibrate "
+        "on WikiText-2 validation), as `llmaccel quantize` does, and measure the result."),
+    quantized_dir: Optional[str] = typer.Option(None, help="Keep the --quantization "
+                                                "checkpoint here (default: a temporary "
+                                                "directory, removed)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Perplexity by the sliding-window method, through our engine's model: any checkpoint
@@ -383,14 +390,18 @@ def eval_ppl(
 
     res = evaluate_perplexity(model, data=data, joining=join, context=context, stride=stride,
                               limit=limit, dtype=dtype, device=device, tokenizer=tokenizer,
-                              progress=not as_json, backend=backend)
+                              progress=not as_json, backend=backend,
+                              quantization=quantization, quantized_dir=quantized_dir)
     if as_json:
         print(json.dumps({"model": model, **res.to_dict()}))
         return
     console.print(f"perplexity {res.ppl:.4f} (nll {res.nll:.4f}) over {res.scored_tokens:,} "
                   f"scored of {res.total_tokens:,} tokens; {res.windows} windows, context "
                   f"{res.context}, stride {res.stride}, data {res.data} (rows joined: "
-                  f"{res.joining}); backend {res.backend}; {res.seconds:.1f}s", highlight=False)
+                  f"{res.joining}); backend {res.backend}"
+                  + (f"; quantization {res.quantization} ({res.quantization_config})"
+                     if res.quantization else "")
+                  + f"; {res.seconds:.1f}s", highlight=False)
 
 
 from llmaccel.eval.code.command import eval_code  # noqa: E402 - next to its registration

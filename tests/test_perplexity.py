@@ -195,6 +195,38 @@ def test_eval_ppl_cli_text_states_backend(tiny_with_tokenizer):
     assert "rows joined: file" in text
 
 
+def test_eval_ppl_quantization_measures_the_quantized_checkpoint(tiny_with_tokenizer, tmp_path):
+    """--quantization writes the scheme's checkpoint (kept with --quantized-dir) and measures
+    it: the same number as measuring that directory itself, and not the plain model's."""
+    d = tiny_with_tokenizer
+    args = ["--data", str(d / "eval.txt"), "--context", "64", "--device", "cpu",
+            "--dtype", "float32"]
+    plain = _ppl_json(str(d), *args)
+    kept = tmp_path / "int4"
+    quant = _ppl_json(str(d), *args, "--quantization", "rtn-int4-g128",
+                      "--quantized-dir", str(kept))
+    assert quant["quantization"] == "rtn-int4-g128"
+    assert quant["quantization_config"]["method"] == "rtn"
+    assert quant["quantization_config"]["bits"] == 4
+    config = json.loads((kept / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    again = _ppl_json(str(kept), *args)
+    assert again["ppl"] == pytest.approx(quant["ppl"], rel=1e-6)
+    assert quant["ppl"] != pytest.approx(plain["ppl"], rel=1e-4)  # int4 moved the weights
+
+
+def test_eval_ppl_rejects_an_unknown_scheme(tiny_with_tokenizer):
+    from typer.testing import CliRunner
+
+    from llmaccel.cli import app
+
+    d = tiny_with_tokenizer
+    result = CliRunner().invoke(app, ["eval", "ppl", str(d), "--data", str(d / "eval.txt"),
+                                      "--quantization", "int3-magic"])
+    assert isinstance(result.exception, LLMAccelError)  # main() prints it as one line
+    assert "unknown quantization scheme 'int3-magic'" in str(result.exception)
+
+
 def test_eval_ppl_cli_rejects_unknown_backend(tiny_with_tokenizer):
     from typer.testing import CliRunner
 

@@ -55,6 +55,8 @@ class PerplexityResult:
     joining: str
     seconds: float
     backend: str = "llmaccel"  # one of BACKENDS
+    quantization: str | None = None  # the scheme applied before measuring (--quantization)
+    quantization_config: dict[str, Any] | None = None  # its method, bits, group, format, ...
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,13 +201,23 @@ def evaluate_perplexity(model: str, *, data: str = "wikitext2", joining: str = "
                         context: int = 2048, stride: int | None = None, limit: int | None = None,
                         dtype: str = "auto", device: str | None = None,
                         tokenizer: str | None = None, progress: bool = False,
-                        backend: str = "llmaccel") -> PerplexityResult:
+                        backend: str = "llmaccel", quantization: str | None = None,
+                        quantized_dir: str | None = None) -> PerplexityResult:
     """Load `model` (any source and checkpoint format the engine reads) and measure it, through
-    our engine (backend "llmaccel") or transformers (backend "hf")."""
+    our engine (backend "llmaccel") or transformers (backend "hf").
+
+    `quantization`: a scheme of BENCHMARKS.md (rtn-int8, rtn-int4-g128, nf4, hqq-int4,
+    gptq-int4-g128, awq-int4-g128, fp8) applied to `model` first, as `llmaccel quantize` does,
+    into `quantized_dir` (kept) or a temporary directory (removed); the engine measures it."""
     if backend not in BACKENDS:
         raise LLMAccelError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     text = load_eval_text(data, joining)  # a missing data file fails before any model loads
     joined = joining_label(data, joining)
+    if quantization is not None:
+        return _evaluate_quantized(model, quantization, quantized_dir, data=data,
+                                   joining=joining, context=context, stride=stride,
+                                   limit=limit, dtype=dtype, device=device, tokenizer=tokenizer,
+                                   progress=progress, backend=backend)
     if backend == "hf":
         from llmaccel.eval.hf_perplexity import hf_perplexity, load_hf_causal_lm
         from llmaccel.models.config import make_model_config
@@ -225,6 +237,27 @@ def evaluate_perplexity(model: str, *, data: str = "wikitext2", joining: str = "
     token_ids = tokenize_eval_text(mc, text, tokenizer)
     return perplexity(net, token_ids, context, stride, limit, data=data, joining=joined,
                       progress=progress)
+
+
+def _evaluate_quantized(model: str | None, scheme: str, quantized_dir: str | None,
+                        **kwargs: Any) -> PerplexityResult:
+    import dataclasses
+    import tempfile
+
+    from llmaccel.quant.schemes import check_scheme, hf_source, quantize_scheme
+
+    check_scheme(scheme)  # an unknown name fails before any work
+    if model is None:
+        from llmaccel.models.default_model import default_model_path
+
+        model = str(default_model_path())
+    with tempfile.TemporaryDirectory(prefix="llmaccel-ppl-") as tmp:
+        src = hf_source(model, Path(tmp))
+        out = Path(quantized_dir) if quantized_dir else Path(tmp) / scheme
+        done = quantize_scheme(src, scheme, out, device=kwargs["device"],
+                               show_progress=kwargs["progress"])
+        res = evaluate_perplexity(str(done.path), **kwargs)
+    return dataclasses.replace(res, quantization=scheme, quantization_config=done.config)
 
 
 __all__ = ["BACKENDS", "JOININGS", "PerplexityResult", "WindowNLL", "evaluate_perplexity",
