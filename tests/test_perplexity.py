@@ -17,7 +17,7 @@ from llmaccel.eval.hf_perplexity import (hf_labels, hf_perplexity, hf_scored_pos
                                          hf_window_nll)
 from llmaccel.eval.perplexity import PerplexityResult, join_rows, perplexity, window_nll, windows
 from llmaccel.models.loader import load_model
-from tiny_models import make_tiny_model, tiny_configs
+from tiny_models import make_tiny_model, save_word_tokenizer, tiny_configs
 
 
 def test_windows_by_hand():
@@ -129,18 +129,6 @@ def test_result_to_dict_states_backend():
     assert res.to_dict()["backend"] == "llmaccel"
 
 
-def _word_tokenizer(text: str, directory) -> int:
-    """A word-level tokenizer of `text`'s words, saved as an HF tokenizer: its size."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(sorted(set(text.split())))}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(directory)
-    return len(vocab)
-
-
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer(tmp_path_factory):
     """A tiny Llama with a word-level tokenizer, and a text file of its words."""
@@ -149,7 +137,7 @@ def tiny_with_tokenizer(tmp_path_factory):
     words = [f"w{i}" for i in range(60)]
     text = " ".join(words[int(i)] for i in torch.randint(0, 60, (300,), generator=g))
     cfg = tiny_configs()["llama"]
-    cfg.vocab_size = _word_tokenizer(text, d)
+    cfg.vocab_size = save_word_tokenizer(sorted(set(text.split())), d)
     make_tiny_model(cfg, d, seed=2)
     (d / "eval.txt").write_text(text)
     return d

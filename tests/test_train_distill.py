@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from engine_matrix import hf_greedy
 from safetensors.torch import load_file
-from tiny_models import make_tiny_model, periodic_blocks, tiny_configs
+from tiny_models import make_tiny_model, periodic_blocks, save_word_tokenizer, tiny_configs
 
 from llmaccel.errors import LLMAccelError
 from llmaccel.train.distill import build_student, distill_draft, evaluate_student
@@ -314,25 +314,12 @@ def test_student_drafts_for_the_target_in_the_engine(trained_student, target_dir
     assert spec["num_draft_tokens"] > 0 and spec["num_accepted_tokens"] > 0, spec
 
 
-def _word_tokenizer(text: str, directory) -> int:
-    """A word-level tokenizer of `text`'s words, saved as an HF tokenizer: its size."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = sorted(set(text.split()))
-    vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(directory)
-    return len(vocab)
-
-
 @pytest.fixture(scope="module")
 def cli_target(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli-target")
     text = "the cat sat on the mat and the dog sat on the log " * 40
     cfg = tiny_configs()["llama"]
-    cfg.vocab_size = _word_tokenizer(text, d)
+    cfg.vocab_size = save_word_tokenizer(sorted(set(text.split())), d)
     make_tiny_model(cfg, d, seed=3)
     (d / "train.txt").write_text(text)
     return d
