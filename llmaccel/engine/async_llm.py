@@ -14,6 +14,7 @@ from llmaccel.engine.llm_engine import LLMEngine
 from llmaccel.engine.outputs import RequestOutput
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.stats import EngineStats
+from llmaccel.errors import LLMAccelError
 
 
 class AsyncLLM:
@@ -31,11 +32,12 @@ class AsyncLLM:
         return cls(LLMEngine(EngineConfig(model=model, **kwargs)))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after every step that advanced it; the last
         one has finished=True. Leaving the loop early (a client gone) aborts the request."""
         request_id = request_id or f"req-{next(self._ids)}"
-        queue = await self.add_request(request_id, prompt, params)
+        queue = await self.add_request(request_id, prompt, params, prompt_text)
         finished = False
         try:
             while True:
@@ -52,17 +54,25 @@ class AsyncLLM:
                 await self.abort(request_id)
 
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams | None = None) -> asyncio.Queue:
+                          params: SamplingParams | None = None,
+                          prompt_text: str | None = None) -> asyncio.Queue:
         """Queue a request (raises LLMAccelError for a bad one) and return its output queue."""
+        if self._closed:  # no loop would ever step it
+            raise LLMAccelError("the engine has been shut down")
         self._ensure_loop()
         async with self._lock:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, prompt_text)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._wake.set()
         return queue
 
     async def abort(self, request_id: str) -> None:
+        # Shielded: a cancelled caller (a client gone, whose cancellation frameworks deliver
+        # again at every await) must not leave the request running while it waits for a step.
+        await asyncio.shield(self._abort(request_id))
+
+    async def _abort(self, request_id: str) -> None:
         async with self._lock:
             out = self.engine.abort_request(request_id)
         queue = self._queues.get(request_id)

@@ -160,6 +160,13 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise LLMAccelError(f"the prompt has {len(ids)} tokens; max_model_len is "
                                 f"{self.max_model_len}, which leaves no room to generate")
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:  # the sampler would index past the logits and fail the whole step
+            raise LLMAccelError(f"stop_token_ids {bad_stops} are outside the vocabulary "
+                                f"(0..{vocab - 1})")
+        if params.stop and self.tokenizer is None:
+            raise LLMAccelError("stop strings need a tokenizer (the engine runs without one: "
+                                "skip_tokenizer_init); use stop_token_ids")
         seqs = [Sequence(request_id, i, ids, params, make_generator(
             None if params.seed is None else params.seed + i, self.device))
             for i in range(params.n)]

@@ -11,19 +11,16 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+from llmaccel import cli_options as o
 from rich.console import Console
 from rich.table import Table
-
-# Same text as cli.MODEL_HELP (not imported: cli imports this module).
-MODEL_HELP = ("A local HF directory, a .gguf file, a hub id (org/name) or a benchmark shape "
-              "(llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-1.5b, smollm2-135m). "
-              "Default: SmolLM2-135M-Instruct (GGUF, fetched once through PyPI).")
 
 console = Console()
 
 
 def eval_code(
-    model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
+    model: Optional[str] = typer.Argument(None, help=o.MODEL_HELP),
     limit: Optional[int] = typer.Option(None, min=1, help="Only the first N problems (a "
                                         "quick partial figure)."),
     max_tokens: int = typer.Option(384, min=1, help="Most tokens generated per completion."),
@@ -54,12 +51,10 @@ def eval_code(
     out: str = typer.Option("results", help="Directory for NAME-code.jsonl (records) and "
                             "NAME-code.problems.jsonl (every completion and its outcome)."),
     name: Optional[str] = typer.Option(None, help="File-name stem (default: from the model)."),
-    dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32 (auto: the "
-                              "checkpoint's 16-bit type on GPU, float32 on CPU)."),
-    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
-    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer path or hub id (needed for "
-                                            "shapes with random weights)."),
-    max_model_len: Optional[int] = typer.Option(None, min=1),
+    dtype: str = o.DTYPE,
+    device: Optional[str] = o.DEVICE,
+    tokenizer: Optional[str] = o.TOKENIZER,
+    max_model_len: Optional[int] = o.MAX_MODEL_LEN,
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of "
                                  "a table."),
 ) -> None:

