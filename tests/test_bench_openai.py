@@ -87,6 +87,8 @@ def test_sse_parsing():
     assert chunk_text({"choices": [{"delta": {"content": "yo"}}]}) == "yo"
     assert chunk_text({"choices": [{"delta": {"role": "assistant"}}]}) is None
     assert chunk_text({"choices": [], "usage": {}}) is None
+    assert chunk_text({"choices": [{"text": "", "finish_reason": "length"}]}) is None
+    assert chunk_text({"choices": [{"text": "", "token_ids": [7]}]}) == ""
 
 
 def test_streamed_timing_usage_and_payload(server):

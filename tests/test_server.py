@@ -697,3 +697,47 @@ def test_serve_command(model_dir):
             proc.wait()
     log = proc.stdout.read()
     assert "serving tiny" in log and "Application shutdown complete" in log, log
+
+
+def test_a_server_without_tokenizer_streams_token_ids(model_dir):
+    """A benchmark shape or --skip-tokenizer-init has no text to send: every choice carries
+    its token ids and every step is a chunk, so `llmaccel bench --backend openai` times each
+    token (it once saw one empty chunk per request and counted no output at all)."""
+    from llmaccel.bench.backends.base import BenchRequest
+    from llmaccel.bench.backends.openai_client import OpenAIBackend
+
+    engine = AsyncLLM.from_config(str(model_dir), **engine_kwargs(skip_tokenizer_init=True))
+    srv = ServerThread(engine, ServerSettings(served_model_names=("tiny",))).start()
+    try:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True,
+                "temperature": 0}
+        code, resp = run(post_once(srv.url + C, body))
+        assert code == 200 and len(resp["choices"][0]["token_ids"]) == 6
+        status, events = run(stream_once(srv.url + C, {**body, "stream": True}))
+        text, ids, finish = joined(events)
+        assert status == 200 and ids == resp["choices"][0]["token_ids"] and finish == "length"
+        assert len(events) >= 4  # per step (+ [DONE]), not one chunk at the end
+
+        async def bench():
+            backend = OpenAIBackend(srv.url, "tiny")
+            await backend.start()
+            try:
+                return await backend.generate(BenchRequest([5, 6, 7], 3, max_tokens=6))
+            finally:
+                await backend.close()
+        r = run(bench())
+        assert r.success and r.output_len == 6 and len(r.itl) >= 2
+    finally:
+        srv.stop()
+    assert srv.used_blocks == 0
+
+
+async def post_once(url: str, body: dict) -> tuple[int, dict]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        r = await client.post(url, json=body)
+        return r.status_code, r.json()
+
+
+async def stream_once(url: str, body: dict) -> tuple[int, list]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await stream(client, url, body)

@@ -134,8 +134,20 @@ def make_backend(kind: str, c: Common, max_model_len: int, forced: dict[str, Any
                          "dummy" if c.load_format in ("dummy", "auto") else c.load_format)
     if kind == "openai":
         return OpenAIBackend(c.base_url, c.served_model_name or c.model or "default",
-                             c.server_name, c.endpoint, c.api_key, c.vocab_size)
+                             c.server_name, c.endpoint, c.api_key, _openai_vocab(c))
     raise LLMAccelError(f"unknown backend {kind!r}")
+
+
+def _openai_vocab(c: Common) -> int | None:
+    """Random-token prompts sent to a server need its vocabulary size: --vocab-size, else the
+    benchmark shape's when MODEL names one (a server started on `llama-3.2-1b --load-format
+    dummy` serves that shape's vocabulary)."""
+    from llmaccel.models.shapes import SHAPES
+
+    if c.vocab_size is not None:
+        return c.vocab_size
+    shape = SHAPES.get(c.model or "")
+    return int(shape["vocab_size"]) if shape else None
 
 
 def _default_model() -> str:

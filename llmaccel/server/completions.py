@@ -36,6 +36,9 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     response_id = state.new_id("cmpl")
     created = now_s()
     names = state.token_names
+    # Without a tokenizer (a benchmark shape, --skip-tokenizer-init) the text is empty, so the
+    # token ids are the output: every choice carries them and every step is worth a chunk.
+    with_ids = req.return_token_ids or state.tokenizer is None
 
     def choice(i: int, out: RequestOutput, c: CompletionOutput, text: str, ids: list[int],
                start: int, cursor: ChoiceCursor | None) -> CompletionChoice:
@@ -44,8 +47,8 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
             stop_reason=c.stop_reason,
             logprobs=None if req.logprobs is None else completion_logprobs(
                 names, ids, (c.logprobs or [])[start:start + len(ids)], cursor),
-            token_ids=ids if req.return_token_ids else None,
-            prompt_token_ids=out.prompt_token_ids if req.return_token_ids and start == 0
+            token_ids=ids if with_ids else None,
+            prompt_token_ids=out.prompt_token_ids if with_ids and start == 0
             else None)
 
     def render(finals: list[RequestOutput]) -> CompletionResponse:
@@ -57,7 +60,7 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
 
     async def events(streams: list[EngineStream]) -> AsyncIterator[str]:
         cursors = [[ChoiceCursor(params.stop) for _ in range(req.n)] for _ in streams]
-        want_tokens = req.logprobs is not None or req.return_token_ids
+        want_tokens = req.logprobs is not None or with_ids
         options = req.stream_options
         try:
             async with aclosing(merge(streams)) as outputs:

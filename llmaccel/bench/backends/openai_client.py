@@ -118,8 +118,8 @@ def sse_data(line: str) -> str | None:
 
 
 def chunk_text(chunk: dict[str, Any]) -> str | None:
-    """New text in a streamed completion or chat chunk; None if the chunk carries none (a
-    role-only first chat chunk, the usage chunk)."""
+    """New text in a streamed completion or chat chunk ("" for token ids without text); None
+    if the chunk carries no token (a role-only first chat chunk, the usage chunk)."""
     choices = chunk.get("choices") or []
     if not choices:
         return None
@@ -127,4 +127,7 @@ def chunk_text(chunk: dict[str, Any]) -> str | None:
     piece = choice.get("text")
     if piece is None:
         piece = (choice.get("delta") or {}).get("content")
-    return piece or None
+    if piece:
+        return piece
+    # Tokens without text (a server with no tokenizer sends their ids): still a token arrival.
+    return "" if choice.get("token_ids") else None
