@@ -188,6 +188,35 @@ def test_async_streaming_and_client_abort(model_dir):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_coalesced_streams_skip_to_the_newest_output(model_dir):
+    """A consumer that falls behind: with coalesce=True it gets only the newest cumulative
+    output (the same final tokens, fewer items); without, every step's output."""
+    llm = make_llm(model_dir)
+    prompt = [3, 4, 5]
+    expected = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine = AsyncLLM(llm.engine)
+
+    async def slow_consumer(coalesce: bool) -> list[int]:
+        lengths = []
+        async for out in engine.generate(prompt, GREEDY, coalesce=coalesce):
+            lengths.append(len(out.outputs[0].token_ids))
+            if len(lengths) == 1:  # fall behind: let the engine finish meanwhile
+                while engine.engine.has_unfinished_requests():
+                    await asyncio.sleep(0.01)
+        assert out.finished and out.outputs[0].token_ids == expected
+        return lengths
+
+    async def main():
+        result = await slow_consumer(True), await slow_consumer(False)
+        await engine.shutdown()
+        return result
+
+    coalesced, every = asyncio.run(main())
+    assert coalesced == [coalesced[0], len(expected)]  # the first, then straight to the end
+    assert every == list(range(every[0], len(expected) + 1))
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
 def test_failed_step_fails_streams_and_keeps_serving(model_dir, monkeypatch):
     llm = make_llm(model_dir, enable_prefix_caching=True)
     engine = AsyncLLM(llm.engine)

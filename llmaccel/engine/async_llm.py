@@ -33,15 +33,23 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_text: str | None = None,
+                       coalesce: bool = False) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after every step that advanced it; the last
-        one has finished=True. Leaving the loop early (a client gone) aborts the request."""
+        one has finished=True. Leaving the loop early (a client gone) aborts the request.
+        `coalesce`: a consumer that fell behind gets only the newest of the outputs waiting
+        for it (they are cumulative, so nothing is lost): a server busy with many streams
+        sends fewer, larger chunks instead of falling further behind (vLLM's AsyncLLM does
+        the same). Off, every step's output is yielded (what exact per-token timing needs)."""
         request_id = request_id or f"req-{next(self._ids)}"
         queue = await self.add_request(request_id, prompt, params, prompt_text)
         finished = False
         try:
             while True:
                 item = await queue.get()
+                while coalesce and not queue.empty() and not isinstance(item, BaseException) \
+                        and not item.finished:
+                    item = queue.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -45,7 +45,7 @@ class EngineStream:
         request it cannot run) is raised here, so it becomes a 400 rather than a broken
         stream."""
         timer = RequestTimer()
-        gen = state.engine.generate(prompt, params, request_id=request_id)
+        gen = state.engine.generate(prompt, params, request_id=request_id, coalesce=True)
         try:
             first = await gen.__anext__()
         except BaseException as e:
