@@ -15,14 +15,14 @@ m=llama-3.2-1b
 rates=4,16,64,inf
 mkdir -p "$out"
 
-serve_and_bench() {  # name, request rates, python prefix (the serve command's interpreter)
-  local name=$1 r=$2; shift 2
+serve_and_bench() {  # name, label, request rates, then the command that runs our CLI
+  local name=$1 label=$2 r=$3; shift 3
   "$@" serve $m --load-format dummy --max-model-len 1536 --no-enable-prefix-caching \
     --port 8000 --log-level warning > "$out/$name.serve.log" 2>&1 &
   local pid=$!
   for i in $(seq 300); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
   curl -sf localhost:8000/health > /dev/null || { tail -30 "$out/$name.serve.log"; exit 1; }
-  $L bench serve $m --backend openai --base-url http://127.0.0.1:8000 --server-name "${name#*-W3-}" \
+  $L bench serve $m --backend openai --base-url http://127.0.0.1:8000 --server-name "$label" \
     --request-rate "$r" --out "$out" --name "$name" --no-progress
   curl -sf localhost:8000/metrics > "$out/$name.metrics.txt"
   kill -TERM $pid; wait $pid || echo "server exit status $?"
@@ -31,9 +31,9 @@ serve_and_bench() {  # name, request rates, python prefix (the serve command's i
 }
 
 $L bench serve $m --backend llmaccel --request-rate $rates --out "$out" --name "$day-W3-inproc-$m-h100" --no-progress
-serve_and_bench "$day-W3-llmaccel-serve-$m-h100" $rates python -m llmaccel.cli
+serve_and_bench "$day-W3-llmaccel-serve-$m-h100" llmaccel $rates python -m llmaccel.cli
 cat "$out/$day-W3-inproc-$m-h100.jsonl" "$out/$day-W3-llmaccel-serve-$m-h100.jsonl" > "$out/$day-W3-api-vs-inproc-$m-h100.jsonl"
 if [[ -n $switch ]]; then
-  serve_and_bench "$day-W3-switch$switch-$m-h100" 64,inf python -c \
+  serve_and_bench "$day-W3-switch$switch-$m-h100" "llmaccel-switch$switch" 64,inf python -c \
     "import sys; sys.setswitchinterval(float(sys.argv[1])); sys.argv = ['llmaccel'] + sys.argv[2:]; from llmaccel.cli import main; main()" "$switch"
 fi
