@@ -400,6 +400,10 @@ from llmaccel.server.command import serve  # noqa: E402 - next to its registrati
 
 app.command("serve")(serve)
 
+from llmaccel.pipeline.command import run  # noqa: E402 - next to its registration
+
+app.command("run")(run)
+
 
 def main() -> None:
     """Entry point: user errors print one line and exit 1, without a traceback."""

@@ -1,0 +1,96 @@
+"""A recipe as a graph of stage runs: which run reads which output, in an order where every
+input comes first, and the `--only` / `--from` selections over it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmaccel.pipeline.recipe import Recipe, RecipeError
+
+SOURCE = "model"  # the external input: the recipe's model, not a stage
+
+
+@dataclass
+class StageNode:
+    name: str                    # unique: "quantize.gptq-int4-g128", "eval.base"
+    kind: str                    # the stage function: analyze, convert, finetune, ...
+    config: dict[str, Any]       # what the stage reads besides its inputs (hashed)
+    inputs: dict[str, str] = field(default_factory=dict)  # role -> node name or SOURCE
+
+
+def _needs_hf_dir(model: str | None) -> bool:
+    return model is not None and Path(model).suffix == ".gguf"
+
+
+def build_graph(recipe: Recipe, model: str) -> list[StageNode]:
+    """The stage runs of `recipe` on `model` (resolved: a path, hub id or shape), in order."""
+    s = recipe.stages
+    common = {"device": recipe.device, "dtype": recipe.dtype}
+    nodes: list[StageNode] = []
+    on = {k: getattr(s, k) is not None and getattr(s, k).enabled
+          for k in ("analyze", "finetune", "quantize", "eval")}
+    if on["analyze"]:
+        nodes.append(StageNode("analyze", "analyze", s.analyze.model_dump(exclude={"enabled"}),
+                               {"model": SOURCE}))
+    tuned = SOURCE
+    if on["finetune"]:
+        nodes.append(StageNode("finetune", "finetune",
+                               {**s.finetune.model_dump(exclude={"enabled"}), **common},
+                               {"model": SOURCE}))
+        tuned = "finetune"
+    hf_dir = tuned
+    if on["quantize"] and s.quantize.methods:
+        if tuned == SOURCE and _needs_hf_dir(model):  # quantizers read safetensors
+            nodes.append(StageNode("convert", "convert", {}, {"model": SOURCE}))
+            hf_dir = "convert"
+        q = s.quantize.model_dump(exclude={"enabled", "methods"})
+        for scheme in s.quantize.methods:
+            nodes.append(StageNode(f"quantize.{scheme}", "quantize",
+                                   {"scheme": scheme, **q, "device": recipe.device},
+                                   {"model": hf_dir}))
+    if on["eval"]:
+        e = {**s.eval.model_dump(exclude={"enabled"}), **common}
+        variants = [("base", SOURCE)]
+        if tuned != SOURCE:
+            variants.append(("finetuned", tuned))
+        if on["quantize"]:
+            variants += [(m, f"quantize.{m}") for m in s.quantize.methods]
+        for label, src in variants:
+            nodes.append(StageNode(f"eval.{label}", "eval", {**e, "variant": label},
+                                   {"model": src}))
+    return nodes
+
+
+def dependents(nodes: list[StageNode], roots: set[str]) -> set[str]:
+    """`roots` and every node that reads one of them, directly or not."""
+    out = set(roots)
+    for n in nodes:  # nodes are in order: inputs before readers
+        if any(src in out for src in n.inputs.values()):
+            out.add(n.name)
+    return out
+
+
+def select(nodes: list[StageNode], only: list[str] | None = None,
+           start: str | None = None) -> set[str]:
+    """Names of the nodes to run. `only`: these (a kind, like `quantize`, means all its
+    runs); `start` (`--from`): that stage and everything downstream of it. Neither: all."""
+    names = {n.name for n in nodes}
+
+    def expand(term: str, flag: str) -> set[str]:
+        hit = {n.name for n in nodes if n.name == term or n.kind == term}
+        if not hit:
+            raise RecipeError(f"{flag} {term!r}: no such stage in this recipe (stages: "
+                              f"{', '.join(n.name for n in nodes)})")
+        return hit
+
+    chosen = set(names)
+    if only:
+        chosen = set().union(*(expand(t, "--only") for t in only))
+    if start:
+        chosen &= dependents(nodes, expand(start, "--from"))
+    return chosen
+
+
+__all__ = ["SOURCE", "StageNode", "build_graph", "dependents", "select"]

@@ -1,0 +1,191 @@
+"""The recipe: which stages of the workflow run on which model, with what settings. Read from
+YAML and validated by pydantic; an error names the offending key and its line in the file.
+
+    name: smollm2-small
+    model: null                # default model; a path, GGUF file, hub id or benchmark shape
+    stages:
+      finetune: {steps: 20}
+      quantize: {methods: [rtn-int8, gptq-int4-g128]}
+      eval: {context: 512, limit: 4}
+
+A stage left out of `stages` does not run; `enabled: false` keeps its settings but skips it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from llmaccel.errors import LLMAccelError
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class RecipeError(LLMAccelError):
+    """A recipe that cannot run: bad YAML, an unknown key, a value out of range."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+
+
+class AnalyzeStage(_Section):
+    gpu: Optional[str] = None            # a datasheet GPU for the roofline (analyze --gpu)
+    context: int = Field(0, ge=0)        # KV-cache reads of this many tokens in the roofline
+
+
+class FinetuneStage(_Section):
+    """LoRA through peft (`llmaccel finetune`); later stages use the merged model."""
+    data: str = "wikitext2"
+    lora_r: int = Field(8, ge=1)
+    lora_alpha: float = 16.0
+    lr: float = Field(1e-4, gt=0)
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(4, ge=1)
+    seq_len: int = Field(256, ge=2)
+    eval_every: int = Field(25, ge=1)
+    max_blocks: Optional[int] = Field(None, ge=2)
+    seed: int = 0
+
+
+class QuantizeStage(_Section):
+    """One checkpoint per scheme of BENCHMARKS.md (rtn-int8, gptq-int4-g128, ..., fp8)."""
+    methods: list[str] = Field(default_factory=lambda: ["rtn-int8", "rtn-int4-g128",
+                                                        "gptq-int4-g128", "awq-int4-g128",
+                                                        "fp8"])
+    n_samples: int = Field(128, ge=1)    # calibration sequences (GPTQ, AWQ)
+    seq_len: int = Field(512, ge=2)      # tokens per calibration sequence
+
+    @field_validator("methods")
+    @classmethod
+    def _known(cls, methods: list[str]) -> list[str]:
+        from llmaccel.quant.schemes import SCHEMES
+
+        for m in methods:
+            if m not in SCHEMES:
+                raise ValueError(f"unknown scheme {m!r} (known: {', '.join(SCHEMES)})")
+        if len(set(methods)) != len(methods):
+            raise ValueError("a scheme is listed twice")
+        return methods
+
+
+class EvalStage(_Section):
+    """WikiText-2 test perplexity of every model variant (W6's method)."""
+    data: str = "wikitext2"
+    context: int = Field(2048, ge=2)
+    stride: Optional[int] = Field(None, ge=1)
+    limit: Optional[int] = Field(None, ge=1)  # at most this many windows (small runs)
+
+
+class Stages(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    analyze: Optional[AnalyzeStage] = None
+    finetune: Optional[FinetuneStage] = None
+    quantize: Optional[QuantizeStage] = None
+    eval: Optional[EvalStage] = None
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = "default"
+    model: Optional[str] = None          # None: the default model (SmolLM2-135M-Instruct)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    stages: Stages = Field(default_factory=Stages)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not NAME.match(name):
+            raise ValueError("letters, digits, '.', '_' and '-' only (it names a directory)")
+        return name
+
+    def device_arg(self) -> str | None:
+        return None if self.device == "auto" else self.device
+
+
+def parse_recipe(text: str, where: str = "<recipe>") -> Recipe:
+    """The recipe in YAML `text`; RecipeError naming the key and line of the first problem."""
+    import yaml
+
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise RecipeError(f"{where}:{line}: not valid YAML ({getattr(e, 'problem', e)})") \
+            from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: a recipe is a mapping of keys (name, model, stages, ...), "
+                          f"not a {type(data).__name__}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        line = _line_of(root, loc)
+        at = f" line {line}" if line else ""
+        more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+        raise RecipeError(f"{where}:{at}: {key}: {_message(err)}{more}") from None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe file {p} not found")
+    return parse_recipe(p.read_text(), str(p))
+
+
+def _message(err: dict[str, Any]) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown key"
+    msg = str(err["msg"])
+    return msg.removeprefix("Value error, ")
+
+
+def _line_of(node: Any, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the YAML node at `loc` (the deepest one that exists)."""
+    import yaml
+
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            if match is None:
+                return line
+            key, node = match
+            line = key.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) \
+                and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def default_recipe(size: Literal["small", "full"] = "small") -> Recipe:
+    """The built-in recipe (`llmaccel run` with no file) on the default model. small: sizes a
+    CPU gets through in minutes; full: BENCHMARKS.md's sizes, for a GPU."""
+    if size == "small":
+        stages = Stages(
+            analyze=AnalyzeStage(),
+            finetune=FinetuneStage(steps=12, batch_size=2, seq_len=128, eval_every=6,
+                                   max_blocks=64),
+            quantize=QuantizeStage(methods=["rtn-int8", "rtn-int4-g128", "gptq-int4-g128",
+                                            "awq-int4-g128", "fp8"],
+                                   n_samples=16, seq_len=256),
+            eval=EvalStage(context=512, limit=8))
+        return Recipe(name="default-small", stages=stages)
+    return Recipe(name="default", stages=Stages(analyze=AnalyzeStage(),
+                                                finetune=FinetuneStage(),
+                                                quantize=QuantizeStage(), eval=EvalStage()))

@@ -1,0 +1,243 @@
+"""Recipes (`llmaccel run`): the schema's errors, the cache (hits, invalidation by a config
+value or an input's bytes), failures stopping only their readers, stage selection; stage
+functions are fakes here that record their calls, except in the end-to-end test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llmaccel.pipeline.recipe import RecipeError, parse_recipe
+from llmaccel.pipeline.runner import execute, make_plan
+
+RECIPE = """\
+name: t
+model: {model}
+stages:
+  analyze: {{}}
+  finetune:
+    steps: 3
+  quantize:
+    methods: [rtn-int8, fp8]
+  eval:
+    context: 64
+    limit: 2
+"""
+
+
+# -- schema ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("name: x\nstages:\n  quantize:\n    methods: [rtn-int8, int3]\n",
+     "line 4: stages.quantize.methods: unknown scheme 'int3'"),
+    ("name: x\nstages:\n  finetune:\n    stepz: 3\n", "line 4: stages.finetune.stepz: unknown key"),
+    ("name: x\nstages:\n  eval:\n    context: many\n", "line 4: stages.eval.context: "),
+    ("name: x\nstages:\n  eval:\n    limit: 0\n", "line 4: stages.eval.limit: "),
+    ("name: x\ndevice: tpu\n", "line 2: device: "),
+    ("name: a/b\n", "line 1: name: letters, digits"),
+    ("name: x\nstages:\n  bench: {}\n", "line 3: stages.bench: unknown key"),
+    ("name: [x\n", "not valid YAML"),
+    ("- a\n- b\n", "a recipe is a mapping"),
+])
+def test_schema_errors_name_the_key_and_line(text, expected):
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(text, "r.yaml")
+    assert str(err.value).startswith("r.yaml:") and expected in str(err.value)
+
+
+def test_defaults_and_an_empty_recipe():
+    r = parse_recipe("")
+    assert r.name == "default" and r.model is None and r.stages.quantize is None
+    r = parse_recipe("stages:\n  quantize: {}\n")
+    assert "gptq-int4-g128" in r.stages.quantize.methods
+
+
+# -- cache, with fake stages -------------------------------------------------------------------
+class FakeStages:
+    """Stage functions that write a file, record their calls and can be told to fail."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.fail: set[str] = set()
+
+    def fns(self):
+        def make(kind):
+            def fn(node, inputs, out: Path):
+                self.calls.append(node.name)
+                if node.name in self.fail:
+                    raise RuntimeError(f"{node.name} broke")
+                (out / "out.txt").write_text(f"{node.name} from {inputs.model}")
+                manifest = {"model": "."} if kind in ("finetune", "quantize", "convert") else {}
+                if kind == "eval":
+                    manifest["ppl"] = 10.0
+                return manifest
+            return fn
+        return {k: make(k) for k in ("analyze", "convert", "finetune", "quantize", "eval")}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"a": 1}')
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(RECIPE.format(model=model))
+    return model, recipe_file, tmp_path / "runs", FakeStages()
+
+
+def run_once(recipe_text: str, runs: Path, fake: FakeStages, **kw):
+    fake.calls.clear()
+    plan = make_plan(parse_recipe(recipe_text), runs, **kw)
+    return execute(plan, stage_fns=fake.fns())
+
+
+ALL = ["analyze", "finetune", "quantize.rtn-int8", "quantize.fp8", "eval.base",
+       "eval.finetuned", "eval.rtn-int8", "eval.fp8"]
+
+
+def test_second_run_is_all_cached(setup):
+    model, recipe_file, runs, fake = setup
+    text = recipe_file.read_text()
+    plan = run_once(text, runs, fake)
+    assert fake.calls == ALL and all(s.status == "ran" for s in plan.stages)
+    # inputs flow: eval.fp8 read the fp8 checkpoint, which read the finetuned model
+    q = plan.by_name()["quantize.fp8"]
+    out = plan.store.stage_dir("quantize.fp8", q.key)
+    assert (out / "out.txt").read_text().endswith(
+        str(plan.store.stage_dir("finetune", plan.by_name()["finetune"].key) / "."))
+    plan = run_once(text, runs, fake)
+    assert fake.calls == [] and all(s.status == "cached" for s in plan.stages)
+    summary = json.loads((runs / "t" / "run.json").read_text())
+    assert [s["status"] for s in summary["stages"]] == ["cached"] * len(ALL)
+
+
+def test_a_config_value_reruns_that_stage_and_its_readers_only(setup):
+    model, recipe_file, runs, fake = setup
+    text = recipe_file.read_text()
+    run_once(text, runs, fake)
+    run_once(text.replace("limit: 2", "limit: 3"), runs, fake)
+    assert fake.calls == ["eval.base", "eval.finetuned", "eval.rtn-int8", "eval.fp8"]
+    run_once(text.replace("steps: 3", "steps: 4"), runs, fake)  # everything downstream
+    assert fake.calls == ["finetune", "quantize.rtn-int8", "quantize.fp8", "eval.finetuned",
+                          "eval.rtn-int8", "eval.fp8"]
+    run_once(text.replace("[rtn-int8, fp8]", "[rtn-int8, fp8, rtn-int4-g128]"), runs, fake)
+    assert fake.calls == ["quantize.rtn-int4-g128", "eval.rtn-int4-g128"]
+    run_once(text, runs, fake)  # back to the first config: its outputs are still there
+    assert fake.calls == []
+
+
+def test_changed_model_bytes_rerun_everything(setup):
+    model, recipe_file, runs, fake = setup
+    text = recipe_file.read_text()
+    run_once(text, runs, fake)
+    (model / "config.json").write_text('{"a": 2}')
+    run_once(text, runs, fake)
+    assert fake.calls == ALL
+    (model / "extra.bin").write_bytes(b"x")  # a new file counts too
+    run_once(text, runs, fake)
+    assert fake.calls == ALL
+
+
+def test_a_failed_stage_stops_its_readers_and_keeps_the_rest(setup):
+    model, recipe_file, runs, fake = setup
+    text = recipe_file.read_text()
+    fake.fail = {"quantize.rtn-int8"}
+    plan = run_once(text, runs, fake)
+    by = plan.by_name()
+    assert by["quantize.rtn-int8"].status == "failed"
+    assert "RuntimeError: quantize.rtn-int8 broke" in by["quantize.rtn-int8"].message
+    assert by["eval.rtn-int8"].status == "skipped"
+    assert "quantize.rtn-int8 failed" in by["eval.rtn-int8"].message
+    assert "eval.rtn-int8" not in fake.calls
+    assert all(by[n].status == "ran" for n in ALL if "rtn-int8" not in n)
+    assert (runs / "t" / "quantize.rtn-int8.error.log").is_file()
+    assert not list((runs / "t").glob(".tmp-*"))  # no half-written outputs left
+    fake.fail = set()
+    run_once(text, runs, fake)  # fixed: only the failed stage and its reader run
+    assert fake.calls == ["quantize.rtn-int8", "eval.rtn-int8"]
+    assert not (runs / "t" / "quantize.rtn-int8.error.log").exists()
+
+
+def test_unfinished_output_is_not_reused(setup):
+    model, recipe_file, runs, fake = setup
+    text = recipe_file.read_text()
+    plan = run_once(text, runs, fake)
+    st = plan.by_name()["eval.fp8"]
+    (plan.store.stage_dir("eval.fp8", st.key) / "stage.json").unlink()  # killed mid-write
+    run_once(text, runs, fake)
+    assert fake.calls == ["eval.fp8"]
+
+
+def test_only_from_force_and_missing_inputs(setup):
+    model, recipe_file, runs, fake = setup
+    text = recipe_file.read_text()
+    with pytest.raises(RecipeError, match="needs finetune, which is neither cached"):
+        make_plan(parse_recipe(text), runs, only=["quantize"])
+    with pytest.raises(RecipeError, match="--only 'bench': no such stage"):
+        make_plan(parse_recipe(text), runs, only=["bench"])
+    plan = run_once(text, runs, fake, only=["analyze", "finetune"])
+    assert fake.calls == ["analyze", "finetune"]
+    assert plan.by_name()["eval.base"].status == "not selected"
+    run_once(text, runs, fake, start="quantize.fp8")
+    assert fake.calls == ["quantize.fp8", "eval.fp8"]
+    with pytest.raises(RecipeError, match="eval.rtn-int8 needs quantize.rtn-int8"):
+        make_plan(parse_recipe(text), runs, only=["eval"])
+    run_once(text, runs, fake)  # the ones never selected
+    assert fake.calls == ["quantize.rtn-int8", "eval.base", "eval.finetuned", "eval.rtn-int8"]
+    run_once(text, runs, fake, only=["eval"], force=True)
+    assert fake.calls == ["eval.base", "eval.finetuned", "eval.rtn-int8", "eval.fp8"]
+
+
+def test_a_gguf_model_is_converted_once_for_every_scheme(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    text = (f"name: g\nmodel: {gguf}\nstages:\n  quantize:\n    methods: [rtn-int8, fp8]\n"
+            "  eval: {}\n")
+    fake = FakeStages()
+    run_once(text, tmp_path / "runs", fake)
+    assert fake.calls == ["convert", "quantize.rtn-int8", "quantize.fp8", "eval.base",
+                          "eval.rtn-int8", "eval.fp8"]
+
+
+# -- end to end, real stages on a tiny model ---------------------------------------------------
+def test_cli_runs_a_tiny_recipe_end_to_end_then_from_cache(tmp_path):
+    from typer.testing import CliRunner
+
+    from llmaccel.cli import app
+    from server_harness import make_model_dir
+
+    model = make_model_dir(tmp_path / "tiny")
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(f"""\
+name: tiny
+model: {model}
+device: cpu
+dtype: float32
+stages:
+  analyze: {{}}
+  finetune: {{steps: 2, batch_size: 1, seq_len: 32, eval_every: 1, max_blocks: 8}}
+  quantize: {{methods: [rtn-int8, fp8]}}
+  eval: {{context: 32, limit: 2}}
+""")
+    runs = tmp_path / "runs"
+    runner = CliRunner()
+    res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((runs / "tiny" / "run.json").read_text())
+    assert [s["status"] for s in summary["stages"]] == ["ran"] * 8
+    for s in summary["stages"]:
+        record = json.loads((runs / "tiny" / s["dir"] / "stage.json").read_text())
+        assert record["key"] == s["key"]
+        if s["kind"] == "eval":
+            ppl = json.loads((runs / "tiny" / s["dir"] / "ppl.json").read_text())
+            assert ppl["ppl"] > 1 and ppl["windows"] == 2 and ppl["context"] == 32
+        if s["kind"] == "quantize":
+            cfg = json.loads((runs / "tiny" / s["dir"] / "checkpoint" / "config.json")
+                             .read_text())
+            assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs), "--dry-run"])
+    assert res.exit_code == 0 and "run " not in res.output.replace("run.json", "")
+    res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])
+    summary = json.loads((runs / "tiny" / "run.json").read_text())
+    assert res.exit_code == 0 and {s["status"] for s in summary["stages"]} == {"cached"}
