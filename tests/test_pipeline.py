@@ -36,7 +36,8 @@ stages:
     ("name: x\nstages:\n  eval:\n    limit: 0\n", "line 4: stages.eval.limit: "),
     ("name: x\ndevice: tpu\n", "line 2: device: "),
     ("name: a/b\n", "line 1: name: letters, digits"),
-    ("name: x\nstages:\n  bench: {}\n", "line 3: stages.bench: unknown key"),
+    ("name: x\nstages:\n  serve: {}\n", "line 3: stages.serve: unknown key"),
+    ("name: x\nstages:\n  bench:\n    backends: [vllm]\n", "line 4: stages.bench.backends.0: "),
     ("name: [x\n", "not valid YAML"),
     ("- a\n- b\n", "a recipe is a mapping"),
 ])
@@ -67,13 +68,14 @@ class FakeStages:
                 self.calls.append(node.name)
                 if node.name in self.fail:
                     raise RuntimeError(f"{node.name} broke")
-                (out / "out.txt").write_text(f"{node.name} from {inputs.model}")
+                (out / "out.txt").write_text(f"{node.name} from {inputs.models.get('model')}")
                 manifest = {"model": "."} if kind in ("finetune", "quantize", "convert") else {}
                 if kind == "eval":
                     manifest["ppl"] = 10.0
                 return manifest
             return fn
-        return {k: make(k) for k in ("analyze", "convert", "finetune", "quantize", "eval")}
+        return {k: make(k) for k in ("analyze", "convert", "finetune", "quantize", "eval",
+                                     "bench", "report")}
 
 
 @pytest.fixture
@@ -219,13 +221,15 @@ stages:
   finetune: {{steps: 2, batch_size: 1, seq_len: 32, eval_every: 1, max_blocks: 8}}
   quantize: {{methods: [rtn-int8, fp8]}}
   eval: {{context: 32, limit: 2}}
+  bench: {{workloads: [latency], backends: [llmaccel, hf-eager], quick: true, repeats: 1}}
+  report: {{}}
 """)
     runs = tmp_path / "runs"
     runner = CliRunner()
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])
     assert res.exit_code == 0, res.output
     summary = json.loads((runs / "tiny" / "run.json").read_text())
-    assert [s["status"] for s in summary["stages"]] == ["ran"] * 8
+    assert [s["status"] for s in summary["stages"]] == ["ran"] * 13
     for s in summary["stages"]:
         record = json.loads((runs / "tiny" / s["dir"] / "stage.json").read_text())
         assert record["key"] == s["key"]
@@ -236,6 +240,16 @@ stages:
             cfg = json.loads((runs / "tiny" / s["dir"] / "checkpoint" / "config.json")
                              .read_text())
             assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    # the report: one row per variant and engine, HF only on the unquantized ones
+    report_dir = runs / "tiny" / summary["stages"][-1]["dir"]
+    md = (report_dir / "report.md").read_text()
+    rows = [ln for ln in md.splitlines() if ln.startswith("| ") and "tok/s" not in ln]
+    table = [ln.split(" | ")[:3] for ln in rows if ln.count("|") == 9]
+    assert table == [["| base", "fp32", "llmaccel"], ["| base", "fp32", "hf-eager"],
+                     ["| finetuned", "fp32", "llmaccel"], ["| finetuned", "fp32", "hf-eager"],
+                     ["| rtn-int8", "rtn-int8", "llmaccel"], ["| fp8", "fp8", "llmaccel"]]
+    assert "## Fine-tuning (LoRA)" in md and "| rtn-int8 | rtn |" in md
+    assert len(list((report_dir / "records").glob("*.jsonl"))) == 8  # 4 W6 + 4 W1
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs), "--dry-run"])
     assert res.exit_code == 0 and "run " not in res.output.replace("run.json", "")
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])

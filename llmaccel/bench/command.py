@@ -541,3 +541,26 @@ def bench_spec(
         r.config["variant"] = f"{r.config['method']} {r.config['kind']} b{r.config['batch']}"
     _finish(c, "W5", records, [], failures, "W5 speculative decoding",
             ("speedup", "acceptance_rate", "mean_accepted_len", "out_tok_s"))
+
+
+# -- programmatic use (recipes) ------------------------------------------------------------------
+def run_workload(workload: str, model: str, out: str | Path, name: str,
+                 **options: Any) -> Path:
+    """`llmaccel bench <workload> MODEL --out OUT --name NAME ...` from Python (recipes call
+    it): `options` by their command-line names (backend="llmaccel,hf-eager", quick=True,
+    no_progress=True, ...), the rest at their defaults. Returns the .jsonl it wrote."""
+    import inspect
+
+    commands = {"latency": bench_latency, "throughput": bench_throughput,
+                "serve": bench_serve, "prefix": bench_prefix}
+    if workload not in commands:
+        raise LLMAccelError(f"unknown workload {workload!r} (known: {', '.join(commands)})")
+    fn = commands[workload]
+    params = inspect.signature(fn).parameters
+    unknown = set(options) - set(params)
+    if unknown:
+        raise LLMAccelError(f"bench {workload}: unknown option(s) {', '.join(sorted(unknown))}")
+    kwargs = {n: getattr(p.default, "default", p.default) for n, p in params.items()}
+    kwargs.update(model=model, out=str(out), name=name, **options)
+    fn(**kwargs)
+    return Path(out) / f"{name}.jsonl"

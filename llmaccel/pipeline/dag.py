@@ -30,7 +30,7 @@ def build_graph(recipe: Recipe, model: str) -> list[StageNode]:
     common = {"device": recipe.device, "dtype": recipe.dtype}
     nodes: list[StageNode] = []
     on = {k: getattr(s, k) is not None and getattr(s, k).enabled
-          for k in ("analyze", "finetune", "quantize", "eval")}
+          for k in ("analyze", "finetune", "quantize", "eval", "bench", "report")}
     if on["analyze"]:
         nodes.append(StageNode("analyze", "analyze", s.analyze.model_dump(exclude={"enabled"}),
                                {"model": SOURCE}))
@@ -50,16 +50,26 @@ def build_graph(recipe: Recipe, model: str) -> list[StageNode]:
             nodes.append(StageNode(f"quantize.{scheme}", "quantize",
                                    {"scheme": scheme, **q, "device": recipe.device},
                                    {"model": hf_dir}))
+    # The model variants evaluated and benchmarked: (label, node, quantization scheme or None)
+    variants: list[tuple[str, str, str | None]] = [("base", SOURCE, None)]
+    if tuned != SOURCE:
+        variants.append(("finetuned", tuned, None))
+    if on["quantize"]:
+        variants += [(m, f"quantize.{m}", m) for m in s.quantize.methods]
     if on["eval"]:
         e = {**s.eval.model_dump(exclude={"enabled"}), **common}
-        variants = [("base", SOURCE)]
-        if tuned != SOURCE:
-            variants.append(("finetuned", tuned))
-        if on["quantize"]:
-            variants += [(m, f"quantize.{m}") for m in s.quantize.methods]
-        for label, src in variants:
-            nodes.append(StageNode(f"eval.{label}", "eval", {**e, "variant": label},
-                                   {"model": src}))
+        for label, src, scheme in variants:
+            nodes.append(StageNode(f"eval.{label}", "eval",
+                                   {**e, "variant": label, "scheme": scheme}, {"model": src}))
+    if on["bench"]:
+        b = {**s.bench.model_dump(exclude={"enabled"}), **common}
+        for label, src, scheme in variants:
+            nodes.append(StageNode(f"bench.{label}", "bench",
+                                   {**b, "variant": label, "scheme": scheme}, {"model": src}))
+    if on["report"]:
+        title = s.report.title or f"llmaccel recipe {recipe.name}"
+        nodes.append(StageNode("report", "report", {"title": title},
+                               {n.name: n.name for n in nodes}))
     return nodes
 
 

@@ -80,12 +80,36 @@ class EvalStage(_Section):
     limit: Optional[int] = Field(None, ge=1)  # at most this many windows (small runs)
 
 
+LATENCY_BACKENDS = ("llmaccel", "hf-eager", "hf-static-compile")
+THROUGHPUT_BACKENDS = ("llmaccel", "hf-cb")
+
+
+class BenchStage(_Section):
+    """`llmaccel bench` W1 (latency) and W2 (throughput) on every model variant: our engine,
+    and HF transformers as the baseline on the unquantized ones (it does not run our
+    quantized checkpoints' kernels)."""
+    workloads: list[Literal["latency", "throughput"]] = Field(
+        default_factory=lambda: ["latency", "throughput"])
+    backends: list[Literal["llmaccel", "hf-eager", "hf-static-compile", "hf-cb"]] = Field(
+        default_factory=lambda: ["llmaccel", "hf-eager", "hf-cb"])
+    quick: bool = False                  # bench's --quick sizes instead of BENCHMARKS.md's
+    repeats: int = Field(3, ge=1)
+
+
+class ReportStage(_Section):
+    """report.md: the method x engine table (throughput, perplexity, memory), fine-tuning and
+    quantization facts, then `llmaccel report`'s tables and plots of every measurement."""
+    title: Optional[str] = None
+
+
 class Stages(BaseModel):
     model_config = ConfigDict(extra="forbid")
     analyze: Optional[AnalyzeStage] = None
     finetune: Optional[FinetuneStage] = None
     quantize: Optional[QuantizeStage] = None
     eval: Optional[EvalStage] = None
+    bench: Optional[BenchStage] = None
+    report: Optional[ReportStage] = None
 
 
 class Recipe(BaseModel):
@@ -184,8 +208,11 @@ def default_recipe(size: Literal["small", "full"] = "small") -> Recipe:
             quantize=QuantizeStage(methods=["rtn-int8", "rtn-int4-g128", "gptq-int4-g128",
                                             "awq-int4-g128", "fp8"],
                                    n_samples=16, seq_len=256),
-            eval=EvalStage(context=512, limit=8))
+            eval=EvalStage(context=512, limit=8),
+            bench=BenchStage(quick=True, repeats=1, backends=["llmaccel", "hf-eager"]),
+            report=ReportStage())
         return Recipe(name="default-small", stages=stages)
     return Recipe(name="default", stages=Stages(analyze=AnalyzeStage(),
                                                 finetune=FinetuneStage(),
-                                                quantize=QuantizeStage(), eval=EvalStage()))
+                                                quantize=QuantizeStage(), eval=EvalStage(),
+                                                bench=BenchStage(), report=ReportStage()))

@@ -109,8 +109,7 @@ def execute(plan: Plan, console: Any = None, stage_fns: dict[str, StageFn] | Non
                 ("failed" if by[failed[0]].status == "failed" else "was not run")
             _say(console, f"[yellow]skip[/] {st.name}: {st.message}")
             continue
-        inputs = StageInputs({role: _model_of(plan, by, src)
-                              for role, src in st.node.inputs.items()})
+        inputs = _inputs_of(plan, by, st.node)
         tmp = plan.store.begin(st.name, st.key)
         _say(console, f"[bold]run[/] {st.name}")
         t0 = time.perf_counter()
@@ -136,12 +135,19 @@ def execute(plan: Plan, console: Any = None, stage_fns: dict[str, StageFn] | Non
     return plan
 
 
-def _model_of(plan: Plan, by: dict[str, PlannedStage], src: str) -> str:
-    if src == SOURCE:
-        return plan.model
-    st = by[src]
-    assert st.cached is not None, f"{src} has no output"  # make_plan/execute guarantee it
-    return str(plan.store.stage_dir(src, st.key) / st.cached.manifest["model"])
+def _inputs_of(plan: Plan, by: dict[str, PlannedStage], node: StageNode) -> StageInputs:
+    inputs = StageInputs(source=plan.model)
+    for role, src in node.inputs.items():
+        if src == SOURCE:
+            inputs.models[role] = plan.model
+            continue
+        st = by[src]
+        assert st.cached is not None, f"{src} has no output"  # make_plan/execute ensure it
+        directory = plan.store.stage_dir(src, st.key)
+        inputs.dirs[role], inputs.manifests[role] = directory, st.cached.manifest
+        if "model" in st.cached.manifest:
+            inputs.models[role] = str(directory / st.cached.manifest["model"])
+    return inputs
 
 
 def _say(console: Any, text: str) -> None:

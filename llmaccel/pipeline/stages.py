@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,12 @@ from llmaccel.pipeline.dag import StageNode
 
 @dataclass
 class StageInputs:
-    """Resolved inputs of one stage run: role -> a model argument (path, hub id or shape)."""
-    models: dict[str, str]
+    """Resolved inputs of one stage run, by role: a model argument (path, hub id or shape)
+    where the input is a model, and every input stage's directory and manifest."""
+    source: str                                      # the recipe's model
+    models: dict[str, str] = field(default_factory=dict)
+    dirs: dict[str, Path] = field(default_factory=dict)
+    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def model(self) -> str:
@@ -83,8 +87,91 @@ def run_eval(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
                               stride=c["stride"], limit=c["limit"], dtype=c["dtype"],
                               device=_device(c), progress=True)
     _write_json(out / "ppl.json", {"variant": c["variant"], **res.to_dict()})
-    return {"result": "ppl.json", "variant": c["variant"], "ppl": res.ppl,
-            "windows": res.windows, "context": res.context, "stride": res.stride}
+    # The W6 record of BENCHMARKS.md, named as the bench stage names its records, so the
+    # report joins perplexity and speed by config.quantization.
+    from llmaccel.bench.results import make_record, write_jsonl
+
+    config = {**_variant_facts(c), "context": res.context, "stride": res.stride,
+              "windows": res.windows, "data": res.data, "joining": res.joining,
+              "scored_tokens": res.scored_tokens, "limit": c["limit"]}
+    write_jsonl(out / "W6.jsonl", [make_record(_meta(c), "W6", model_label(inputs.source),
+                                               "llmaccel", config, "ppl", res.ppl,
+                                               load_format="auto")])
+    return {"result": "ppl.json", "records": "W6.jsonl", "variant": c["variant"],
+            "ppl": res.ppl, "windows": res.windows, "context": res.context,
+            "stride": res.stride}
+
+
+def run_bench(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
+    """W1 and W2 through `llmaccel bench`; the records are renamed for the recipe: model = the
+    recipe's model, config.quantization and config.variant = this variant."""
+    from llmaccel.bench.command import run_workload
+    from llmaccel.bench.results import Record, read_jsonl, write_jsonl
+    from llmaccel.pipeline.recipe import LATENCY_BACKENDS, THROUGHPUT_BACKENDS
+
+    c = node.config
+    allowed = {"latency": LATENCY_BACKENDS, "throughput": THROUGHPUT_BACKENDS}
+    files = []
+    for workload in c["workloads"]:
+        # HF transformers as the baseline on unquantized variants only: it would not run our
+        # checkpoints' kernels, and a dequantized copy measures something else.
+        backends = [b for b in c["backends"] if b in allowed[workload]
+                    and (b == "llmaccel" or c["scheme"] is None)]
+        if not backends:
+            continue
+        path = run_workload(workload, inputs.model, out, workload, backend=",".join(backends),
+                            quick=c["quick"], repeats=c["repeats"], dtype=c["dtype"],
+                            no_progress=True)
+        facts = _variant_facts(c)
+        label = model_label(inputs.source)
+        records = [Record(**{**r.__dict__, "model": label,
+                             "config": {**r.config, **facts}}) for r in read_jsonl(path)]
+        write_jsonl(path, records)
+        files.append(path.name)
+    return {"records": files}
+
+
+def _variant_facts(c: dict[str, Any]) -> dict[str, Any]:
+    """config.quantization (a scheme, or the unquantized dtype: bf16 / fp32) and variant."""
+    return {"quantization": c["scheme"] or dtype_label(c["dtype"], c.get("device", "auto")),
+            "variant": c["variant"]}
+
+
+def dtype_label(dtype: str, device: str) -> str:
+    """What `auto` means where the stage runs: bf16 on a GPU, fp32 on the CPU."""
+    import torch
+
+    if dtype == "auto":
+        on_gpu = device != "cpu" and torch.cuda.is_available()
+        return "bf16" if on_gpu else "fp32"
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
+
+
+def model_label(model: str) -> str:
+    from llmaccel.bench.command import model_label as label
+
+    return label(model)
+
+
+def _meta(c: dict[str, Any]):
+    """Device, torch, commit and the command that reran it (this `llmaccel run`)."""
+    import shlex
+    import sys
+
+    import torch
+
+    from llmaccel.bench import hardware as hw
+    from llmaccel.bench.command import run_meta
+
+    device = hw.default_device() if _device(c) is None else torch.device(_device(c))
+    return run_meta("llmaccel " + shlex.join(sys.argv[1:]), hw.device_name(device))
+
+
+def run_report(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
+    from llmaccel.pipeline.report import write_recipe_report
+
+    path = write_recipe_report(inputs, out, node.config["title"])
+    return {"report": path.relative_to(out).as_posix()}
 
 
 STAGES: dict[str, Callable[[StageNode, StageInputs, Path], dict[str, Any]]] = {
@@ -93,6 +180,8 @@ STAGES: dict[str, Callable[[StageNode, StageInputs, Path], dict[str, Any]]] = {
     "finetune": run_finetune,
     "quantize": run_quantize,
     "eval": run_eval,
+    "bench": run_bench,
+    "report": run_report,
 }
 
 __all__ = ["STAGES", "StageInputs"]

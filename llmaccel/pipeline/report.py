@@ -1,0 +1,135 @@
+"""The recipe's report: the seed study's table (method x engine x throughput x perplexity x
+memory) from the eval and bench stages' records, fine-tuning and quantization facts, then
+`llmaccel report`'s tables and plots of every record. The records are copied beside it, so
+the report directory stands alone."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from llmaccel.bench.report import write_report
+from llmaccel.bench.results import Record, read_jsonl
+from llmaccel.pipeline.stages import StageInputs
+
+GIB = 1024 ** 3
+
+
+def _fmt(v: float | None, digits: int = 4) -> str:
+    if v is None:
+        return "–"
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.{digits}g}"
+
+
+def collect_records(inputs: StageInputs, out: Path) -> list[Path]:
+    """Copy every input stage's record files into out/records/<stage>-<file>."""
+    dest = out / "records"
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for role, directory in inputs.dirs.items():
+        files = inputs.manifests[role].get("records") or []
+        for name in [files] if isinstance(files, str) else files:
+            src = directory / name
+            target = dest / f"{role}-{name}"
+            shutil.copyfile(src, target)
+            copied.append(target)
+    return copied
+
+
+def method_engine_table(records: list[Record], variants: list[str]) -> list[str]:
+    """One row per (variant, engine): W2 output tok/s, W1 tok/s, W6 perplexity (measured
+    through our engine: the row of that variant), weights read per decode step, peak memory."""
+    cell: dict[tuple[str, str], dict[str, float]] = {}
+    ppl: dict[str, float] = {}
+    quant: dict[str, str] = {}
+    for r in records:
+        v = r.config.get("variant")
+        if v is None:
+            continue
+        quant[v] = str(r.config.get("quantization", ""))
+        if r.workload == "W6" and r.metric == "ppl":
+            ppl[v] = r.value
+            continue
+        c = cell.setdefault((v, r.backend), {})
+        if r.workload == "W2" and r.metric == "out_tok_s":
+            c["w2"] = r.value
+        elif r.workload == "W1" and r.metric == "tok_s":
+            c["w1"] = r.value
+        elif r.metric == "peak_mem_gib":
+            c["peak"] = max(c.get("peak", 0.0), r.value)
+        if r.workload == "W1" and "weight_bytes" in r.config:
+            c["weights"] = r.config["weight_bytes"] / GIB
+    lines = ["| method | quantization | engine | W2 out tok/s | W1 tok/s | perplexity | "
+             "weights GiB / step | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    for v in variants:
+        engines = sorted({e for (vv, e) in cell if vv == v}, key=lambda e: (e != "llmaccel", e))
+        for e in engines or ["llmaccel"]:
+            c = cell.get((v, e), {})
+            p = ppl.get(v) if e == "llmaccel" else None
+            lines.append(f"| {v} | {quant.get(v, '')} | {e} | {_fmt(c.get('w2'))} | "
+                         f"{_fmt(c.get('w1'))} | {_fmt(p)} | {_fmt(c.get('weights'), 3)} | "
+                         f"{_fmt(c.get('peak'), 3)} |")
+    return lines
+
+
+def write_recipe_report(inputs: StageInputs, out: Path, title: str) -> Path:
+    files = collect_records(inputs, out)
+    records = [r for f in files for r in read_jsonl(f)]
+    variants = []
+    for role in inputs.dirs:
+        kind, _, v = role.partition(".")
+        if kind in ("eval", "bench") and v not in variants:
+            variants.append(v)
+    devices = sorted({r.device for r in records})
+    commits = sorted({r.commit for r in records})
+    md = [f"# {title}", "",
+          f"Model: `{inputs.source}`. Device: {', '.join(devices) or '–'}. "
+          f"Commit: {', '.join(c[:12] for c in commits) or '–'}. "
+          "Made by `llmaccel run`; the records behind every number are in `records/`.", ""]
+    if records:
+        md += ["## Method x engine", "",
+               "Throughput from `llmaccel bench` (W2: all requests at once; W1: batch 1), "
+               "perplexity from `llmaccel eval ppl` (WikiText-2 test, through our engine; the "
+               "HF rows run the same weights), weights read per decode step as the W1 "
+               "roofline counts them; peak GPU memory where a GPU ran it.", ""]
+        md += method_engine_table(records, variants) + [""]
+    md += _finetune_section(inputs) + _quantize_section(inputs)
+    body = ""
+    if records:
+        bench = write_report(files, out, title)
+        # Its own heading dropped, its sections one level down, under ours.
+        # Paths relative to the report (it is written in a temporary directory, then moved).
+        text = bench.markdown.read_text().replace(f"{out}/", "")
+        lines = text.splitlines()[1:]
+        body = "\n".join(("#" + ln) if ln.startswith("#") else ln for ln in lines)
+        md += ["## All measurements", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(md) + "\n" + body + "\n", encoding="utf-8")
+    return path
+
+
+def _finetune_section(inputs: StageInputs) -> list[str]:
+    m = inputs.manifests.get("finetune")
+    if not m:
+        return []
+    why = f"; stopped early: {m['stopped']}" if m.get("stopped") else ""
+    return ["## Fine-tuning (LoRA)", "",
+            f"Held-out perplexity {m['baseline_ppl']:.3f} -> {m['best_ppl']:.3f}, best at step "
+            f"{m['best_step']} of {m['steps_run']}{why}. Later stages use the merged model.",
+            ""]
+
+
+def _quantize_section(inputs: StageInputs) -> list[str]:
+    rows = [(role.partition(".")[2], m["quantization_config"])
+            for role, m in inputs.manifests.items() if role.startswith("quantize.")]
+    if not rows:
+        return []
+    lines = ["## Quantization", "", "| scheme | method | bits | group | format | seconds | "
+             "note |", "|---|---|---|---|---|---|---|"]
+    for scheme, c in rows:
+        lines.append(f"| {scheme} | {c.get('method')} | {c.get('bits')} | "
+                     f"{c.get('group_size')} | {c.get('format')} | {c.get('quantize_s')} | "
+                     f"{c.get('note', '')} |")
+    return lines + [""]
+
+
+__all__ = ["collect_records", "method_engine_table", "write_recipe_report"]
