@@ -75,7 +75,7 @@ class FakeStages:
                 return manifest
             return fn
         return {k: make(k) for k in ("analyze", "convert", "finetune", "quantize", "eval",
-                                     "bench", "report")}
+                                     "bench", "draft_head", "spec", "report")}
 
 
 @pytest.fixture
@@ -222,6 +222,8 @@ stages:
   quantize: {{methods: [rtn-int8, fp8]}}
   eval: {{context: 32, limit: 2}}
   bench: {{workloads: [latency], backends: [llmaccel, hf-eager], quick: true, repeats: 1}}
+  draft: {{methods: [ngram, head], steps: 2, batch_size: 1, seq_len: 32, max_blocks: 8,
+          batches: [1], kinds: [prose], max_tokens: 8, repeats: 1}}
   report: {{}}
 """)
     runs = tmp_path / "runs"
@@ -229,7 +231,7 @@ stages:
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])
     assert res.exit_code == 0, res.output
     summary = json.loads((runs / "tiny" / "run.json").read_text())
-    assert [s["status"] for s in summary["stages"]] == ["ran"] * 13
+    assert [s["status"] for s in summary["stages"]] == ["ran"] * 16
     for s in summary["stages"]:
         record = json.loads((runs / "tiny" / s["dir"] / "stage.json").read_text())
         assert record["key"] == s["key"]
@@ -243,13 +245,16 @@ stages:
     # the report: one row per variant and engine, HF only on the unquantized ones
     report_dir = runs / "tiny" / summary["stages"][-1]["dir"]
     md = (report_dir / "report.md").read_text()
-    rows = [ln for ln in md.splitlines() if ln.startswith("| ") and "tok/s" not in ln]
-    table = [ln.split(" | ")[:3] for ln in rows if ln.count("|") == 9]
+    section = md.split("## Method x engine")[1].split("\n## ")[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and "tok/s" not in ln]
+    table = [ln.split(" | ")[:3] for ln in rows]
     assert table == [["| base", "fp32", "llmaccel"], ["| base", "fp32", "hf-eager"],
                      ["| finetuned", "fp32", "llmaccel"], ["| finetuned", "fp32", "hf-eager"],
                      ["| rtn-int8", "rtn-int8", "llmaccel"], ["| fp8", "fp8", "llmaccel"]]
     assert "## Fine-tuning (LoRA)" in md and "| rtn-int8 | rtn |" in md
-    assert len(list((report_dir / "records").glob("*.jsonl"))) == 8  # 4 W6 + 4 W1
+    spec_rows = [ln for ln in md.splitlines() if ln.startswith(("| ngram |", "| head |"))]
+    assert len(spec_rows) == 2 and all(r.endswith("| yes |") for r in spec_rows)  # lossless
+    assert len(list((report_dir / "records").glob("*.jsonl"))) == 10  # 4 W6, 4 W1, 2 W5
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs), "--dry-run"])
     assert res.exit_code == 0 and "run " not in res.output.replace("run.json", "")
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])

@@ -552,7 +552,7 @@ def run_workload(workload: str, model: str, out: str | Path, name: str,
     import inspect
 
     commands = {"latency": bench_latency, "throughput": bench_throughput,
-                "serve": bench_serve, "prefix": bench_prefix}
+                "serve": bench_serve, "prefix": bench_prefix, "spec": bench_spec}
     if workload not in commands:
         raise LLMAccelError(f"unknown workload {workload!r} (known: {', '.join(commands)})")
     fn = commands[workload]

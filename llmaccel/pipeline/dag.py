@@ -3,6 +3,7 @@ input comes first, and the `--only` / `--from` selections over it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,15 @@ def _needs_hf_dir(model: str | None) -> bool:
     return model is not None and Path(model).suffix == ".gguf"
 
 
-def build_graph(recipe: Recipe, model: str) -> list[StageNode]:
-    """The stage runs of `recipe` on `model` (resolved: a path, hub id or shape), in order."""
+def build_graph(recipe: Recipe, model: str,
+                fingerprint: Callable[[str], str] | None = None) -> list[StageNode]:
+    """The stage runs of `recipe` on `model` (resolved: a path, hub id or shape), in order.
+    `fingerprint` keys an external model named in the recipe (a draft model) by its bytes."""
     s = recipe.stages
     common = {"device": recipe.device, "dtype": recipe.dtype}
     nodes: list[StageNode] = []
     on = {k: getattr(s, k) is not None and getattr(s, k).enabled
-          for k in ("analyze", "finetune", "quantize", "eval", "bench", "report")}
+          for k in ("analyze", "finetune", "quantize", "eval", "bench", "draft", "report")}
     if on["analyze"]:
         nodes.append(StageNode("analyze", "analyze", s.analyze.model_dump(exclude={"enabled"}),
                                {"model": SOURCE}))
@@ -66,6 +69,24 @@ def build_graph(recipe: Recipe, model: str) -> list[StageNode]:
         for label, src, scheme in variants:
             nodes.append(StageNode(f"bench.{label}", "bench",
                                    {**b, "variant": label, "scheme": scheme}, {"model": src}))
+    if on["draft"]:
+        d = s.draft
+        train = {k: getattr(d, k) for k in ("data", "steps", "batch_size", "seq_len",
+                                            "max_blocks", "max_seconds")}
+        measure = {k: getattr(d, k) for k in ("num_speculative_tokens", "batches", "kinds",
+                                              "max_tokens", "repeats")}
+        if "head" in d.methods:
+            nodes.append(StageNode("draft.head", "draft_head", {**train, **common},
+                                   {"model": tuned}))
+        for method in d.methods:
+            inputs = {"model": tuned}
+            config = {**measure, "method": method, "dtype": recipe.dtype}
+            if method == "head":
+                inputs["draft"] = "draft.head"
+            if method == "model":  # an external model: keyed by its bytes, like the target
+                config["draft_model"] = d.model
+                config["draft_model_key"] = fingerprint(d.model) if fingerprint else d.model
+            nodes.append(StageNode(f"spec.{method}", "spec", config, inputs))
     if on["report"]:
         title = s.report.title or f"llmaccel recipe {recipe.name}"
         nodes.append(StageNode("report", "report", {"title": title},

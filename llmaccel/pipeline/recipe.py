@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from llmaccel.errors import LLMAccelError
 
@@ -96,6 +97,48 @@ class BenchStage(_Section):
     repeats: int = Field(3, ge=1)
 
 
+class DraftStage(_Section):
+    """Speculative decoding on the workflow's model (the fine-tuned one when fine-tuning
+    runs): n-gram lookup, a draft model (`model`, same tokenizer) and a draft head trained
+    here (`llmaccel distill-draft --kind head`), each measured against plain decoding (W5)."""
+    methods: list[Literal["ngram", "model", "head"]] = Field(
+        default_factory=lambda: ["ngram", "head"])
+    model: Optional[str] = None          # the draft model of method "model"
+    num_speculative_tokens: int = Field(4, ge=1)
+    # the head's training
+    data: str = "wikitext2"
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(4, ge=1)
+    seq_len: int = Field(256, ge=2)
+    max_blocks: Optional[int] = Field(None, ge=2)
+    max_seconds: Optional[float] = Field(None, gt=0)
+    # the W5 measurement
+    batches: list[int] = Field(default_factory=lambda: [1, 4, 16, 64])
+    kinds: list[Literal["code", "prose"]] = Field(default_factory=lambda: ["code", "prose"])
+    max_tokens: int = Field(192, ge=1)
+    repeats: int = Field(3, ge=1)
+
+    @field_validator("methods")
+    @classmethod
+    def _distinct(cls, methods: list[str]) -> list[str]:
+        if len(set(methods)) != len(methods):
+            raise ValueError("a method is listed twice")
+        return methods
+
+    @field_validator("batches")
+    @classmethod
+    def _batches(cls, batches: list[int]) -> list[int]:
+        if not batches or any(b < 1 for b in batches):
+            raise ValueError("batch sizes are integers >= 1")
+        return batches
+
+    @model_validator(mode="after")
+    def _draft_model(self) -> DraftStage:
+        if "model" in self.methods and not self.model:
+            raise ValueError("method 'model' needs `model:` (the draft model's path or id)")
+        return self
+
+
 class ReportStage(_Section):
     """report.md: the method x engine table (throughput, perplexity, memory), fine-tuning and
     quantization facts, then `llmaccel report`'s tables and plots of every measurement."""
@@ -109,6 +152,7 @@ class Stages(BaseModel):
     quantize: Optional[QuantizeStage] = None
     eval: Optional[EvalStage] = None
     bench: Optional[BenchStage] = None
+    draft: Optional[DraftStage] = None
     report: Optional[ReportStage] = None
 
 
@@ -210,9 +254,12 @@ def default_recipe(size: Literal["small", "full"] = "small") -> Recipe:
                                    n_samples=16, seq_len=256),
             eval=EvalStage(context=512, limit=8),
             bench=BenchStage(quick=True, repeats=1, backends=["llmaccel", "hf-eager"]),
+            draft=DraftStage(methods=["ngram", "head"], steps=20, batch_size=2, seq_len=128,
+                             max_blocks=64, batches=[1], max_tokens=48, repeats=1),
             report=ReportStage())
         return Recipe(name="default-small", stages=stages)
     return Recipe(name="default", stages=Stages(analyze=AnalyzeStage(),
                                                 finetune=FinetuneStage(),
                                                 quantize=QuantizeStage(), eval=EvalStage(),
-                                                bench=BenchStage(), report=ReportStage()))
+                                                bench=BenchStage(), draft=DraftStage(),
+                                                report=ReportStage()))

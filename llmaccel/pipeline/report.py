@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 from llmaccel.bench.report import write_report
 from llmaccel.bench.results import Record, read_jsonl
 from llmaccel.pipeline.stages import StageInputs
@@ -92,6 +93,7 @@ def write_recipe_report(inputs: StageInputs, out: Path, title: str) -> Path:
                "HF rows run the same weights), weights read per decode step as the W1 "
                "roofline counts them; peak GPU memory where a GPU ran it.", ""]
         md += method_engine_table(records, variants) + [""]
+    md += _spec_section(records, inputs)
     md += _finetune_section(inputs) + _quantize_section(inputs)
     body = ""
     if records:
@@ -105,6 +107,36 @@ def write_recipe_report(inputs: StageInputs, out: Path, title: str) -> Path:
     path = out / "report.md"
     path.write_text("\n".join(md) + "\n" + body + "\n", encoding="utf-8")
     return path
+
+
+def _spec_section(records: list[Record], inputs: StageInputs) -> list[str]:
+    """W5 cells: speedup over plain decoding, acceptance, greedy output identical or not."""
+    cells: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for r in records:
+        if r.workload != "W5":
+            continue
+        c = cells.setdefault((r.config["method"], r.config["kind"], r.config["batch"]),
+                             {"identical": r.config.get("identical_to_plain")})
+        c[r.metric] = r.value
+    if not cells:
+        return []
+    lines = ["## Speculative decoding (W5)", "",
+             "Against plain decoding on the same engine, timed in turns; greedy outputs "
+             "compared.", "",
+             "| method | prompts | batch | speedup | acceptance rate | mean accepted length | "
+             "tok/s | same output |", "|---|---|---|---|---|---|---|---|"]
+    for (method, kind, batch), c in cells.items():
+        lines.append(f"| {method} | {kind} | {batch} | {_fmt(c.get('speedup'), 3)} | "
+                     f"{_fmt(c.get('acceptance_rate'), 3)} | "
+                     f"{_fmt(c.get('mean_accepted_len'), 3)} | {_fmt(c.get('out_tok_s'))} | "
+                     f"{'yes' if c['identical'] else 'no'} |")
+    head = inputs.manifests.get("draft.head")
+    if head:
+        lines += ["", f"The head: held-out top-1 agreement with the target "
+                  f"{head['baseline_top1']:.1%} -> {head['best_top1']:.1%} after "
+                  f"{head['steps_run']} steps (KL {head['baseline_kl']:.3f} -> "
+                  f"{head['best_kl']:.3f})."]
+    return lines + [""]
 
 
 def _finetune_section(inputs: StageInputs) -> list[str]:

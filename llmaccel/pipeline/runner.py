@@ -66,9 +66,9 @@ def make_plan(recipe: Recipe, runs_dir: str | Path = "runs", only: list[str] | N
     root = Path(runs_dir)
     prints = Fingerprints(root / ".fingerprints.json")
     model_key = prints.of_model(model)
-    prints.save()
     store = Store(root / recipe.name)
-    nodes = build_graph(recipe, model)
+    nodes = build_graph(recipe, model, prints.of_model)
+    prints.save()
     chosen = select(nodes, only, start)
     plan = Plan(recipe, model, model_key, store)
     keys: dict[str, str] = {SOURCE: model_key}

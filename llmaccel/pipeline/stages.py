@@ -167,6 +167,53 @@ def _meta(c: dict[str, Any]):
     return run_meta("llmaccel " + shlex.join(sys.argv[1:]), hw.device_name(device))
 
 
+def run_draft_head(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
+    """An EAGLE-style draft head trained on the target's own distribution (distill-draft)."""
+    from llmaccel.train.distill import distill_draft
+    from llmaccel.train.distill_common import DistillConfig
+
+    c = dict(node.config)
+    device, dtype = _device(c), c.pop("dtype")
+    c.pop("device")
+    res = distill_draft(DistillConfig(target=inputs.model, out=str(out / "head"), kind="head",
+                                      device=device, dtype=dtype, **c))
+    return {"model": "head", "result": "head/distill.json", "baseline_kl": res.baseline_kl,
+            "best_kl": res.best_kl, "baseline_top1": res.baseline_top1,
+            "best_top1": res.best_top1, "best_step": res.best_step,
+            "steps_run": res.steps_run, "stopped": res.stopped}
+
+
+def run_spec(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
+    """W5 (`llmaccel bench spec`): this speculative method against plain decoding, timed in
+    turns on one engine, greedy outputs compared."""
+    from llmaccel.bench.command import run_workload
+    from llmaccel.bench.results import Record, read_jsonl, write_jsonl
+
+    c = node.config
+    spec: dict[str, Any] = {"method": {"model": "draft"}.get(c["method"], c["method"]),
+                            "num_speculative_tokens": c["num_speculative_tokens"]}
+    if c["method"] == "model":
+        spec["model"] = c["draft_model"]
+    elif c["method"] == "head":
+        spec["model"] = inputs.models["draft"]
+    path = run_workload("spec", inputs.model, out, "W5", speculative_config=[json.dumps(spec)],
+                        max_model_len=min(2048, _max_positions(inputs.model)),
+                        batches=",".join(str(b) for b in c["batches"]),
+                        kinds=",".join(c["kinds"]), max_tokens=c["max_tokens"],
+                        repeats=c["repeats"], dtype=c["dtype"], no_progress=True)
+    label = model_label(inputs.source)
+    write_jsonl(path, [Record(**{**r.__dict__, "model": label}) for r in read_jsonl(path)])
+    return {"records": [path.name], "method": c["method"]}
+
+
+def _max_positions(model: str) -> int:
+    from llmaccel.models.config import load_hf_config
+    from llmaccel.models.source import resolve_model_source
+
+    return int(getattr(load_hf_config(resolve_model_source(model)),
+                       "max_position_embeddings", 2048))
+
+
 def run_report(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
     from llmaccel.pipeline.report import write_recipe_report
 
@@ -181,6 +228,8 @@ STAGES: dict[str, Callable[[StageNode, StageInputs, Path], dict[str, Any]]] = {
     "quantize": run_quantize,
     "eval": run_eval,
     "bench": run_bench,
+    "draft_head": run_draft_head,
+    "spec": run_spec,
     "report": run_report,
 }
 
