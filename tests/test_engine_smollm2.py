@@ -41,10 +41,10 @@ def workload(smollm2_hf):
 
 # sync-all-three and spec-ngram run on the tiny models only: each real-model mode costs a
 # minute or more of CI (spec-ngram-all-three runs here: real text gives n-gram drafts a real
-# chance). chunked-prefill and preemption alone are `slow` here (all-three covers them
-# together on this model; the tiny models run each alone in every CI run), as is
-# sync-prefix-caching (synchronous scheduling: the tiny models run it in every CI run).
-REAL_SLOW = ("chunked-prefill", "preemption", "sync-prefix-caching")
+# chance). chunked-prefill, preemption and prefix-caching alone are `slow` here (all-three
+# covers them together on this model; the tiny models run each alone in every CI run), as
+# is sync-prefix-caching (synchronous scheduling: the tiny models run it in every CI run).
+REAL_SLOW = ("chunked-prefill", "preemption", "sync-prefix-caching", "prefix-caching")
 
 
 @pytest.mark.parametrize("mode", [

@@ -216,6 +216,7 @@ def test_tuning_table_lookup(tmp_path, monkeypatch):
         gemm_tuning.clear_cache()
 
 
+@pytest.mark.slow  # ~1 min; the kernel tests cover the GEMV itself
 def test_benchmark_quick_run(tmp_path):
     """benchmarks/bench_w4_gemv.py --quick end to end (tiny shapes, CPU interpreter off GPU)."""
     spec = importlib.util.spec_from_file_location("bench_w4_gemv", SCRIPT)

@@ -4,6 +4,7 @@ the records and table say what was run (the full table is a GPU run)."""
 
 from __future__ import annotations
 
+import pytest
 import importlib.util
 import json
 from pathlib import Path
@@ -18,6 +19,7 @@ def _module():
     return mod
 
 
+@pytest.mark.slow  # ~1.5 min; eval ppl --quantization covers the same path
 def test_quant_ppl_script_on_smollm2(smollm2_gguf, tmp_path):
     mod = _module()
     out = tmp_path / "out"

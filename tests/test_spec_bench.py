@@ -7,9 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
+@pytest.mark.slow  # ~1 min on SmolLM2; the recipe test runs bench spec on a tiny model
 def test_spec_bench_writes_w5_records(smollm2_gguf, tmp_path):
     import spec_bench
 

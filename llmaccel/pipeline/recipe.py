@@ -251,7 +251,7 @@ def default_recipe(size: Literal["small", "full"] = "small") -> Recipe:
                                    max_blocks=64),
             quantize=QuantizeStage(methods=["rtn-int8", "rtn-int4-g128", "gptq-int4-g128",
                                             "awq-int4-g128", "fp8"],
-                                   n_samples=16, seq_len=256),
+                                   n_samples=8, seq_len=128),
             eval=EvalStage(context=512, limit=8),
             bench=BenchStage(quick=True, repeats=1, backends=["llmaccel", "hf-eager"]),
             draft=DraftStage(methods=["ngram", "head"], steps=20, batch_size=2, seq_len=128,
