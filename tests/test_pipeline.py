@@ -260,3 +260,12 @@ stages:
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])
     summary = json.loads((runs / "tiny" / "run.json").read_text())
     assert res.exit_code == 0 and {s["status"] for s in summary["stages"]} == {"cached"}
+
+
+def test_the_recipes_in_the_repository_parse():
+    from llmaccel.pipeline.recipe import load_recipe
+
+    files = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+    assert files
+    for f in files:
+        assert load_recipe(f).name == f.stem
