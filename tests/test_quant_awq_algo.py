@@ -224,3 +224,19 @@ def test_bad_arguments() -> None:
         search_scales([torch.randn(8, 64)], x, group_size=48)
     with pytest.raises(QuantizationError):
         quantize_scaled(torch.randn(8, 64), -torch.ones(64), group_size=32)
+
+
+def test_clip_search_chunks_rows_and_samples_tokens(monkeypatch) -> None:
+    """Output rows in chunks give the same clips as one einsum; past `max_tokens` rows of x the
+    search scores evenly spaced rows, exactly as if given only those."""
+    import llmaccel.quant.awq as awq
+
+    x = _salient_inputs(tokens=96)
+    (w,) = _weights([32])
+    w.view(-1)[torch.randperm(w.numel(), generator=torch.Generator().manual_seed(3))[:20]] *= 8
+    whole = search_clip(w, x, group_size=32)
+    monkeypatch.setattr(awq, "CLIP_CHUNK_ELEMENTS", 96 * 4 * 5)  # chunks of 5 output rows
+    assert torch.equal(search_clip(w, x, group_size=32), whole)
+    rows = torch.linspace(0, 95, 40).round().long()
+    assert torch.equal(search_clip(w, x, group_size=32, max_tokens=40),
+                       search_clip(w, x.reshape(-1, x.shape[-1])[rows], group_size=32))

@@ -200,9 +200,14 @@ def search_scales(weights: list[torch.Tensor], x: torch.Tensor, bits: int = 4,
     return best_s, info
 
 
+CLIP_TOKENS = 512           # calibration rows the clip search scores (AutoAWQ samples 512 too)
+CLIP_CHUNK_ELEMENTS = 1 << 25  # tokens x out rows x groups per einsum: bounds its memory
+
+
 def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,
                 sym: bool = False, n_grid: int = 20, max_shrink: float = 0.5,
-                scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+                scale_dtype: torch.dtype = torch.float16,
+                max_tokens: int = CLIP_TOKENS) -> torch.Tensor:
     """Per-(row, group) clip ratios [out, n_groups] in (1 - max_shrink, 1] for `quantize_scaled`.
 
     Call it on the weight the checkpoint will hold, i.e. W * s with x / s as input, so the clip
@@ -211,6 +216,11 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size
     grows. A row's output error also has cross terms between groups, which per-group choices can
     make worse; each row whose total error rose is reset to ratio 1, so the layer's output error
     on `x` never exceeds the unclipped one.
+
+    The errors are scored on at most `max_tokens` rows of `x`, evenly spaced (the guarantee
+    above is on those rows): the search costs tokens x out x in per candidate ratio, which on
+    a full calibration set (128 x 512 tokens) dominates a model's quantization time. Output
+    rows go through in chunks so the per-group error tensor stays bounded for wide layers.
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise QuantizationError(f"weight {tuple(weight.shape)} does not take inputs with "
@@ -221,8 +231,13 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size
     group_len = check_group_size(in_features, group_size)
     n_groups = in_features // group_len
     w = weight.to(torch.float32)
-    xg = x.reshape(-1, in_features).to(torch.float32).reshape(-1, n_groups, group_len)
+    x2 = x.reshape(-1, in_features)
+    if x2.shape[0] > max_tokens:
+        rows = torch.linspace(0, x2.shape[0] - 1, max_tokens, device=x2.device).round().long()
+        x2 = x2[rows]
+    xg = x2.to(torch.float32).reshape(-1, n_groups, group_len)
     ones = torch.ones(out_features, n_groups, device=w.device)  # CUDA weights: same device
+    chunk = max(1, CLIP_CHUNK_ELEMENTS // max(1, xg.shape[0] * n_groups))
 
     unit = torch.ones(in_features, device=w.device)
 
@@ -230,8 +245,13 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size
         d = w - dequantize(quantize_scaled(w, unit, bits, group_size, sym,
                                            clip=clip, scale_dtype=scale_dtype))
         dg = d.reshape(out_features, n_groups, group_len)
-        contrib = torch.einsum("tgk,ogk->tog", xg, dg)  # each group's share of each output
-        return contrib.double().pow(2).sum(dim=0), contrib.sum(dim=-1).double().pow(2).sum(0)
+        group_err, row_err = [], []
+        for o in range(0, out_features, chunk):
+            # each group's share of each output, for a chunk of output rows
+            contrib = torch.einsum("tgk,ogk->tog", xg, dg[o:o + chunk])
+            group_err.append(contrib.double().pow(2).sum(dim=0))
+            row_err.append(contrib.sum(dim=-1).double().pow(2).sum(0))
+        return torch.cat(group_err), torch.cat(row_err)
 
     best_err, row_err_unclipped = per_group_error(ones)
     best_clip = ones.clone()
