@@ -89,7 +89,8 @@ def build_graph(recipe: Recipe, model: str,
             nodes.append(StageNode(f"spec.{method}", "spec", config, inputs))
     if on["report"]:
         title = s.report.title or f"llmaccel recipe {recipe.name}"
-        nodes.append(StageNode("report", "report", {"title": title},
+        nodes.append(StageNode("report", "report",
+                               {"title": title, "recipe": recipe.model_dump(mode="json")},
                                {n.name: n.name for n in nodes}))
     return nodes
 

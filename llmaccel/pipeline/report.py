@@ -72,7 +72,8 @@ def method_engine_table(records: list[Record], variants: list[str]) -> list[str]
     return lines
 
 
-def write_recipe_report(inputs: StageInputs, out: Path, title: str) -> Path:
+def write_recipe_report(inputs: StageInputs, out: Path, title: str,
+                        recipe: dict[str, Any] | None = None) -> Path:
     files = collect_records(inputs, out)
     records = [r for f in files for r in read_jsonl(f)]
     variants = []
@@ -94,7 +95,8 @@ def write_recipe_report(inputs: StageInputs, out: Path, title: str) -> Path:
                "roofline counts them; peak GPU memory where a GPU ran it.", ""]
         md += method_engine_table(records, variants) + [""]
     md += _spec_section(records, inputs)
-    md += _finetune_section(inputs) + _quantize_section(inputs)
+    md += _finetune_section(inputs) + _quantize_section(inputs) + _times_section(inputs)
+    md += _recipe_section(recipe)
     body = ""
     if records:
         bench = write_report(files, out, title)
@@ -137,6 +139,29 @@ def _spec_section(records: list[Record], inputs: StageInputs) -> list[str]:
                   f"{head['steps_run']} steps (KL {head['baseline_kl']:.3f} -> "
                   f"{head['best_kl']:.3f})."]
     return lines + [""]
+
+
+def _times_section(inputs: StageInputs) -> list[str]:
+    """Each stage's own run time (from its stage.json, however long ago it ran)."""
+    if not inputs.seconds:
+        return []
+    lines = ["## Stage times", "", "| stage | seconds |", "|---|---:|"]
+    lines += [f"| {role} | {sec:.1f} |" for role, sec in inputs.seconds.items()]
+    total = sum(inputs.seconds.values())
+    return lines + [f"| all stages but this report | {total:.1f} ({total / 60:.1f} min) |", ""]
+
+
+def _recipe_section(recipe: dict[str, Any] | None) -> list[str]:
+    """The settings behind the numbers (sizes, steps, samples), as the recipe file would say."""
+    if not recipe:
+        return []
+    import yaml
+
+    stages = {k: {n: v for n, v in s.items() if v is not None and n != "enabled"}
+              for k, s in recipe.get("stages", {}).items() if s and s.get("enabled", True)}
+    text = yaml.safe_dump({**{k: v for k, v in recipe.items() if k != "stages"},
+                           "stages": stages}, sort_keys=False, default_flow_style=None)
+    return ["## Recipe", "", "```yaml", text.rstrip(), "```", ""]
 
 
 def _finetune_section(inputs: StageInputs) -> list[str]:

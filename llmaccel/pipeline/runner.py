@@ -145,6 +145,7 @@ def _inputs_of(plan: Plan, by: dict[str, PlannedStage], node: StageNode) -> Stag
         assert st.cached is not None, f"{src} has no output"  # make_plan/execute ensure it
         directory = plan.store.stage_dir(src, st.key)
         inputs.dirs[role], inputs.manifests[role] = directory, st.cached.manifest
+        inputs.seconds[role] = st.cached.seconds
         if "model" in st.cached.manifest:
             inputs.models[role] = str(directory / st.cached.manifest["model"])
     return inputs

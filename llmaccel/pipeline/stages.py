@@ -21,6 +21,7 @@ class StageInputs:
     models: dict[str, str] = field(default_factory=dict)
     dirs: dict[str, Path] = field(default_factory=dict)
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # how long each input stage ran
 
     @property
     def model(self) -> str:
@@ -217,7 +218,7 @@ def _max_positions(model: str) -> int:
 def run_report(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
     from llmaccel.pipeline.report import write_recipe_report
 
-    path = write_recipe_report(inputs, out, node.config["title"])
+    path = write_recipe_report(inputs, out, node.config["title"], node.config.get("recipe"))
     return {"report": path.relative_to(out).as_posix()}
 
 
