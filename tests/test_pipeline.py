@@ -221,7 +221,8 @@ stages:
   finetune: {{steps: 2, batch_size: 1, seq_len: 32, eval_every: 1, max_blocks: 8}}
   quantize: {{methods: [rtn-int8, fp8]}}
   eval: {{context: 32, limit: 2}}
-  bench: {{workloads: [latency], backends: [llmaccel, hf-eager], quick: true, repeats: 1}}
+  bench: {{workloads: [latency, serve], backends: [llmaccel, hf-eager], quick: true,
+          repeats: 1, request_rates: [8]}}
   draft: {{methods: [ngram, head], steps: 2, batch_size: 1, seq_len: 32, max_blocks: 8,
           batches: [1], kinds: [prose], max_tokens: 8, repeats: 1}}
   report: {{}}
@@ -254,7 +255,9 @@ stages:
     assert "## Fine-tuning (LoRA)" in md and "| rtn-int8 | rtn |" in md
     spec_rows = [ln for ln in md.splitlines() if ln.startswith(("| ngram |", "| head |"))]
     assert len(spec_rows) == 2 and all(r.endswith("| yes |") for r in spec_rows)  # lossless
-    assert len(list((report_dir / "records").glob("*.jsonl"))) == 10  # 4 W6, 4 W1, 2 W5
+    # 4 W6, 4 W1, 4 W3 (our engine only), 2 W5
+    assert len(list((report_dir / "records").glob("*.jsonl"))) == 14
+    assert "### W3" in md
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs), "--dry-run"])
     assert res.exit_code == 0 and "run " not in res.output.replace("run.json", "")
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])

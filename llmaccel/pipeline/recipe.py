@@ -83,18 +83,27 @@ class EvalStage(_Section):
 
 LATENCY_BACKENDS = ("llmaccel", "hf-eager", "hf-static-compile")
 THROUGHPUT_BACKENDS = ("llmaccel", "hf-cb")
+SERVE_BACKENDS = ("llmaccel",)  # W3 in process; `llmaccel bench serve --backend openai` for servers
 
 
 class BenchStage(_Section):
-    """`llmaccel bench` W1 (latency) and W2 (throughput) on every model variant: our engine,
-    and HF transformers as the baseline on the unquantized ones (it does not run our
-    quantized checkpoints' kernels)."""
-    workloads: list[Literal["latency", "throughput"]] = Field(
-        default_factory=lambda: ["latency", "throughput"])
+    """`llmaccel bench` W1 (latency), W2 (throughput) and W3 (serve: Poisson arrivals) on
+    every model variant: our engine, and HF transformers as the baseline on the unquantized
+    ones (it does not run our quantized checkpoints' kernels)."""
+    workloads: list[Literal["latency", "throughput", "serve"]] = Field(
+        default_factory=lambda: ["latency", "throughput", "serve"])
     backends: list[Literal["llmaccel", "hf-eager", "hf-static-compile", "hf-cb"]] = Field(
         default_factory=lambda: ["llmaccel", "hf-eager", "hf-cb"])
     quick: bool = False                  # bench's --quick sizes instead of BENCHMARKS.md's
     repeats: int = Field(3, ge=1)
+    request_rates: list[float] = Field(default_factory=lambda: [1.0, 4.0, 16.0, 64.0])  # W3
+
+    @field_validator("request_rates")
+    @classmethod
+    def _rates(cls, rates: list[float]) -> list[float]:
+        if not rates or any(r <= 0 for r in rates):
+            raise ValueError("request rates are positive numbers of requests per second")
+        return rates
 
 
 class DraftStage(_Section):
@@ -253,7 +262,8 @@ def default_recipe(size: Literal["small", "full"] = "small") -> Recipe:
                                             "awq-int4-g128", "fp8"],
                                    n_samples=8, seq_len=128),
             eval=EvalStage(context=512, limit=8),
-            bench=BenchStage(quick=True, repeats=1, backends=["llmaccel", "hf-eager"]),
+            bench=BenchStage(workloads=["latency", "throughput"], quick=True, repeats=1,
+                             backends=["llmaccel", "hf-eager"]),
             draft=DraftStage(methods=["ngram", "head"], steps=20, batch_size=2, seq_len=128,
                              max_blocks=64, batches=[1], max_tokens=48, repeats=1),
             report=ReportStage())

@@ -108,10 +108,11 @@ def run_bench(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]
     recipe's model, config.quantization and config.variant = this variant."""
     from llmaccel.bench.command import run_workload
     from llmaccel.bench.results import Record, read_jsonl, write_jsonl
-    from llmaccel.pipeline.recipe import LATENCY_BACKENDS, THROUGHPUT_BACKENDS
+    from llmaccel.pipeline.recipe import LATENCY_BACKENDS, SERVE_BACKENDS, THROUGHPUT_BACKENDS
 
     c = node.config
-    allowed = {"latency": LATENCY_BACKENDS, "throughput": THROUGHPUT_BACKENDS}
+    allowed = {"latency": LATENCY_BACKENDS, "throughput": THROUGHPUT_BACKENDS,
+               "serve": SERVE_BACKENDS}
     files = []
     for workload in c["workloads"]:
         # HF transformers as the baseline on unquantized variants only: it would not run our
@@ -120,9 +121,11 @@ def run_bench(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]
                     and (b == "llmaccel" or c["scheme"] is None)]
         if not backends:
             continue
+        extra = {"request_rate": ",".join(f"{r:g}" for r in c["request_rates"])} \
+            if workload == "serve" else {}
         path = run_workload(workload, inputs.model, out, workload, backend=",".join(backends),
                             quick=c["quick"], repeats=c["repeats"], dtype=c["dtype"],
-                            no_progress=True)
+                            no_progress=True, **extra)
         facts = _variant_facts(c)
         label = model_label(inputs.source)
         records = [Record(**{**r.__dict__, "model": label,
