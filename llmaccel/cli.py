@@ -61,19 +61,6 @@ def analyze(
         render_analysis(source.name, result, console)
 
 
-def parse_int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
-    """'1,2,4' -> (1, 2, 4); a clear error for anything else."""
-    if text is None:
-        return None
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise LLMAccelError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values:
-        raise LLMAccelError(f"{flag} is empty")
-    return values
-
-
 @app.command()
 def generate(
     model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
@@ -115,18 +102,10 @@ def generate(
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, max_tokens=max_tokens, seed=seed, stop=stop or None,
                             ignore_eos=ignore_eos)
-    spec = parse_speculative_config(speculative_config)
+    kwargs = o.engine_kwargs(locals())
     start = time.perf_counter()
     with console.status("loading model…"):
-        llm = LLM(model, dtype=dtype, speculative_config=spec, device=device,
-                  max_model_len=max_model_len, load_format=load_format, tokenizer=tokenizer,
-                  enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks=num_gpu_blocks,
-                  gpu_memory_utilization=gpu_memory_utilization,
-                  attention_backend=attention_backend, enforce_eager=enforce_eager,
-                  kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling,
-                  cudagraph_capture_sizes=parse_int_list(cudagraph_capture_sizes,
-                                                         "--cudagraph-capture-sizes"))
+        llm = LLM(model, **kwargs)
     load_s = time.perf_counter() - start
     tok = llm.get_tokenizer()
     if tok is None:
@@ -153,26 +132,6 @@ def generate(
         console.print(f"[dim]speculative: acceptance {sd['acceptance_rate']:.0%} · "
                       f"{sd['mean_accepted_len']:.2f} tokens per verify step · "
                       f"{sd['num_draft_tokens']} drafts")
-
-
-def parse_speculative_config(text: str | None) -> dict | None:
-    """--speculative-config JSON -> a dict of SpeculativeConfig fields (checked there)."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise LLMAccelError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise LLMAccelError("--speculative-config must be a JSON object")
-    from llmaccel.spec import SpeculativeConfig
-
-    fields = set(SpeculativeConfig.__dataclass_fields__)
-    unknown = sorted(set(value) - fields)
-    if unknown:
-        raise LLMAccelError(f"--speculative-config: unknown field(s) {', '.join(unknown)} "
-                            f"(known: {', '.join(sorted(fields))})")
-    return value
 
 
 @app.command()
@@ -364,9 +323,7 @@ def eval_ppl(
         None, help="Quantize the model first by a scheme of BENCHMARKS.md (rtn-int8, "
         "rtn-int4-g128, nf4, hqq-int4, gptq-int4-g128, awq-int4-g128, fp8; GPTQ/AWQ calibrate "
         "on WikiText-2 validation), as `llmaccel quantize` does, and measure the result."),
-    quantized_dir: Optional[str] = typer.Option(None, help="Keep the --quantization "
-                                                "checkpoint here (default: a temporary "
-                                                "directory, removed)."),
+    quantized_dir: Optional[str] = o.QUANTIZED_DIR,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Perplexity by the sliding-window method, through our engine's model: any checkpoint

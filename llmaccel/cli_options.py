@@ -5,7 +5,12 @@ own (not cli.py) because the commands in other packages import it, and cli.py im
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import typer
+
+from llmaccel.errors import LLMAccelError
 
 MODEL_HELP = ("A local HF directory, a .gguf file, a hub id (org/name) or a benchmark shape "
               "(llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-1.5b, smollm2-135m). "
@@ -42,3 +47,55 @@ SPECULATIVE_CONFIG = typer.Option(
     "fields of llmaccel.spec.SpeculativeConfig.")
 QUANTIZED_DIR = typer.Option(None, help="Keep the --quantization checkpoint here (default: a "
                              "temporary directory, removed).")
+
+# The engine options above, by the EngineConfig field each one sets.
+ENGINE_FIELDS = ("dtype", "device", "tokenizer", "max_model_len", "load_format",
+                 "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
+                 "num_gpu_blocks", "gpu_memory_utilization", "attention_backend",
+                 "enforce_eager", "kv_cache_dtype", "cudagraph_capture_sizes",
+                 "async_scheduling", "speculative_config")
+
+
+def engine_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    """EngineConfig keyword arguments from a command's parameters (its `locals()`): the engine
+    options it declares, with the text-valued ones parsed."""
+    kwargs = {k: options[k] for k in ENGINE_FIELDS if k in options}
+    if "cudagraph_capture_sizes" in kwargs:
+        kwargs["cudagraph_capture_sizes"] = parse_int_list(kwargs["cudagraph_capture_sizes"],
+                                                           "--cudagraph-capture-sizes")
+    if "speculative_config" in kwargs:
+        kwargs["speculative_config"] = parse_speculative_config(kwargs["speculative_config"])
+    return kwargs
+
+
+def parse_int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """'1,2,4' -> (1, 2, 4); a clear error for anything else."""
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise LLMAccelError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values:
+        raise LLMAccelError(f"{flag} is empty")
+    return values
+
+
+def parse_speculative_config(text: str | None) -> dict | None:
+    """--speculative-config JSON -> a dict of SpeculativeConfig fields (checked there)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LLMAccelError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise LLMAccelError("--speculative-config must be a JSON object")
+    from llmaccel.spec import SpeculativeConfig
+
+    fields = set(SpeculativeConfig.__dataclass_fields__)
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise LLMAccelError(f"--speculative-config: unknown field(s) {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(fields))})")
+    return value

@@ -42,9 +42,7 @@ def serve(
         "as `llmaccel quantize` does (GPTQ/AWQ calibrate on WikiText-2); with --load-format "
         "dummy, random codes of that format. A checkpoint already quantized (GPTQ, AWQ, "
         "compressed-tensors, FP8, NF4) needs no flag: its config.json says how."),
-    quantized_dir: Optional[str] = typer.Option(None, help="Keep the --quantization "
-                                                "checkpoint here (default: a temporary "
-                                                "directory, removed at exit)."),
+    quantized_dir: Optional[str] = o.QUANTIZED_DIR,
     dtype: str = o.DTYPE,
     device: Optional[str] = o.DEVICE,
     tokenizer: Optional[str] = o.TOKENIZER,
@@ -66,7 +64,6 @@ def serve(
     """Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions (streaming
     too), /v1/models, /health, /metrics (Prometheus)."""
     # imported here: cli imports this module, and these pull in the model stack
-    from llmaccel.cli import parse_int_list, parse_speculative_config
     from llmaccel.engine.async_llm import AsyncLLM
     try:
         from llmaccel.server.app import build_app
@@ -77,23 +74,13 @@ def serve(
     from llmaccel.server.settings import ServerSettings
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    spec = parse_speculative_config(speculative_config)
+    kwargs = o.engine_kwargs(locals())
     template = _read_template(chat_template)
     with contextlib.ExitStack() as stack:
         path, overrides = _prepare_model(model, quantization, quantized_dir, load_format,
                                          device, stack)
         with console.status("loading model…"):
-            engine = AsyncLLM.from_config(
-                path, dtype=dtype, device=device, tokenizer=tokenizer,
-                max_model_len=max_model_len, load_format=load_format, hf_overrides=overrides,
-                enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks=num_gpu_blocks,
-                gpu_memory_utilization=gpu_memory_utilization,
-                attention_backend=attention_backend, enforce_eager=enforce_eager,
-                kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling,
-                speculative_config=spec, seed=seed,
-                cudagraph_capture_sizes=parse_int_list(cudagraph_capture_sizes,
-                                                       "--cudagraph-capture-sizes"))
+            engine = AsyncLLM.from_config(path, hf_overrides=overrides, seed=seed, **kwargs)
         mc = engine.engine.model_config
         names = tuple(served_model_name) or (model or mc.name,)
         settings = ServerSettings(served_model_names=names, model_root=str(model or mc.name),

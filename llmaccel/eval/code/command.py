@@ -70,8 +70,7 @@ def eval_code(
     generation = GenerationSettings(mode="chat" if chat else "completion",
                                     max_tokens=max_tokens, samples=samples,
                                     temperature=temperature)
-    engine_kwargs = {"dtype": dtype, "device": device, "tokenizer": tokenizer,
-                     "max_model_len": max_model_len}
+    engine_kwargs = o.engine_kwargs(locals())
     settings = CodeEvalSettings(
         model=model, problems=tuple(load_problems(problems, limit)), generation=generation,
         limits=SandboxLimits(timeout_s=timeout, memory_mb=memory_mb),
