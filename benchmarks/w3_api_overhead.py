@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
+
+from llmaccel.bench.report import fmt_value
 
 METRICS = ["request_throughput", "out_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
            "itl_ms_p50", "e2e_ms_p50", "failed"]
-
-
-def _num(x: float) -> str:
-    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
 def table(path: str, server: str, baseline: str = "llmaccel") -> str:
@@ -34,7 +31,7 @@ def table(path: str, server: str, baseline: str = "llmaccel") -> str:
             if a is None or b is None:
                 continue
             ratio = f"{b / a:.2f}" if a else "–"
-            rows.append(f"| {load} | {m} | {_num(a)} | {_num(b)} | {ratio} |")
+            rows.append(f"| {load} | {m} | {fmt_value(a)} | {fmt_value(b)} | {ratio} |")
     return "\n".join(rows)
 
 

@@ -8,17 +8,15 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 from typing import Any
-from llmaccel.bench.report import write_report
+from llmaccel.bench.report import fmt_value, write_report
 from llmaccel.bench.results import Record, read_jsonl
 from llmaccel.pipeline.stages import StageInputs
 
 GIB = 1024 ** 3
 
 
-def _fmt(v: float | None, digits: int = 4) -> str:
-    if v is None:
-        return "–"
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.{digits}g}"
+def _fmt(v: float | None) -> str:
+    return "–" if v is None else fmt_value(v)
 
 
 def collect_records(inputs: StageInputs, out: Path) -> list[Path]:
@@ -67,8 +65,8 @@ def method_engine_table(records: list[Record], variants: list[str]) -> list[str]
             c = cell.get((v, e), {})
             p = ppl.get(v) if e == "llmaccel" else None
             lines.append(f"| {v} | {quant.get(v, '')} | {e} | {_fmt(c.get('w2'))} | "
-                         f"{_fmt(c.get('w1'))} | {_fmt(p)} | {_fmt(c.get('weights'), 3)} | "
-                         f"{_fmt(c.get('peak'), 3)} |")
+                         f"{_fmt(c.get('w1'))} | {_fmt(p)} | {_fmt(c.get('weights'))} | "
+                         f"{_fmt(c.get('peak'))} |")
     return lines
 
 
@@ -129,9 +127,9 @@ def _spec_section(records: list[Record], inputs: StageInputs) -> list[str]:
              "| method | prompts | batch | speedup | acceptance rate | mean accepted length | "
              "tok/s | same output |", "|---|---|---|---|---|---|---|---|"]
     for (method, kind, batch), c in cells.items():
-        lines.append(f"| {method} | {kind} | {batch} | {_fmt(c.get('speedup'), 3)} | "
-                     f"{_fmt(c.get('acceptance_rate'), 3)} | "
-                     f"{_fmt(c.get('mean_accepted_len'), 3)} | {_fmt(c.get('out_tok_s'))} | "
+        lines.append(f"| {method} | {kind} | {batch} | {_fmt(c.get('speedup'))} | "
+                     f"{_fmt(c.get('acceptance_rate'))} | "
+                     f"{_fmt(c.get('mean_accepted_len'))} | {_fmt(c.get('out_tok_s'))} | "
                      f"{'yes' if c['identical'] else 'no'} |")
     head = inputs.manifests.get("draft.head")
     if head:
