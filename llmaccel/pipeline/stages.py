@@ -32,6 +32,12 @@ def _device(config: dict[str, Any]) -> str | None:
     return None if config.get("device", "auto") == "auto" else config["device"]
 
 
+def _training_args(config: dict[str, Any]) -> dict[str, Any]:
+    """A training stage's config as FinetuneConfig / DistillConfig keywords (device None for
+    auto)."""
+    return {**config, "device": _device(config)}
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
@@ -59,11 +65,8 @@ def run_convert(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, An
 def run_finetune(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
     from llmaccel.train.lora import FinetuneConfig, finetune
 
-    c = dict(node.config)
-    device, dtype = _device(c), c.pop("dtype")
-    c.pop("device")
-    res = finetune(FinetuneConfig(model=inputs.model, out=str(out), device=device, dtype=dtype,
-                                  **c))
+    res = finetune(FinetuneConfig(model=inputs.model, out=str(out),
+                                  **_training_args(node.config)))
     return {"model": "merged", "result": "finetune.json", "baseline_ppl": res.baseline_ppl,
             "best_ppl": res.best_ppl, "best_step": res.best_step, "steps_run": res.steps_run,
             "stopped": res.stopped}
@@ -107,7 +110,6 @@ def run_bench(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]
     """W1 and W2 through `llmaccel bench`; the records are renamed for the recipe: model = the
     recipe's model, config.quantization and config.variant = this variant."""
     from llmaccel.bench.command import run_workload
-    from llmaccel.bench.results import Record, read_jsonl, write_jsonl
     from llmaccel.pipeline.recipe import LATENCY_BACKENDS, SERVE_BACKENDS, THROUGHPUT_BACKENDS
 
     c = node.config
@@ -126,11 +128,7 @@ def run_bench(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]
         path = run_workload(workload, inputs.model, out, workload, backend=",".join(backends),
                             quick=c["quick"], repeats=c["repeats"], dtype=c["dtype"],
                             no_progress=True, **extra)
-        facts = _variant_facts(c)
-        label = model_label(inputs.source)
-        records = [Record(**{**r.__dict__, "model": label,
-                             "config": {**r.config, **facts}}) for r in read_jsonl(path)]
-        write_jsonl(path, records)
+        _relabel(path, inputs.source, _variant_facts(c))
         files.append(path.name)
     return {"records": files}
 
@@ -157,6 +155,17 @@ def model_label(model: str) -> str:
     return label(model)
 
 
+def _relabel(path: Path, source: str, facts: dict[str, Any] | None = None) -> None:
+    """Rewrite a bench file's records for the recipe: model = the recipe's model (not the
+    stage directory's name), config extended by `facts`."""
+    from llmaccel.bench.results import Record, read_jsonl, write_jsonl
+
+    label = model_label(source)
+    write_jsonl(path, [Record(**{**r.__dict__, "model": label,
+                                 "config": {**r.config, **(facts or {})}})
+                       for r in read_jsonl(path)])
+
+
 def _meta(c: dict[str, Any]):
     """Device, torch, commit and the command that reran it (this `llmaccel run`)."""
     import shlex
@@ -176,11 +185,8 @@ def run_draft_head(node: StageNode, inputs: StageInputs, out: Path) -> dict[str,
     from llmaccel.train.distill import distill_draft
     from llmaccel.train.distill_common import DistillConfig
 
-    c = dict(node.config)
-    device, dtype = _device(c), c.pop("dtype")
-    c.pop("device")
     res = distill_draft(DistillConfig(target=inputs.model, out=str(out / "head"), kind="head",
-                                      device=device, dtype=dtype, **c))
+                                      **_training_args(node.config)))
     return {"model": "head", "result": "head/distill.json", "baseline_kl": res.baseline_kl,
             "best_kl": res.best_kl, "baseline_top1": res.baseline_top1,
             "best_top1": res.best_top1, "best_step": res.best_step,
@@ -191,7 +197,6 @@ def run_spec(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
     """W5 (`llmaccel bench spec`): this speculative method against plain decoding, timed in
     turns on one engine, greedy outputs compared."""
     from llmaccel.bench.command import run_workload
-    from llmaccel.bench.results import Record, read_jsonl, write_jsonl
 
     c = node.config
     spec: dict[str, Any] = {"method": {"model": "draft"}.get(c["method"], c["method"]),
@@ -205,8 +210,7 @@ def run_spec(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
                         batches=",".join(str(b) for b in c["batches"]),
                         kinds=",".join(c["kinds"]), max_tokens=c["max_tokens"],
                         repeats=c["repeats"], dtype=c["dtype"], no_progress=True)
-    label = model_label(inputs.source)
-    write_jsonl(path, [Record(**{**r.__dict__, "model": label}) for r in read_jsonl(path)])
+    _relabel(path, inputs.source)
     return {"records": [path.name], "method": c["method"]}
 
 
