@@ -104,6 +104,25 @@ def test_a_failing_backend_is_reported_and_the_others_run(tiny, tmp_path):
     assert "vocabulary" in r.output  # the server side needed --vocab-size
 
 
+def test_device_option_reaches_every_local_backend(tiny, tmp_path):
+    import torch
+
+    from llmaccel.bench import hardware as hw
+
+    _bench("latency", str(tiny), "--backend", "llmaccel,hf-eager", "--quick", "--repeats", "1",
+           "--dtype", "float32", "--device", "cpu", "--out", str(tmp_path), "--name", "cpu")
+    recs = _read(tmp_path / "cpu.jsonl")
+    assert {r["device"].split(" ")[0] for r in recs} == {"cpu"}
+    assert _by(recs, backend="llmaccel")["tok_s"]["config"]["engine_kwargs"]["device"] == "cpu"
+    for bad, why in (("tpu", "--device: "), ("cuda", "no CUDA GPU")):
+        if bad == "cuda" and torch.cuda.is_available():
+            continue
+        r = CliRunner().invoke(app, ["bench", "latency", str(tiny), "--quick", "--device", bad,
+                                     "--out", str(tmp_path), "--no-progress"])
+        assert r.exit_code != 0 and why in r.output + str(r.exception)
+    hw.use_device(None)  # the choice is per command: leave the default for later tests
+
+
 @pytest.fixture(scope="module")
 def worded(tmp_path_factory):
     """A tiny model with a word-level tokenizer over W5's prompts (text prompts need one)."""

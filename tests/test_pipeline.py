@@ -38,6 +38,10 @@ stages:
     ("name: a/b\n", "line 1: name: letters, digits"),
     ("name: x\nstages:\n  serve: {}\n", "line 3: stages.serve: unknown key"),
     ("name: x\nstages:\n  bench:\n    backends: [vllm]\n", "line 4: stages.bench.backends.0: "),
+    ("name: x\nstages:\n  quantize: {methods: [fp8]}\n  bench:\n    workloads: [latency]\n"
+     "    serve_variants: [base, gptq-int4-g128]\n",
+     "line 6: stages.bench.serve_variants: 'gptq-int4-g128' is not a variant of this recipe "
+     "(variants: base, fp8)"),
     ("name: [x\n", "not valid YAML"),
     ("- a\n- b\n", "a recipe is a mapping"),
 ])
@@ -52,6 +56,28 @@ def test_defaults_and_an_empty_recipe():
     assert r.name == "default" and r.model is None and r.stages.quantize is None
     r = parse_recipe("stages:\n  quantize: {}\n")
     assert "gptq-int4-g128" in r.stages.quantize.methods
+
+
+def test_bench_variant_lists_narrow_each_variants_own_config():
+    from llmaccel.pipeline.dag import build_graph
+    from llmaccel.pipeline.recipe import default_recipe
+
+    r = parse_recipe("stages:\n  finetune: {}\n  quantize: {methods: [fp8]}\n  bench:\n"
+                     "    serve_variants: [fp8]\n")
+    bench = {n.name: n.config["backends"] for n in build_graph(r, "m") if n.kind == "bench"}
+    assert bench == {"bench.base.latency": ["llmaccel", "hf-eager"],
+                     "bench.base.throughput": ["llmaccel", "hf-cb"],
+                     "bench.finetuned.latency": ["llmaccel"],
+                     "bench.finetuned.throughput": ["llmaccel"],
+                     "bench.fp8.latency": ["llmaccel"], "bench.fp8.throughput": ["llmaccel"],
+                     "bench.fp8.serve": ["llmaccel"]}
+    # the full built-in recipe: every stage, W3 and the HF baselines on the base model only
+    nodes = {n.name: n for n in build_graph(default_recipe("full"), "m.gguf")}
+    runs = [k for k in nodes if k.startswith("bench.")]
+    assert len(runs) == 7 * 2 + 1 and "bench.base.serve" in runs
+    assert nodes["bench.base.serve"].config["request_rates"] == [1.0, 4.0, 16.0, 64.0]
+    assert "request_rates" not in nodes["bench.base.latency"].config
+    assert {"draft.head", "spec.ngram", "spec.head", "report"} <= set(nodes)
 
 
 # -- cache, with fake stages -------------------------------------------------------------------
@@ -232,7 +258,7 @@ stages:
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])
     assert res.exit_code == 0, res.output
     summary = json.loads((runs / "tiny" / "run.json").read_text())
-    assert [s["status"] for s in summary["stages"]] == ["ran"] * 16
+    assert [s["status"] for s in summary["stages"]] == ["ran"] * 20
     for s in summary["stages"]:
         record = json.loads((runs / "tiny" / s["dir"] / "stage.json").read_text())
         assert record["key"] == s["key"]
@@ -250,7 +276,7 @@ stages:
     rows = [ln for ln in section.splitlines() if ln.startswith("| ") and "tok/s" not in ln]
     table = [ln.split(" | ")[:3] for ln in rows]
     assert table == [["| base", "fp32", "llmaccel"], ["| base", "fp32", "hf-eager"],
-                     ["| finetuned", "fp32", "llmaccel"], ["| finetuned", "fp32", "hf-eager"],
+                     ["| finetuned", "fp32", "llmaccel"],
                      ["| rtn-int8", "rtn-int8", "llmaccel"], ["| fp8", "fp8", "llmaccel"]]
     assert "## Fine-tuning (LoRA)" in md and "| rtn-int8 | rtn |" in md
     spec_rows = [ln for ln in md.splitlines() if ln.startswith(("| ngram |", "| head |"))]

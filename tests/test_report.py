@@ -308,6 +308,22 @@ def test_ppl_speed_join_picks_the_pair_sharing_most_formats() -> None:
     assert join.not_used == [f"W1 other on {DEVICE} (1 formats)"]
 
 
+def test_ppl_speed_join_takes_a_recipes_base_variant_as_its_format() -> None:
+    # A recipe labels the model as given `base` (bf16) and its LoRA merge `finetuned` (also
+    # bf16): the base is the bf16 point, the merge is another model.
+    rows = [rec("W1", "llmaccel", "tok_s", 500.0, quantization="bf16", variant="base"),
+            rec("W1", "llmaccel", "tok_s", 510.0, quantization="bf16", variant="finetuned"),
+            rec("W1", "llmaccel", "tok_s", 900.0, quantization="rtn-int4-g128",
+                variant="rtn-int4-g128"),
+            rec("W6", "llmaccel", "ppl", 21.0, quantization="bf16", variant="base"),
+            rec("W6", "llmaccel", "ppl", 19.0, quantization="bf16", variant="finetuned"),
+            rec("W6", "llmaccel", "ppl", 27.0, quantization="rtn-int4-g128",
+                variant="rtn-int4-g128")]
+    join = join_ppl_speed(records(rows))
+    assert join is not None
+    assert join.points == {"bf16": (500.0, 21.0), "rtn-int4-g128": (900.0, 27.0)}
+
+
 def test_rows_told_apart_by_a_category_not_a_counter() -> None:
     rows = [rec("W5", "llmaccel", "speedup", v, batch=1, method="head", kind="code",
                 draft_vocab_size=vocab, spec_steps=steps)

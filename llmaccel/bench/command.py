@@ -99,15 +99,24 @@ def common_options(
     base_url: Optional[str], served_model_name: Optional[str], server_name: str,
     api_key: Optional[str], endpoint: str, vocab_size: Optional[int], goodput: list[str],
     usd_per_gpu_hour: Optional[float], num_gpus: int, no_progress: bool,
-    allowed: tuple[str, ...]) -> Common:
+    device: Optional[str], allowed: tuple[str, ...]) -> Common:
+    from llmaccel.bench import hardware as hw
+
+    try:
+        hw.use_device(device)  # every bench command sets it: None resets an earlier choice
+    except (ValueError, RuntimeError) as e:
+        raise LLMAccelError(f"--device: {e}") from None
     backends = _csv(backend)
     bad = [b for b in backends if b not in allowed]
     if bad or not backends:
         raise LLMAccelError(f"--backend {backend!r}: this workload runs {', '.join(allowed)}")
     if "openai" in backends and not base_url:
         raise LLMAccelError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000)")
+    engine = parse_engine_kw(engine_kw)
+    if device is not None:
+        engine.setdefault("device", device)
     return Common(model, backends, Path(out), name, quick, repeats, warmup, dtype, load_format,
-                  parse_engine_kw(engine_kw), base_url, served_model_name, server_name,
+                  engine, base_url, served_model_name, server_name,
                   api_key or os.environ.get("OPENAI_API_KEY"), endpoint, vocab_size,
                   parse_slos(goodput), usd_per_gpu_hour, num_gpus, not no_progress)
 
@@ -291,6 +300,8 @@ _COMMON: list[tuple[str, Any, Any]] = [
                                                "output tokens.", min=0.0)),
     ("num_gpus", int, _opt(1, "GPUs the price applies to.", min=1)),
     ("no_progress", bool, _opt(False, "No progress bars.", "--no-progress")),
+    ("device", Optional[str], _opt(None, "cpu or cuda[:N] for the local backends (default: "
+                                   "a GPU when there is one).")),
 ]
 _COMMON_NAMES = [n for n, _, _ in _COMMON]
 
@@ -488,6 +499,8 @@ def bench_spec(
     out: str = typer.Option("results", help="Directory for <name>.jsonl and .md."),
     name: Optional[str] = typer.Option(None, help="File stem (default <date>-W5-<model>)."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda[:N] (default: a GPU when "
+                                         "there is one)."),
 ) -> None:
     """W5: speculative decoding against plain decoding on our engine (a real model: text
     prompts, real acceptance); speedup, acceptance (overall and per draft position), and
@@ -508,8 +521,14 @@ def bench_spec(
     if bad or not all(isinstance(c, dict) and c.get("method") for c in configs):
         raise LLMAccelError("bench spec: kinds are code/prose and every --speculative-config "
                             "is a JSON object with a method")
+    from llmaccel.bench import hardware as hw
+
+    try:
+        hw.use_device(device)
+    except (ValueError, RuntimeError) as e:
+        raise LLMAccelError(f"--device: {e}") from None
     base = {"dtype": dtype, "max_model_len": max_model_len, "enable_prefix_caching": False,
-            **parse_engine_kw(engine_kw)}
+            **({"device": device} if device else {}), **parse_engine_kw(engine_kw)}
     c = Common(model, ["llmaccel"], Path(out), name, False, repeats, 0, dtype, "auto", base,
                None, None, "server", None, "/v1/completions", None, {}, None, 1,
                not no_progress)

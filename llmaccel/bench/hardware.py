@@ -28,7 +28,26 @@ def device_name(device: torch.device | str) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+# `llmaccel bench --device` (and a recipe's `device:`) sets this for the whole command: the
+# HF baselines, the copy-bandwidth roofline and the records' device name all follow it.
+_chosen: str | None = None
+
+
+def use_device(device: str | None) -> None:
+    """Measure on `device` (cpu, cuda, cuda:1) from now on; None: a GPU when there is one."""
+    global _chosen
+    if device is not None:
+        d = torch.device(device)  # raises on a malformed name
+        if d.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA GPU on this machine")
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {device!r}: cpu or cuda[:N]")
+    _chosen = device
+
+
 def default_device() -> torch.device:
+    if _chosen is not None:
+        return torch.device(_chosen)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -678,12 +678,13 @@ class PplSpeedJoin:
 
 
 def _format_of(r: Record) -> str | None:
-    """A record's quantization format; a W6 variant that is not the format itself (e.g. a
-    LoRA merge) is a different model, not a format."""
+    """A record's quantization format; a variant that is not the format itself (e.g. a LoRA
+    merge) is a different model, not a format. A recipe's variant `base` is the model as
+    given, in its own format."""
     q, v = r.config.get("quantization"), r.config.get("variant")
     if not isinstance(q, str) or not q:
         return None
-    return q if v in (None, "", q) else None
+    return q if v in (None, "", q, "base") else None
 
 
 def join_ppl_speed(records: Iterable[Record]) -> PplSpeedJoin | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmaccel.pipeline.recipe import Recipe, RecipeError
+from llmaccel.pipeline.recipe import BenchStage, Recipe, RecipeError
 
 SOURCE = "model"  # the external input: the recipe's model, not a stage
 
@@ -65,10 +65,7 @@ def build_graph(recipe: Recipe, model: str,
             nodes.append(StageNode(f"eval.{label}", "eval",
                                    {**e, "variant": label, "scheme": scheme}, {"model": src}))
     if on["bench"]:
-        b = {**s.bench.model_dump(exclude={"enabled"}), **common}
-        for label, src, scheme in variants:
-            nodes.append(StageNode(f"bench.{label}", "bench",
-                                   {**b, "variant": label, "scheme": scheme}, {"model": src}))
+        nodes += _bench_nodes(s.bench, variants, common)
     if on["draft"]:
         d = s.draft
         train = {k: getattr(d, k) for k in ("data", "steps", "batch_size", "seq_len",
@@ -80,7 +77,7 @@ def build_graph(recipe: Recipe, model: str,
                                    {"model": tuned}))
         for method in d.methods:
             inputs = {"model": tuned}
-            config = {**measure, "method": method, "dtype": recipe.dtype}
+            config = {**measure, "method": method, **common}
             if method == "head":
                 inputs["draft"] = "draft.head"
             if method == "model":  # an external model: keyed by its bytes, like the target
@@ -92,6 +89,36 @@ def build_graph(recipe: Recipe, model: str,
         nodes.append(StageNode("report", "report",
                                {"title": title, "recipe": recipe.model_dump(mode="json")},
                                {n.name: n.name for n in nodes}))
+    return nodes
+
+
+def _bench_nodes(bench: BenchStage, variants: list[tuple[str, str, str | None]],
+                 common: dict[str, Any]) -> list[StageNode]:
+    """One stage run per variant and workload (`bench.gptq-int4-g128.latency`), so adding a
+    workload or a backend re-runs only those, and no run outgrows a GPU lease's call. Each
+    config holds only what that run reads."""
+    from llmaccel.pipeline.recipe import WORKLOAD_BACKENDS
+
+    shared = {"quick": bench.quick, "repeats": bench.repeats, **common}
+    nodes = []
+    for label, src, scheme in variants:
+        baselines = bench.baseline_variants is None or label in bench.baseline_variants
+        for workload in bench.workloads:
+            if workload == "serve" and bench.serve_variants is not None \
+                    and label not in bench.serve_variants:
+                continue
+            # HF transformers as the baseline on unquantized variants only: it would not run
+            # our checkpoints' kernels, and a dequantized copy measures something else.
+            backends = [k for k in bench.backends if k in WORKLOAD_BACKENDS[workload]
+                        and (k == "llmaccel" or (baselines and scheme is None))]
+            if not backends:
+                continue
+            extra = {"request_rates": bench.request_rates, "num_prompts": bench.num_prompts} \
+                if workload == "serve" else {}
+            nodes.append(StageNode(f"bench.{label}.{workload}", "bench",
+                                   {**shared, "workload": workload, "backends": backends,
+                                    **extra, "variant": label, "scheme": scheme},
+                                   {"model": src}))
     return nodes
 
 

@@ -81,9 +81,10 @@ class EvalStage(_Section):
     limit: Optional[int] = Field(None, ge=1)  # at most this many windows (small runs)
 
 
-LATENCY_BACKENDS = ("llmaccel", "hf-eager", "hf-static-compile")
-THROUGHPUT_BACKENDS = ("llmaccel", "hf-cb")
-SERVE_BACKENDS = ("llmaccel",)  # W3 in process; `llmaccel bench serve --backend openai` for servers
+# What each workload runs: W3 in process here (`llmaccel bench serve --backend openai` measures
+# servers).
+WORKLOAD_BACKENDS = {"latency": ("llmaccel", "hf-eager", "hf-static-compile"),
+                     "throughput": ("llmaccel", "hf-cb"), "serve": ("llmaccel",)}
 
 
 class BenchStage(_Section):
@@ -97,6 +98,12 @@ class BenchStage(_Section):
     quick: bool = False                  # bench's --quick sizes instead of BENCHMARKS.md's
     repeats: int = Field(3, ge=1)
     request_rates: list[float] = Field(default_factory=lambda: [1.0, 4.0, 16.0, 64.0])  # W3
+    num_prompts: Optional[int] = Field(None, ge=1)  # W3 requests per load point (None: 200)
+    # Which variants (base, finetuned, a scheme) also run the HF baselines, and which run W3:
+    # a fine-tuned copy runs at the base model's speed, and W3 at 1 req/s takes minutes a
+    # variant, so a GPU-sized recipe picks where they are worth their time. None: all.
+    baseline_variants: Optional[list[str]] = Field(default_factory=lambda: ["base"])
+    serve_variants: Optional[list[str]] = None
 
     @field_validator("request_rates")
     @classmethod
@@ -164,6 +171,25 @@ class Stages(BaseModel):
     draft: Optional[DraftStage] = None
     report: Optional[ReportStage] = None
 
+    def variants(self) -> list[str]:
+        """The model variants eval and bench run on: base, finetuned, one per scheme."""
+        on = [k for k in ("finetune", "quantize") if getattr(self, k) is not None
+              and getattr(self, k).enabled]
+        return (["base"] + (["finetuned"] if "finetune" in on else [])
+                + (list(self.quantize.methods) if "quantize" in on else []))
+
+    @model_validator(mode="after")
+    def _bench_variants(self) -> Stages:
+        if self.bench is None:
+            return self
+        known = self.variants()
+        for key in ("baseline_variants", "serve_variants"):
+            bad = [v for v in getattr(self.bench, key) or [] if v not in known]
+            if bad:
+                raise ValueError(f"bench.{key}: {', '.join(map(repr, bad))} is not a variant "
+                                 f"of this recipe (variants: {', '.join(known)})")
+        return self
+
 
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -206,11 +232,17 @@ def parse_recipe(text: str, where: str = "<recipe>") -> Recipe:
     except ValidationError as e:
         err = e.errors()[0]
         loc = tuple(err["loc"])
+        msg = _message(err)
+        # A check across sections names its key first ("bench.serve_variants: ..."): point
+        # at that key's line, not the section holding both.
+        m = re.match(r"([a-z_]+(?:\.[a-z_]+)+): ", msg)
+        if m:
+            loc, msg = loc + tuple(m.group(1).split(".")), msg[m.end():]
         key = ".".join(str(p) for p in loc) or "(top level)"
         line = _line_of(root, loc)
         at = f" line {line}" if line else ""
         more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-        raise RecipeError(f"{where}:{at}: {key}: {_message(err)}{more}") from None
+        raise RecipeError(f"{where}:{at}: {key}: {msg}{more}") from None
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -268,8 +300,11 @@ def default_recipe(size: Literal["small", "full"] = "small") -> Recipe:
                              max_blocks=64, batches=[1], max_tokens=48, repeats=1),
             report=ReportStage())
         return Recipe(name="default-small", stages=stages)
-    return Recipe(name="default", stages=Stages(analyze=AnalyzeStage(),
-                                                finetune=FinetuneStage(),
-                                                quantize=QuantizeStage(), eval=EvalStage(),
-                                                bench=BenchStage(), draft=DraftStage(),
-                                                report=ReportStage()))
+    # full: W1, W2 and W6 on every variant; the HF baselines on the model as given (a LoRA
+    # merge runs at its speed) and W3 (1 req/s alone is 200 s) there too; a head trained for
+    # up to two minutes. About 25 minutes on an H100.
+    return Recipe(name="default", stages=Stages(
+        analyze=AnalyzeStage(), finetune=FinetuneStage(), quantize=QuantizeStage(),
+        eval=EvalStage(), bench=BenchStage(serve_variants=["base"]),
+        draft=DraftStage(steps=3000, batch_size=8, seq_len=512, max_seconds=120),
+        report=ReportStage()))

@@ -76,8 +76,8 @@ def write_recipe_report(inputs: StageInputs, out: Path, title: str,
     records = [r for f in files for r in read_jsonl(f)]
     variants = []
     for role in inputs.dirs:
-        kind, _, v = role.partition(".")
-        if kind in ("eval", "bench") and v not in variants:
+        v = inputs.manifests[role].get("variant")
+        if role.split(".")[0] in ("eval", "bench") and v and v not in variants:
             variants.append(v)
     devices = sorted({r.device for r in records})
     commits = sorted({r.commit for r in records})

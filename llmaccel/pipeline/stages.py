@@ -107,30 +107,20 @@ def run_eval(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
 
 
 def run_bench(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
-    """W1 and W2 through `llmaccel bench`; the records are renamed for the recipe: model = the
-    recipe's model, config.quantization and config.variant = this variant."""
+    """One workload (W1 latency, W2 throughput, W3 serve) through `llmaccel bench` on one
+    variant; the records are renamed for the recipe: model = the recipe's model,
+    config.quantization and config.variant = this variant."""
     from llmaccel.bench.command import run_workload
-    from llmaccel.pipeline.recipe import LATENCY_BACKENDS, SERVE_BACKENDS, THROUGHPUT_BACKENDS
 
     c = node.config
-    allowed = {"latency": LATENCY_BACKENDS, "throughput": THROUGHPUT_BACKENDS,
-               "serve": SERVE_BACKENDS}
-    files = []
-    for workload in c["workloads"]:
-        # HF transformers as the baseline on unquantized variants only: it would not run our
-        # checkpoints' kernels, and a dequantized copy measures something else.
-        backends = [b for b in c["backends"] if b in allowed[workload]
-                    and (b == "llmaccel" or c["scheme"] is None)]
-        if not backends:
-            continue
-        extra = {"request_rate": ",".join(f"{r:g}" for r in c["request_rates"])} \
-            if workload == "serve" else {}
-        path = run_workload(workload, inputs.model, out, workload, backend=",".join(backends),
-                            quick=c["quick"], repeats=c["repeats"], dtype=c["dtype"],
-                            no_progress=True, **extra)
-        _relabel(path, inputs.source, _variant_facts(c))
-        files.append(path.name)
-    return {"records": files}
+    workload = c["workload"]
+    extra = {"request_rate": ",".join(f"{r:g}" for r in c["request_rates"]),
+             "num_prompts": c["num_prompts"]} if workload == "serve" else {}
+    path = run_workload(workload, inputs.model, out, workload, backend=",".join(c["backends"]),
+                        quick=c["quick"], repeats=c["repeats"], dtype=c["dtype"],
+                        device=_device(c), no_progress=True, **extra)
+    _relabel(path, inputs.source, _variant_facts(c))
+    return {"records": [path.name], "variant": c["variant"], "workload": workload}
 
 
 def _variant_facts(c: dict[str, Any]) -> dict[str, Any]:
@@ -209,7 +199,8 @@ def run_spec(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
                         max_model_len=min(2048, _max_positions(inputs.model)),
                         batches=",".join(str(b) for b in c["batches"]),
                         kinds=",".join(c["kinds"]), max_tokens=c["max_tokens"],
-                        repeats=c["repeats"], dtype=c["dtype"], no_progress=True)
+                        repeats=c["repeats"], dtype=c["dtype"], device=_device(c),
+                        no_progress=True)
     _relabel(path, inputs.source)
     return {"records": [path.name], "method": c["method"]}
 

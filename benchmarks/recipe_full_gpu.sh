@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The full built-in recipe (`llmaccel run --size full`) on a GPU lease of the device machine,
+# whose calls run at most 10 minutes each and whose /tmp lasts only while it stays warm.
+# One phase per call, issued back to back; stage outputs stay in /tmp/runs between calls, and
+# the cache makes every phase pick up where the last one stopped:
+#   bash benchmarks/recipe_full_gpu.sh setup            # wheels (.whl), data (.devdata)
+#   bash benchmarks/recipe_full_gpu.sh join             # the staged default model, verified
+#   bash benchmarks/recipe_full_gpu.sh run [--only ...] # `llmaccel run --size full ...`
+#   bash benchmarks/recipe_full_gpu.sh unpack FILE.tgz  # stage dirs from an earlier lease
+#   bash benchmarks/recipe_full_gpu.sh pack NAME [GLOB] # stage dirs (or the report) -> $OUT
+# Stages that read only the model (bench.base.*) can run in one lease and be carried into the
+# next (pack, then unpack): their cache keys hold the model's bytes, not a path.
+set -euo pipefail
+phase=$1; shift
+model=SmolLM2-135M-Instruct.Q4_1.gguf
+sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+export PYTHONPATH=$PWD:/tmp/site LLMACCEL_DATA_DIR=/tmp/devdata LLMACCEL_CACHE=/tmp/lc
+export PYTHONUNBUFFERED=1 COLUMNS=160
+runs=/tmp/runs/default
+case $phase in
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl
+    rm -rf /tmp/devdata && cp -r .devdata /tmp/devdata
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
+  join)
+    cat /tmp/stage/$model.part* > /tmp/stage/$model && rm /tmp/stage/$model.part*
+    echo "$sha  /tmp/stage/$model" | sha256sum -c
+    mkdir -p /tmp/lc/models && mv /tmp/stage/$model /tmp/lc/models/ ;;
+  run)
+    python3 -m llmaccel.cli run --size full --runs-dir /tmp/runs "$@" ;;
+  unpack)
+    mkdir -p $runs && tar xzf "$1" -C $runs && ls $runs ;;
+  pack)
+    # stage directories without model weights (records, manifests, reports): small
+    name=$1; glob=${2:-*}
+    (cd $runs && tar czf "$OUT/$name" --exclude='*.safetensors' --exclude='*.bin' $glob)
+    ls -la "$OUT" ;;
+  *) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
