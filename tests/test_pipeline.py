@@ -284,6 +284,8 @@ stages:
     # 4 W6, 4 W1, 4 W3 (our engine only), 2 W5
     assert len(list((report_dir / "records").glob("*.jsonl"))) == 14
     assert "### W3" in md
+    # perplexity vs speed: the schemes are compared with the model they were made from
+    assert "The unquantized point is the `finetuned` variant" in md
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs), "--dry-run"])
     assert res.exit_code == 0 and "run " not in res.output.replace("run.json", "")
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])

@@ -308,9 +308,9 @@ def test_ppl_speed_join_picks_the_pair_sharing_most_formats() -> None:
     assert join.not_used == [f"W1 other on {DEVICE} (1 formats)"]
 
 
-def test_ppl_speed_join_takes_a_recipes_base_variant_as_its_format() -> None:
+def test_ppl_speed_join_takes_the_reference_variant_as_its_format() -> None:
     # A recipe labels the model as given `base` (bf16) and its LoRA merge `finetuned` (also
-    # bf16): the base is the bf16 point, the merge is another model.
+    # bf16): neither is a format unless named as the one the formats were made from.
     rows = [rec("W1", "llmaccel", "tok_s", 500.0, quantization="bf16", variant="base"),
             rec("W1", "llmaccel", "tok_s", 510.0, quantization="bf16", variant="finetuned"),
             rec("W1", "llmaccel", "tok_s", 900.0, quantization="rtn-int4-g128",
@@ -319,9 +319,11 @@ def test_ppl_speed_join_takes_a_recipes_base_variant_as_its_format() -> None:
             rec("W6", "llmaccel", "ppl", 19.0, quantization="bf16", variant="finetuned"),
             rec("W6", "llmaccel", "ppl", 27.0, quantization="rtn-int4-g128",
                 variant="rtn-int4-g128")]
-    join = join_ppl_speed(records(rows))
-    assert join is not None
-    assert join.points == {"bf16": (500.0, 21.0), "rtn-int4-g128": (900.0, 27.0)}
+    assert join_ppl_speed(records(rows)).points == {"rtn-int4-g128": (900.0, 27.0)}
+    assert join_ppl_speed(records(rows), "base").points == {"bf16": (500.0, 21.0),
+                                                           "rtn-int4-g128": (900.0, 27.0)}
+    assert join_ppl_speed(records(rows), "finetuned").points == {
+        "bf16": (510.0, 19.0), "rtn-int4-g128": (900.0, 27.0)}
 
 
 def test_rows_told_apart_by_a_category_not_a_counter() -> None:

@@ -265,12 +265,14 @@ def plot_latency_cdfs(requests: Sequence[Mapping[str, Any]], out_dir: str | Path
 
 
 # -- W6 x W1: perplexity against speed per quantization format ---------------------------------
-def plot_ppl_vs_speed(records: Iterable[Record], out_dir: str | Path) -> PlotResult:
+def plot_ppl_vs_speed(records: Iterable[Record], out_dir: str | Path,
+                      reference_variant: str | None = None) -> PlotResult:
     """Each format at (W1 tok_s, W6 ppl), joined on config.quantization; the Pareto front
-    (fast and accurate) marked."""
+    (fast and accurate) marked. `reference_variant`: the unquantized variant the formats were
+    made from, plotted as its dtype (a recipe's fine-tuned model)."""
     name = "ppl_vs_tok_s"
     records = list(records)
-    join = join_ppl_speed(records)
+    join = join_ppl_speed(records, reference_variant)
     if join is None:
         n_ppl = sum(1 for r in records if r.workload == "W6" and r.metric == "ppl")
         n_tok = sum(1 for r in records if r.workload == "W1" and r.metric == "tok_s")
@@ -296,11 +298,13 @@ def plot_ppl_vs_speed(records: Iterable[Record], out_dir: str | Path) -> PlotRes
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Quantization formats: perplexity vs speed")
+    ref = (f" The unquantized point is the `{reference_variant}` variant, the model the "
+           "quantized formats were made from." if reference_variant else "")
     caption = (f"The two axes come from different models, joined on the format name "
                f"(`config.quantization`): tok/s from W1 records of {join.speed_model} on "
                f"{join.speed_device}, perplexity from W6 records of {join.ppl_model}. "
                f"Pareto front (no other format is both at least as fast and at most as "
-               f"perplexed): {', '.join(front)}.")
+               f"perplexed): {', '.join(front)}.{ref}")
     notes = []
     if join.ppl_only:
         notes.append(f"perplexity only (no W1 tok_s for {join.speed_model}): "

@@ -677,23 +677,24 @@ class PplSpeedJoin:
     not_used: list[str]                            # other models/devices on either side
 
 
-def _format_of(r: Record) -> str | None:
+def _format_of(r: Record, reference: str | None = None) -> str | None:
     """A record's quantization format; a variant that is not the format itself (e.g. a LoRA
-    merge) is a different model, not a format. A recipe's variant `base` is the model as
-    given, in its own format."""
+    merge) is a different model, not a format, unless it is `reference`: the unquantized
+    variant the formats were made from (a recipe's fine-tuned model, or its base)."""
     q, v = r.config.get("quantization"), r.config.get("variant")
     if not isinstance(q, str) or not q:
         return None
-    return q if v in (None, "", q, "base") else None
+    return q if v in (None, "", q) or (reference is not None and v == reference) else None
 
 
-def join_ppl_speed(records: Iterable[Record]) -> PplSpeedJoin | None:
+def join_ppl_speed(records: Iterable[Record],
+                   reference: str | None = None) -> PplSpeedJoin | None:
     """The (W6 model, W1 model and device) pair sharing the most formats; None if no W6 ppl or
-    no W1 tok_s record names a quantization."""
+    no W1 tok_s record names a quantization. `reference`: see _format_of."""
     ppl: dict[str, dict[str, list[float]]] = {}
     speed: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in records:
-        fmt = _format_of(r)
+        fmt = _format_of(r, reference)
         if fmt is None:
             continue
         if r.workload == "W6" and r.metric == "ppl":
@@ -771,9 +772,11 @@ def plot_markdown(plots: Sequence[PlotResult]) -> list[str]:
     return out
 
 
-def make_plots(rs: ResultSet, out_dir: Path) -> list[PlotResult]:
+def make_plots(rs: ResultSet, out_dir: Path,
+               reference_variant: str | None = None) -> list[PlotResult]:
     """Every plot of plots.py; one that fails is reported as skipped (the tables still get
-    written), and without matplotlib all are."""
+    written), and without matplotlib all are. `reference_variant`: the unquantized variant
+    the quantization formats were made from (the bf16 point of perplexity vs speed)."""
     try:
         from llmaccel.bench import plots
     except ImportError as e:
@@ -786,7 +789,8 @@ def make_plots(rs: ResultSet, out_dir: Path) -> list[PlotResult]:
                                                                      commands)),
         ("ttft_vs_load", lambda: plots.plot_ttft_vs_load(records, out_dir, commands)),
         ("latency_cdf", lambda: plots.plot_latency_cdfs(rs.requests, out_dir, missing)),
-        ("ppl_vs_tok_s", lambda: plots.plot_ppl_vs_speed(records, out_dir)),
+        ("ppl_vs_tok_s", lambda: plots.plot_ppl_vs_speed(records, out_dir,
+                                                         reference_variant)),
         ("acceptance_by_position", lambda: plots.plot_acceptance_by_position(
             records, out_dir, commands)),
         ("speedup_vs_batch", lambda: plots.plot_speedup_vs_batch(records, out_dir, commands)),
@@ -831,8 +835,10 @@ class ReportOutput:
 
 
 def write_report(runs: Sequence[str | Path], out: str | Path = "report",
-                 title: str = "llmaccel report") -> ReportOutput:
-    """Read RUN files/directories, write `out/report.md` and the PNGs it embeds."""
+                 title: str = "llmaccel report",
+                 reference_variant: str | None = None) -> ReportOutput:
+    """Read RUN files/directories, write `out/report.md` and the PNGs it embeds
+    (`reference_variant`: see make_plots)."""
     rs = load_runs(runs)
     out_dir = Path(out)
     try:
@@ -840,7 +846,7 @@ def write_report(runs: Sequence[str | Path], out: str | Path = "report",
     except OSError as e:
         raise LLMAccelError(f"{out_dir}: cannot create the output directory "
                             f"({e.strerror or e})") from None
-    plots = make_plots(rs, out_dir)
+    plots = make_plots(rs, out_dir, reference_variant)
     path = out_dir / "report.md"
     path.write_text(render_markdown(rs, plots, title), encoding="utf-8")
     return ReportOutput(path, [p.path for p in plots if p.path is not None],

@@ -97,7 +97,11 @@ def write_recipe_report(inputs: StageInputs, out: Path, title: str,
     md += _recipe_section(recipe)
     body = ""
     if records:
-        bench = write_report(files, out, title)
+        # The quantizers read the fine-tuned model when fine-tuning ran: it is the
+        # unquantized point the formats are compared with, not the base.
+        reference = "finetuned" if any(r.split(".")[0] == "finetune" for r in inputs.dirs) \
+            else "base"
+        bench = write_report(files, out, title, reference_variant=reference)
         # Its own heading dropped, its sections one level down, under ours.
         # Paths relative to the report (it is written in a temporary directory, then moved).
         text = bench.markdown.read_text().replace(f"{out}/", "")
