@@ -18,103 +18,16 @@ answer.
 from __future__ import annotations
 
 import argparse
-import ast
-import functools
-import random
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
-CODE_TASKS = [
-    "Add type annotations to this Python function and return the whole function:",
-    "Explain what this function does, then show it again with comments:",
-    "Refactor this function for readability without changing its behavior:",
-    "Write a short docstring for this function and return the function with it:",
-    "Rename the local variables of this function to clearer names and return it:",
-]
-PROSE_TASKS = [
-    "Summarize the following paragraph in two sentences:",
-    "Rewrite this paragraph in simpler words:",
-    "Copy the following text, then list its three main points:",
-    "Quote the first sentence of this paragraph, then say what the paragraph is about:",
-    "Paraphrase this text:",
-    "Repeat the following passage exactly, then give it a title:",
-    "Explain this passage to a newcomer:",
-    "Write three questions that this text answers, with their answers:",
-]
-# Parts of the standard library that are tests, GUIs or vendored tools, not library code.
-SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip",
-             "site-packages", "dist-packages", "__pycache__", "config-3"}
-
-
-@functools.cache  # parsing the whole standard library takes seconds
-def stdlib_sources() -> list[tuple[list[str], ast.Module]]:
-    """(source lines, parsed module) of every standard-library .py file, in path order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for path in sorted(root.rglob("*.py")):
-        if any(part in SKIP_DIRS or part.startswith("config-")
-               for part in path.relative_to(root).parts[:-1]):
-            continue
-        try:
-            src = path.read_text(encoding="utf-8")
-            out.append((src.splitlines(), ast.parse(src)))
-        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
-            continue
-    return out
-
-
-def stdlib_functions(sources, max_lines: int = 40, min_lines: int = 5) -> list[str]:
-    """Source of the functions and methods of the standard library, 5-40 lines each."""
-    out: list[str] = []
-    for lines, tree in sources:
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if min_lines <= n <= max_lines:
-                    body = lines[node.lineno - 1:node.end_lineno]
-                    indent = len(body[0]) - len(body[0].lstrip())
-                    out.append("\n".join(line[indent:] for line in body))
-    return list(dict.fromkeys(out))  # a few are repeated across files
-
-
-def stdlib_docstrings(sources, min_words: int = 60, max_words: int = 220) -> list[str]:
-    """Module, class and function docstrings of 60-220 words: technical English prose."""
-    out = []
-    for _, tree in sources:
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                 ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and min_words <= len(doc.split()) <= max_words:
-                    out.append(doc)
-    return list(dict.fromkeys(out))
-
-
-def wikitext_paragraphs(min_words: int = 60, max_words: int = 220) -> list[str]:
-    from llmaccel.quant.calibration import shared_data_dir
-
-    path = shared_data_dir() / "wikitext-2-raw" / "wiki.valid.raw"
-    paras = [p.strip() for p in path.read_text(encoding="utf-8").split("\n")]
-    return [p for p in paras if p and not p.startswith("=")
-            and min_words <= len(p.split()) <= max_words]
-
-
-def requests(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    sources = stdlib_sources()
-    code = stdlib_functions(sources)
-    prose = wikitext_paragraphs() + stdlib_docstrings(sources)
-    rng.shuffle(code)
-    rng.shuffle(prose)
-    out = []
-    for i in range(n):
-        if i % 2 == 0:
-            out.append(f"{rng.choice(CODE_TASKS)}\n\n{code[(i // 2) % len(code)]}\n")
-        else:
-            out.append(f"{rng.choice(PROSE_TASKS)}\n\n{prose[(i // 2) % len(prose)]}\n")
-    return out
+# The requests live in the library now (`llmaccel distill-draft --data self[:N]` uses them);
+# re-exported here for the runs recorded with this script.
+from llmaccel.train.self_data import (CODE_TASKS, PROSE_TASKS, SKIP_DIRS,  # noqa: F401
+                                      stdlib_docstrings, stdlib_functions, stdlib_sources,
+                                      wikitext_paragraphs)
+from llmaccel.train.self_data import self_data_requests as requests
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -238,7 +238,9 @@ def distill_draft(
                              "(an EAGLE-style layer over the target's features; method "
                              "\"head\")."),
     data: str = typer.Option("wikitext2", help="wikitext2 (the validation split, offline), a "
-                             "text file, or an HF dataset name (needs `datasets`, online)."),
+                             "text file, an HF dataset name (needs `datasets`, online), or "
+                             "self[:N]: the target's own answers to N code and prose requests "
+                             "(default 1024), generated first (self-distillation)."),
     layers: Optional[int] = typer.Option(None, min=1, help="student: decoder layers to keep "
                                          "(default: a quarter of the target's, at least 1)."),
     lr: Optional[float] = typer.Option(None, help="Learning rate (default: 1e-4 for a "

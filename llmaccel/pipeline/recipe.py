@@ -121,7 +121,8 @@ class DraftStage(_Section):
         default_factory=lambda: ["ngram", "head"])
     model: Optional[str] = None          # the draft model of method "model"
     num_speculative_tokens: int = Field(4, ge=1)
-    # the head's training
+    # the head's training: wikitext2, a text file, a dataset, or self[:N] (the target's own
+    # answers to N requests: what the head drafts for when serving; distill-draft --data)
     data: str = "wikitext2"
     steps: int = Field(200, ge=1)
     batch_size: int = Field(4, ge=1)
@@ -302,12 +303,15 @@ def default_recipe(size: Literal["small", "full"] = "small") -> Recipe:
         return Recipe(name="default-small", stages=stages)
     # full: W1, W2 and W6 on every variant; the HF baseline (W1, eager) on the model as given
     # (a LoRA merge runs at its speed) and W3 (1 req/s alone is 200 s) there too; a head
-    # trained for up to two minutes. About 25 minutes on an H100. HF's continuous batching
+    # trained for up to two minutes on the model's own answers to 1024 requests (WikiText-2's
+    # validation split alone stopped a SmolLM2 head at 13% top-1 agreement). About 20
+    # minutes of stage time on an H100. HF's continuous batching
     # (hf-cb) is left out: one W2 run of SmolLM2 took 2.5 min on an H100, and a measurement
     # is four runs (warm-up and three repeats); add it to a recipe's bench.backends for W2.
     return Recipe(name="default", stages=Stages(
         analyze=AnalyzeStage(), finetune=FinetuneStage(), quantize=QuantizeStage(),
         eval=EvalStage(), bench=BenchStage(backends=["llmaccel", "hf-eager"],
                                            serve_variants=["base"]),
-        draft=DraftStage(steps=3000, batch_size=8, seq_len=512, max_seconds=120),
+        draft=DraftStage(data="self", steps=3000, batch_size=8, seq_len=512,
+                         max_seconds=120),
         report=ReportStage()))

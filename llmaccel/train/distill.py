@@ -16,7 +16,10 @@ Out: the draft in `out` and distill.json (settings, every evaluation, the outcom
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
+
 import torch
 
 from llmaccel.errors import LLMAccelError
@@ -146,14 +149,30 @@ def distill_draft(cfg: DistillConfig, progress: bool = True,
     save it and distill.json in `cfg.out`. `blocks`: [n, seq_len] token ids to use instead of
     tokenizing `cfg.data`."""
     from llmaccel.train.data import load_training_text
+    from llmaccel.train.self_data import generate_self_data, parse_self_data
 
     cfg.check()
-    text = load_training_text(cfg.data) if blocks is None else None  # bad data fails first
+    n_self = parse_self_data(cfg.data) if blocks is None else None
+    text = load_training_text(cfg.data) if blocks is None and n_self is None else None
+    generated = None
+    if n_self is not None:  # the target answers first, then is loaded again for training
+        generated = generate_self_data(cfg.target, n_self, seed=cfg.seed, dtype=cfg.dtype,
+                                       device=cfg.device, progress=progress)
+        text = generated.text
     torch.manual_seed(cfg.seed)
     target, device = load_target(cfg)
     train, held = training_blocks(cfg, target.tokenizer, text, blocks)
     if cfg.kind == "student":
-        return train_student(cfg, target, train, held, device, progress)
-    from llmaccel.train.draft_head import train_head
+        result = train_student(cfg, target, train, held, device, progress)
+    else:
+        from llmaccel.train.draft_head import train_head
 
-    return train_head(cfg, target, train, held, device, progress)
+        result = train_head(cfg, target, train, held, device, progress)
+    if generated is not None:
+        # The text beside the draft (`--data` it for another run) and its facts in the record.
+        out = Path(cfg.out)
+        (out / "self_data.txt").write_text(generated.text, encoding="utf-8")
+        summary = json.loads((out / "distill.json").read_text())
+        summary["self_data"] = {**generated.facts(), "file": "self_data.txt"}
+        (out / "distill.json").write_text(json.dumps(summary, indent=1))
+    return result
