@@ -69,7 +69,8 @@ def build_graph(recipe: Recipe, model: str,
     if on["draft"]:
         d = s.draft
         train = {k: getattr(d, k) for k in ("data", "steps", "batch_size", "seq_len",
-                                            "max_blocks", "max_seconds")}
+                                            "max_blocks", "max_seconds", "eval_every",
+                                            "patience")}
         measure = {k: getattr(d, k) for k in ("num_speculative_tokens", "batches", "kinds",
                                               "max_tokens", "repeats")}
         if "head" in d.methods:
