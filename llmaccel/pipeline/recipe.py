@@ -309,7 +309,7 @@ def default_recipe(size: Literal["small", "full"] = "small") -> Recipe:
     # full: W1, W2 and W6 on every variant; the HF baseline (W1, eager) on the model as given
     # (a LoRA merge runs at its speed) and W3 (1 req/s alone is 200 s) there too; a head
     # trained for up to 150 s on the model's own answers to 1024 requests (WikiText-2's
-    # validation split alone stopped a SmolLM2 head at 13% top-1 agreement). About 20
+    # validation split alone stopped a SmolLM2 head at 13% top-1 agreement). About 22
     # minutes of stage time on an H100. HF's continuous batching
     # (hf-cb) is left out: one W2 run of SmolLM2 took 2.5 min on an H100, and a measurement
     # is four runs (warm-up and three repeats); add it to a recipe's bench.backends for W2.
