@@ -42,6 +42,9 @@ stages:
      "    serve_variants: [base, gptq-int4-g128]\n",
      "line 6: stages.bench.serve_variants: 'gptq-int4-g128' is not a variant of this recipe "
      "(variants: base, fp8)"),
+    ("name: x\nstages:\n  draft:\n    variants: [finetuned]\n",
+     "line 4: stages.draft.variants: 'finetuned' is not a variant of this recipe "
+     "(variants: base)"),
     ("name: [x\n", "not valid YAML"),
     ("- a\n- b\n", "a recipe is a mapping"),
 ])
@@ -71,6 +74,14 @@ def test_bench_variant_lists_narrow_each_variants_own_config():
                      "bench.finetuned.throughput": ["llmaccel"],
                      "bench.fp8.latency": ["llmaccel"], "bench.fp8.throughput": ["llmaccel"],
                      "bench.fp8.serve": ["llmaccel"]}
+    r = parse_recipe("stages:\n  quantize: {methods: [fp8]}\n  draft:\n"
+                     "    methods: [ngram, head]\n    variants: [base, fp8]\n")
+    spec = {n.name: (n.inputs, n.config.get("scheme")) for n in build_graph(r, "m")
+            if n.kind == "spec"}
+    assert spec == {"spec.ngram.base": ({"model": "model"}, None),
+                    "spec.ngram.fp8": ({"model": "quantize.fp8"}, "fp8"),
+                    "spec.head.base": ({"model": "model", "draft": "draft.head"}, None),
+                    "spec.head.fp8": ({"model": "quantize.fp8", "draft": "draft.head"}, "fp8")}
     # the full built-in recipe: every stage, W3 and the HF baselines on the base model only
     nodes = {n.name: n for n in build_graph(default_recipe("full"), "m.gguf")}
     runs = [k for k in nodes if k.startswith("bench.")]
@@ -250,7 +261,8 @@ stages:
   bench: {{workloads: [latency, serve], backends: [llmaccel, hf-eager], quick: true,
           repeats: 1, request_rates: [8]}}
   draft: {{methods: [ngram, head], steps: 2, batch_size: 1, seq_len: 32, max_blocks: 8,
-          batches: [1], kinds: [prose], max_tokens: 8, repeats: 1}}
+          batches: [1], kinds: [prose], max_tokens: 8, repeats: 1,
+          variants: [finetuned, fp8]}}
   report: {{}}
 """)
     runs = tmp_path / "runs"
@@ -258,7 +270,7 @@ stages:
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs)])
     assert res.exit_code == 0, res.output
     summary = json.loads((runs / "tiny" / "run.json").read_text())
-    assert [s["status"] for s in summary["stages"]] == ["ran"] * 20
+    assert [s["status"] for s in summary["stages"]] == ["ran"] * 22
     for s in summary["stages"]:
         record = json.loads((runs / "tiny" / s["dir"] / "stage.json").read_text())
         assert record["key"] == s["key"]
@@ -279,10 +291,18 @@ stages:
                      ["| finetuned", "fp32", "llmaccel"],
                      ["| rtn-int8", "rtn-int8", "llmaccel"], ["| fp8", "fp8", "llmaccel"]]
     assert "## Fine-tuning (LoRA)" in md and "| rtn-int8 | rtn |" in md
-    spec_rows = [ln for ln in md.splitlines() if ln.startswith(("| ngram |", "| head |"))]
-    assert len(spec_rows) == 2 and all(r.endswith("| yes |") for r in spec_rows)  # lossless
-    # 4 W6, 4 W1, 4 W3 (our engine only), 2 W5
-    assert len(list((report_dir / "records").glob("*.jsonl"))) == 14
+    # W5 on the fine-tuned model and on its fp8 checkpoint, the head trained once
+    spec_rows = [ln.split(" | ")[:2] for ln in md.splitlines()
+                 if ln.startswith(("| finetuned |", "| fp8 |")) and "| prose |" in ln]
+    assert spec_rows == [["| finetuned", "ngram"], ["| fp8", "ngram"], ["| finetuned", "head"],
+                         ["| fp8", "head"]]
+    assert all(ln.endswith("| yes |") for ln in md.splitlines()
+               if "| prose | 1 |" in ln)  # lossless
+    w5 = json.loads((report_dir / "records" / "spec.head.fp8-W5.jsonl").read_text()
+                    .splitlines()[0])
+    assert w5["config"]["quantization"] == "fp8" and w5["config"]["target_variant"] == "fp8"
+    # 4 W6, 4 W1, 4 W3 (our engine only), 4 W5
+    assert len(list((report_dir / "records").glob("*.jsonl"))) == 16
     assert "### W3" in md
     # perplexity vs speed: the schemes are compared with the model they were made from
     assert "The unquantized point is the `finetuned` variant" in md

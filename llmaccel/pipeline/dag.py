@@ -76,15 +76,23 @@ def build_graph(recipe: Recipe, model: str,
         if "head" in d.methods:
             nodes.append(StageNode("draft.head", "draft_head", {**train, **common},
                                    {"model": tuned}))
+        # Targets: the workflow's model (one run per method, `spec.<method>`), or each named
+        # variant (`spec.<method>.<variant>`, its config naming the variant).
+        targets = [(None, tuned, None)] if d.variants is None else \
+            [v for v in variants if v[0] in d.variants]
         for method in d.methods:
-            inputs = {"model": tuned}
-            config = {**measure, "method": method, **common}
-            if method == "head":
-                inputs["draft"] = "draft.head"
-            if method == "model":  # an external model: keyed by its bytes, like the target
-                config["draft_model"] = d.model
-                config["draft_model_key"] = fingerprint(d.model) if fingerprint else d.model
-            nodes.append(StageNode(f"spec.{method}", "spec", config, inputs))
+            for label, src, scheme in targets:
+                inputs = {"model": src}
+                config = {**measure, "method": method, **common}
+                if label is not None:
+                    config.update(variant=label, scheme=scheme)
+                if method == "head":
+                    inputs["draft"] = "draft.head"
+                if method == "model":  # an external model: keyed by its bytes, like the target
+                    config["draft_model"] = d.model
+                    config["draft_model_key"] = fingerprint(d.model) if fingerprint else d.model
+                name = f"spec.{method}" if label is None else f"spec.{method}.{label}"
+                nodes.append(StageNode(name, "spec", config, inputs))
     if on["report"]:
         title = s.report.title or f"llmaccel recipe {recipe.name}"
         nodes.append(StageNode("report", "report",

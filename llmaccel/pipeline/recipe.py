@@ -134,7 +134,10 @@ class DraftStage(_Section):
     # every 250 with patience 4 it ran to its time limit at 33%.
     eval_every: int = Field(25, ge=1)
     patience: int = Field(2, ge=1)
-    # the W5 measurement
+    # the W5 measurement, on the workflow's model (the fine-tuned one when fine-tuning runs)
+    # or on each variant named here (base, finetuned, a scheme: speculation on a quantized
+    # target; the head trained on the workflow's model serves them all)
+    variants: Optional[list[str]] = None
     batches: list[int] = Field(default_factory=lambda: [1, 4, 16, 64])
     kinds: list[Literal["code", "prose"]] = Field(default_factory=lambda: ["code", "prose"])
     max_tokens: int = Field(192, ge=1)
@@ -185,15 +188,16 @@ class Stages(BaseModel):
                 + (list(self.quantize.methods) if "quantize" in on else []))
 
     @model_validator(mode="after")
-    def _bench_variants(self) -> Stages:
-        if self.bench is None:
-            return self
+    def _variant_lists(self) -> Stages:
         known = self.variants()
-        for key in ("baseline_variants", "serve_variants"):
-            bad = [v for v in getattr(self.bench, key) or [] if v not in known]
+        for section, key in (("bench", "baseline_variants"), ("bench", "serve_variants"),
+                             ("draft", "variants")):
+            stage = getattr(self, section)
+            bad = [v for v in (getattr(stage, key) or [] if stage is not None else [])
+                   if v not in known]
             if bad:
-                raise ValueError(f"bench.{key}: {', '.join(map(repr, bad))} is not a variant "
-                                 f"of this recipe (variants: {', '.join(known)})")
+                raise ValueError(f"{section}.{key}: {', '.join(map(repr, bad))} is not a "
+                                 f"variant of this recipe (variants: {', '.join(known)})")
         return self
 
 

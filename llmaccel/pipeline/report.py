@@ -115,23 +115,27 @@ def write_recipe_report(inputs: StageInputs, out: Path, title: str,
 
 def _spec_section(records: list[Record], inputs: StageInputs) -> list[str]:
     """W5 cells: speedup over plain decoding, acceptance, greedy output identical or not."""
-    cells: dict[tuple[str, str, int], dict[str, Any]] = {}
+    cells: dict[tuple[str, str, str, int], dict[str, Any]] = {}
     for r in records:
         if r.workload != "W5":
             continue
-        c = cells.setdefault((r.config["method"], r.config["kind"], r.config["batch"]),
+        target = str(r.config.get("target_variant", ""))
+        c = cells.setdefault((target, r.config["method"], r.config["kind"], r.config["batch"]),
                              {"identical": r.config.get("identical_to_plain")})
         c[r.metric] = r.value
     if not cells:
         return []
+    several = len({k[0] for k in cells}) > 1 or any(k[0] for k in cells)
     lines = ["## Speculative decoding (W5)", "",
              "Against plain decoding on the same engine, timed in turns; greedy outputs "
              "compared (in bf16 the verify pass and the one-token decode run different "
              "kernels, so a near-tie can flip a token; fp32 runs compare exactly).", "",
-             "| method | prompts | batch | speedup | acceptance rate | mean accepted length | "
-             "tok/s | same output |", "|---|---|---|---|---|---|---|---|"]
-    for (method, kind, batch), c in cells.items():
-        lines.append(f"| {method} | {kind} | {batch} | {_fmt(c.get('speedup'))} | "
+             ("| target " if several else "") + "| method | prompts | batch | speedup | "
+             "acceptance rate | mean accepted length | tok/s | same output |",
+             "|---" * (9 if several else 8) + "|"]
+    for (target, method, kind, batch), c in cells.items():
+        lines.append(("| " + target + " " if several else "") +
+                     f"| {method} | {kind} | {batch} | {_fmt(c.get('speedup'))} | "
                      f"{_fmt(c.get('acceptance_rate'))} | "
                      f"{_fmt(c.get('mean_accepted_len'))} | {_fmt(c.get('out_tok_s'))} | "
                      f"{'yes' if c['identical'] else 'no'} |")

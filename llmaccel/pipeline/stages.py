@@ -201,8 +201,12 @@ def run_spec(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
                         kinds=",".join(c["kinds"]), max_tokens=c["max_tokens"],
                         repeats=c["repeats"], dtype=c["dtype"], device=_device(c),
                         no_progress=True)
-    _relabel(path, inputs.source)
-    return {"records": [path.name], "method": c["method"]}
+    # A named target variant goes into config.quantization (config.variant is W5's row label)
+    target = {} if "variant" not in c else \
+        {"quantization": _variant_facts(c)["quantization"], "target_variant": c["variant"]}
+    _relabel(path, inputs.source, target)
+    return {"records": [path.name], "method": c["method"], **(
+        {"target_variant": c["variant"]} if "variant" in c else {})}
 
 
 def _max_positions(model: str) -> int:
