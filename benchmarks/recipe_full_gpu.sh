@@ -4,10 +4,14 @@
 # One phase per call, issued back to back; stage outputs stay in /tmp/runs between calls, and
 # the cache makes every phase pick up where the last one stopped:
 #   bash benchmarks/recipe_full_gpu.sh setup            # wheels (.whl), data (.devdata)
-#   bash benchmarks/recipe_full_gpu.sh join             # the staged default model, verified
-#   bash benchmarks/recipe_full_gpu.sh run [--only ...] # `llmaccel run --size full ...`
+#   bash benchmarks/recipe_full_gpu.sh join [FILE SHA]  # a staged model (default: SmolLM2),
+#                                                       # verified, into the model cache
+#   bash benchmarks/recipe_full_gpu.sh run [--only ...] # `llmaccel run --size full ...`, or
+#                                                       # `llmaccel run $RECIPE ...` if set
 #   bash benchmarks/recipe_full_gpu.sh unpack FILE.tgz  # stage dirs from an earlier lease
 #   bash benchmarks/recipe_full_gpu.sh pack NAME [GLOB] # stage dirs (or the report) -> $OUT
+# Another recipe: RECIPE=recipes/qwen-coder-study.yaml RECIPE_NAME=qwen-coder-study (its name:
+# where pack and unpack find its stage directories).
 # Stages that read only the model (bench.base.*) can run in one lease and be carried into the
 # next (pack, then unpack): their cache keys hold the model's bytes, not a path.
 set -euo pipefail
@@ -16,7 +20,7 @@ model=SmolLM2-135M-Instruct.Q4_1.gguf
 sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 export PYTHONPATH=$PWD:/tmp/site LLMACCEL_DATA_DIR=/tmp/devdata LLMACCEL_CACHE=/tmp/lc
 export PYTHONUNBUFFERED=1 COLUMNS=160
-runs=/tmp/runs/default
+runs=/tmp/runs/${RECIPE_NAME:-default}
 case $phase in
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -24,11 +28,19 @@ case $phase in
     rm -rf /tmp/devdata && cp -r .devdata /tmp/devdata
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
   join)
+    # a file staged with ../shared/tools/device-stage; the Qwen pair of recipes/
+    # qwen-coder-study.yaml goes where ../shared/models/fetch puts it (~/.cache/shared-models)
+    model=${1:-$model}; sha=${2:-$sha}
+    dest=/tmp/lc/models; [[ $model == qwen* ]] && dest=$HOME/.cache/shared-models
     cat /tmp/stage/$model.part* > /tmp/stage/$model && rm /tmp/stage/$model.part*
     echo "$sha  /tmp/stage/$model" | sha256sum -c
-    mkdir -p /tmp/lc/models && mv /tmp/stage/$model /tmp/lc/models/ ;;
+    mkdir -p $dest && mv /tmp/stage/$model $dest/ ;;
   run)
-    python3 -m llmaccel.cli run --size full --runs-dir /tmp/runs "$@" ;;
+    if [[ -n ${RECIPE:-} ]]; then
+      python3 -m llmaccel.cli run "$RECIPE" --runs-dir /tmp/runs "$@"
+    else
+      python3 -m llmaccel.cli run --size full --runs-dir /tmp/runs "$@"
+    fi ;;
   unpack)
     mkdir -p $runs && tar xzf "$1" -C $runs && ls $runs ;;
   pack)
