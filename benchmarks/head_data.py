@@ -22,12 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-# The requests live in the library now (`llmaccel distill-draft --data self[:N]` uses them);
-# re-exported here for the runs recorded with this script.
-from llmaccel.train.self_data import (CODE_TASKS, PROSE_TASKS, SKIP_DIRS,  # noqa: F401
-                                      stdlib_docstrings, stdlib_functions, stdlib_sources,
-                                      wikitext_paragraphs)
-from llmaccel.train.self_data import self_data_requests as requests
+# The requests and the generation live in the library (`llmaccel distill-draft --data
+# self[:N]` uses them); this script writes each chunk as it finishes and prints the engine's
+# stats per chunk.
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,43 +44,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the text file to write")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
 
-    from llmaccel import LLM, SamplingParams
-    from llmaccel.models.tokenizer import format_prompt
+    from llmaccel.train.self_data import generate_self_data
 
-    llm = LLM(args.target, dtype=args.dtype, max_model_len=2048,
-              enable_prefix_caching=args.enable_prefix_caching)
-    tok = llm.get_tokenizer()
-    texts = requests(args.n, args.seed)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("", encoding="utf-8")
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    start, done, n_out = time.perf_counter(), 0, 0
-    last = llm.get_stats()
-    # In chunks: a bounded waiting queue per call, and a run cut short keeps what it made.
-    for i in range(0, len(texts), args.chunk):
-        prompts = [format_prompt(tok, t, None) for t in texts[i:i + args.chunk]]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        records = [tok.decode(o.prompt_token_ids) + o.outputs[0].text for o in outs]
+    start, done, n_chunks = time.perf_counter(), 0, 0
+    last = None
+
+    def on_chunk(records: list[str], llm) -> None:
+        """Write the chunk (a run cut short keeps what it made) and print the engine's view
+        of it: a chunk slower than the last shows whether it took more steps (preemption,
+        smaller batches) or slower ones."""
+        nonlocal done, last, n_chunks
         with out.open("a", encoding="utf-8") as f:
             f.write("\n\n".join(records) + "\n\n")
         done += len(records)
-        n_out += sum(len(o.outputs[0].token_ids) for o in outs)
-        seconds = time.perf_counter() - start
-        # the engine's view of the chunk: a chunk that runs slower than the last shows
-        # whether it took more steps (preemption, smaller batches) or slower ones
+        n_chunks += 1
         st = llm.get_stats()
-        steps = st.num_steps - last.num_steps
-        print(f"{done}/{len(texts)} requests, {n_out} generated tokens, {seconds:.1f} s; "
-              f"chunk: {steps} engine steps, "
-              f"{(st.num_batched_tokens - last.num_batched_tokens) / max(steps, 1):.0f} "
-              f"tokens/step, {st.num_preemptions - last.num_preemptions} preemptions; "
-              f"KV in use after it {st.kv_usage:.1%}", flush=True)
+        if last is not None:
+            steps = st.num_steps - last.num_steps
+            print(f"{done}/{args.n} requests, {time.perf_counter() - start:.1f} s; chunk "
+                  f"{n_chunks}: {steps} engine steps, "
+                  f"{(st.num_batched_tokens - last.num_batched_tokens) / max(steps, 1):.0f} "
+                  f"tokens/step, {st.num_preemptions - last.num_preemptions} preemptions; "
+                  f"KV in use after it {st.kv_usage:.1%}", flush=True)
+        else:
+            print(f"{done}/{args.n} requests, {time.perf_counter() - start:.1f} s; chunk 1: "
+                  f"{st.num_steps} engine steps; KV in use after it {st.kv_usage:.1%}",
+                  flush=True)
         last = st
-        if args.max_seconds is not None and seconds >= args.max_seconds:
-            break
-    print(f"wrote {args.out}: {done} requests, {n_out} generated tokens in "
-          f"{time.perf_counter() - start:.1f} s")
+
+    data = generate_self_data(args.target, args.n, max_tokens=args.max_tokens, seed=args.seed,
+                              dtype=args.dtype, max_seconds=args.max_seconds, progress=False,
+                              chunk=args.chunk, on_chunk=on_chunk,
+                              engine_kwargs={"enable_prefix_caching":
+                                             args.enable_prefix_caching})
+    print(f"wrote {args.out}: {data.requests} requests ({data.skipped} too long for the "
+          f"context), {data.generated_tokens} generated tokens in {data.seconds:.1f} s")
     return 0
 
 

@@ -92,3 +92,14 @@ def test_distill_draft_trains_a_head_on_self_data(worded_target, tmp_path):
         distill_draft(DistillConfig(target=str(worded_target), out=str(tmp_path / "x"),
                                     data="self:1", device="cpu"), progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_head_data_script_writes_each_chunk(worded_target, tmp_path, capsys):
+    import head_data
+
+    out = tmp_path / "data.txt"
+    assert head_data.main(["--target", str(worded_target), "--n", "4", "--max-tokens", "8",
+                           "--chunk", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "chunk 1:" in printed and "chunk 2:" in printed and "wrote" in printed
+    assert len(out.read_text().split()) > 4 * 8

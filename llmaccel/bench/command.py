@@ -100,25 +100,30 @@ def common_options(
     api_key: Optional[str], endpoint: str, vocab_size: Optional[int], goodput: list[str],
     usd_per_gpu_hour: Optional[float], num_gpus: int, no_progress: bool,
     device: Optional[str], allowed: tuple[str, ...]) -> Common:
-    from llmaccel.bench import hardware as hw
-
-    try:
-        hw.use_device(device)  # every bench command sets it: None resets an earlier choice
-    except (ValueError, RuntimeError) as e:
-        raise LLMAccelError(f"--device: {e}") from None
+    device_kw = use_device(device)
     backends = _csv(backend)
     bad = [b for b in backends if b not in allowed]
     if bad or not backends:
         raise LLMAccelError(f"--backend {backend!r}: this workload runs {', '.join(allowed)}")
     if "openai" in backends and not base_url:
         raise LLMAccelError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000)")
-    engine = parse_engine_kw(engine_kw)
-    if device is not None:
-        engine.setdefault("device", device)
+    engine = {**device_kw, **parse_engine_kw(engine_kw)}
     return Common(model, backends, Path(out), name, quick, repeats, warmup, dtype, load_format,
                   engine, base_url, served_model_name, server_name,
                   api_key or os.environ.get("OPENAI_API_KEY"), endpoint, vocab_size,
                   parse_slos(goodput), usd_per_gpu_hour, num_gpus, not no_progress)
+
+
+def use_device(device: Optional[str]) -> dict[str, str]:
+    """--device for the whole command (every bench command sets it: None resets an earlier
+    choice); our engine's keyword for it."""
+    from llmaccel.bench import hardware as hw
+
+    try:
+        hw.use_device(device)
+    except (ValueError, RuntimeError) as e:
+        raise LLMAccelError(f"--device: {e}") from None
+    return {"device": device} if device else {}
 
 
 def model_label(model: str | None) -> str:
@@ -521,14 +526,8 @@ def bench_spec(
     if bad or not all(isinstance(c, dict) and c.get("method") for c in configs):
         raise LLMAccelError("bench spec: kinds are code/prose and every --speculative-config "
                             "is a JSON object with a method")
-    from llmaccel.bench import hardware as hw
-
-    try:
-        hw.use_device(device)
-    except (ValueError, RuntimeError) as e:
-        raise LLMAccelError(f"--device: {e}") from None
     base = {"dtype": dtype, "max_model_len": max_model_len, "enable_prefix_caching": False,
-            **({"device": device} if device else {}), **parse_engine_kw(engine_kw)}
+            **use_device(device), **parse_engine_kw(engine_kw)}
     c = Common(model, ["llmaccel"], Path(out), name, False, repeats, 0, dtype, "auto", base,
                None, None, "server", None, "/v1/completions", None, {}, None, 1,
                not no_progress)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmaccel.pipeline.recipe import BenchStage, Recipe, RecipeError
+from llmaccel.pipeline.recipe import WORKLOAD_BACKENDS, BenchStage, Recipe, RecipeError
 
 SOURCE = "model"  # the external input: the recipe's model, not a stage
 
@@ -54,11 +54,10 @@ def build_graph(recipe: Recipe, model: str,
                                    {"scheme": scheme, **q, "device": recipe.device},
                                    {"model": hf_dir}))
     # The model variants evaluated and benchmarked: (label, node, quantization scheme or None)
-    variants: list[tuple[str, str, str | None]] = [("base", SOURCE, None)]
-    if tuned != SOURCE:
-        variants.append(("finetuned", tuned, None))
-    if on["quantize"]:
-        variants += [(m, f"quantize.{m}", m) for m in s.quantize.methods]
+    sources = {"base": SOURCE, "finetuned": tuned}
+    variants: list[tuple[str, str, str | None]] = [
+        (v, sources[v], None) if v in sources else (v, f"quantize.{v}", v)
+        for v in s.variants()]
     if on["eval"]:
         e = {**s.eval.model_dump(exclude={"enabled"}), **common}
         for label, src, scheme in variants:
@@ -106,8 +105,6 @@ def _bench_nodes(bench: BenchStage, variants: list[tuple[str, str, str | None]],
     """One stage run per variant and workload (`bench.gptq-int4-g128.latency`), so adding a
     workload or a backend re-runs only those, and no run outgrows a GPU lease's call. Each
     config holds only what that run reads."""
-    from llmaccel.pipeline.recipe import WORKLOAD_BACKENDS
-
     shared = {"quick": bench.quick, "repeats": bench.repeats, **common}
     nodes = []
     for label, src, scheme in variants:

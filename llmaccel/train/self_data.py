@@ -5,8 +5,8 @@ A draft learns to predict the target on the text it is trained on, and what it d
 serving time is the target's own output. EAGLE trains on a chat dataset answered by the
 target; Medusa-2 on the model's own answers. Offline, WikiText-2's validation split is the
 only other text, 241k tokens, and a SmolLM2 head trained on it stopped improving at 13% top-1
-agreement. A head trained on the target's answers reached 31% in 80 s (session 11's H100
-runs; see benchmarks/results/2026-11-24-recipe-default-full-h100/NOTES.md).
+agreement; on the target's answers it reached 33% in 150 s (H100,
+benchmarks/results/2026-11-24-W5-selfdata-head-smollm2-h100-summary.md).
 
 The requests (none of them W5's prompts, though of the same kinds) come from two sources.
 Code requests pair functions of Python's standard library (parsed, never imported) with
@@ -22,8 +22,10 @@ import functools
 import random
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llmaccel.errors import LLMAccelError
 
@@ -163,10 +165,13 @@ class SelfData:
 def generate_self_data(target: str, n: int, max_tokens: int = MAX_TOKENS, seed: int = 0,
                        dtype: str = "auto", device: str | None = None,
                        max_seconds: float | None = None, progress: bool = True,
-                       chunk: int = CHUNK) -> SelfData:
+                       chunk: int = CHUNK, engine_kwargs: dict[str, Any] | None = None,
+                       on_chunk: Callable[[list[str], Any], None] | None = None) -> SelfData:
     """The target's greedy answers to `self_data_requests(n, seed)`, through our engine, in
-    chunks; stops after the chunk that passes `max_seconds` of generation. The engine is
-    released before returning (training loads the target again)."""
+    chunks; stops after the chunk that passes `max_seconds` of generation. `on_chunk(records,
+    llm)` sees each chunk's records as it finishes (benchmarks/head_data.py writes them and
+    prints the engine's stats). The engine is released before returning (training loads the
+    target again)."""
     from llmaccel import LLM, SamplingParams
     from llmaccel.bench import hardware as hw
     from llmaccel.models.tokenizer import format_prompt
@@ -179,7 +184,7 @@ def generate_self_data(target: str, n: int, max_tokens: int = MAX_TOKENS, seed: 
     limit = getattr(load_hf_config(resolve_model_source(target)), "max_position_embeddings",
                     2048)
     kwargs = {"dtype": dtype, "max_model_len": min(2048, int(limit)),
-              **({"device": device} if device else {})}
+              **({"device": device} if device else {}), **(engine_kwargs or {})}
     llm = LLM(target, **kwargs)
     try:
         tok = llm.get_tokenizer()
@@ -205,12 +210,16 @@ def generate_self_data(target: str, n: int, max_tokens: int = MAX_TOKENS, seed: 
                 continue
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=progress)
+            done = []
             for o in outs:
                 if o.error:
                     skipped += 1
                     continue
-                records.append(tok.decode(o.prompt_token_ids) + o.outputs[0].text)
+                done.append(tok.decode(o.prompt_token_ids) + o.outputs[0].text)
                 generated += len(o.outputs[0].token_ids)
+            records += done
+            if on_chunk is not None:
+                on_chunk(done, llm)
             if max_seconds is not None and time.perf_counter() - start >= max_seconds:
                 break
         seconds = time.perf_counter() - start
