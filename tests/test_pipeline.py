@@ -45,6 +45,10 @@ stages:
     ("name: x\nstages:\n  draft:\n    variants: [finetuned]\n",
      "line 4: stages.draft.variants: 'finetuned' is not a variant of this recipe "
      "(variants: base)"),
+    ("name: x\nstages:\n  draft:\n    disable_by_batch_size: {ngram: 0}\n",
+     "line 4: stages.draft.disable_by_batch_size: "),
+    ("name: x\nstages:\n  draft:\n    disable_by_batch_size: {eagle: 4}\n",
+     "line 4: stages.draft.disable_by_batch_size.eagle"),
     ("name: [x\n", "not valid YAML"),
     ("- a\n- b\n", "a recipe is a mapping"),
 ])
@@ -82,6 +86,12 @@ def test_bench_variant_lists_narrow_each_variants_own_config():
                     "spec.ngram.fp8": ({"model": "quantize.fp8"}, "fp8"),
                     "spec.head.base": ({"model": "model", "draft": "draft.head"}, None),
                     "spec.head.fp8": ({"model": "quantize.fp8", "draft": "draft.head"}, "fp8")}
+    # a configured crossover reaches its method's runs only (the others keep their keys)
+    r = parse_recipe("stages:\n  draft:\n    methods: [ngram, head]\n"
+                     "    disable_by_batch_size: {ngram: 64}\n")
+    limits = {n.name: n.config.get("disable_by_batch_size") for n in build_graph(r, "m")
+              if n.kind == "spec"}
+    assert limits == {"spec.ngram": 64, "spec.head": None}
     # the full built-in recipe: every stage, W3 and the HF baselines on the base model only
     nodes = {n.name: n for n in build_graph(default_recipe("full"), "m.gguf")}
     runs = [k for k in nodes if k.startswith("bench.")]
@@ -320,3 +330,29 @@ def test_the_recipes_in_the_repository_parse():
     assert files
     for f in files:
         assert load_recipe(f).name == f.stem
+
+
+def test_spec_stage_passes_the_configured_crossover(monkeypatch, tmp_path):
+    """The draft stage's disable_by_batch_size reaches the speculative config of W5."""
+    from llmaccel.bench import command as bench_command
+    from llmaccel.pipeline import stages
+    from llmaccel.pipeline.dag import StageNode, build_graph
+
+    seen: dict = {}
+
+    def fake_run_workload(kind, model, out, workload, **kw):
+        seen.update(kw)
+        return tmp_path / "W5.jsonl"
+
+    monkeypatch.setattr(bench_command, "run_workload", fake_run_workload)
+    monkeypatch.setattr(stages, "_relabel", lambda *a, **k: None)
+    monkeypatch.setattr(stages, "_max_positions", lambda m: 4096)
+    r = parse_recipe("stages:\n  draft:\n    methods: [ngram]\n"
+                     "    disable_by_batch_size: {ngram: 16}\n")
+    node = next(n for n in build_graph(r, "m") if n.name == "spec.ngram")
+    assert isinstance(node, StageNode)
+    stages.run_spec(node, stages.StageInputs(source="m", models={"model": "m"}), tmp_path)
+    spec = json.loads(seen["speculative_config"][0])
+    assert spec == {"method": "ngram", "num_speculative_tokens": 4,
+                    "disable_by_batch_size": 16}
+    assert seen["max_model_len"] == 2048

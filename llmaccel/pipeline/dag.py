@@ -83,6 +83,8 @@ def build_graph(recipe: Recipe, model: str,
             for label, src, scheme in targets:
                 inputs = {"model": src}
                 config = {**measure, "method": method, **common}
+                if method in d.disable_by_batch_size:  # absent: keys of older runs unchanged
+                    config["disable_by_batch_size"] = d.disable_by_batch_size[method]
                 if label is not None:
                     config.update(variant=label, scheme=scheme)
                 if method == "head":

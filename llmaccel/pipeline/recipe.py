@@ -121,6 +121,11 @@ class DraftStage(_Section):
         default_factory=lambda: ["ngram", "head"])
     model: Optional[str] = None          # the draft model of method "model"
     num_speculative_tokens: int = Field(4, ge=1)
+    # vLLM's disable_by_batch_size, per method ({ngram: 64, model: 4}): at or above this many
+    # requests the engine decodes plainly. A measured crossover for the target; unset, the
+    # engine's automatic switch alone decides (it misses some crossovers: issue 6's notes).
+    disable_by_batch_size: dict[Literal["ngram", "model", "head"], int] = Field(
+        default_factory=dict)
     # the head's training: wikitext2, a text file, a dataset, or self[:N] (the target's own
     # answers to N requests: what the head drafts for when serving; distill-draft --data)
     data: str = "wikitext2"
@@ -156,6 +161,14 @@ class DraftStage(_Section):
         if not batches or any(b < 1 for b in batches):
             raise ValueError("batch sizes are integers >= 1")
         return batches
+
+    @field_validator("disable_by_batch_size")
+    @classmethod
+    def _limits(cls, limits: dict[str, int]) -> dict[str, int]:
+        bad = {m: n for m, n in limits.items() if n < 1}
+        if bad:
+            raise ValueError(f"batch sizes are integers >= 1, got {bad}")
+        return limits
 
     @model_validator(mode="after")
     def _draft_model(self) -> DraftStage:

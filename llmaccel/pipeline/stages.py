@@ -191,6 +191,8 @@ def run_spec(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
     c = node.config
     spec: dict[str, Any] = {"method": {"model": "draft"}.get(c["method"], c["method"]),
                             "num_speculative_tokens": c["num_speculative_tokens"]}
+    if "disable_by_batch_size" in c:
+        spec["disable_by_batch_size"] = c["disable_by_batch_size"]
     if c["method"] == "model":
         spec["model"] = c["draft_model"]
     elif c["method"] == "head":
