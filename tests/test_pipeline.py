@@ -356,3 +356,19 @@ def test_spec_stage_passes_the_configured_crossover(monkeypatch, tmp_path):
     assert spec == {"method": "ngram", "num_speculative_tokens": 4,
                     "disable_by_batch_size": 16}
     assert seen["max_model_len"] == 2048
+
+
+def test_a_home_relative_model_path_is_expanded(monkeypatch, tmp_path):
+    """`model: ~/...` (the study recipe's GGUF) reaches the converter as a real path."""
+    from llmaccel.models import convert
+    from llmaccel.pipeline.runner import resolve_model
+    from llmaccel.quant.schemes import hf_source
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(convert, "gguf_to_hf_dir", lambda src, out, dtype: seen.append(src))
+    hf_source("~/m.gguf", tmp_path / "work")
+    assert seen == [tmp_path / "m.gguf"]
+    assert resolve_model(parse_recipe("model: ~/m.gguf\n")) == str(tmp_path / "m.gguf")
+    assert resolve_model(parse_recipe("model: Qwen/Qwen2.5-Coder-1.5B\n")) == \
+        "Qwen/Qwen2.5-Coder-1.5B"

@@ -50,8 +50,9 @@ class Plan:
 
 
 def resolve_model(recipe: Recipe) -> str:
-    if recipe.model is not None:
-        return recipe.model
+    if recipe.model is not None:  # "~/..." paths as a shell would read them (hub ids unchanged)
+        return str(Path(recipe.model).expanduser()) if recipe.model.startswith("~") \
+            else recipe.model
     from llmaccel.models.default_model import default_model_path
 
     return str(default_model_path())

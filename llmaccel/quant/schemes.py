@@ -38,7 +38,7 @@ def check_scheme(name: str) -> tuple[str, int, int | None]:
 def hf_source(model: str | Path, work: Path) -> Path:
     """An HF safetensors directory for `model`: itself, or a GGUF file dequantized once into
     `work` (transformers reads GGUF; our quantizers read safetensors)."""
-    path = Path(model)
+    path = Path(model).expanduser()
     if path.suffix != ".gguf":
         return path
     out = work / (path.stem + "-hf")
