@@ -247,6 +247,12 @@ def test_a_gguf_model_is_converted_once_for_every_scheme(tmp_path):
     run_once(text, tmp_path / "runs", fake)
     assert fake.calls == ["convert", "quantize.rtn-int8", "quantize.fp8", "eval.base",
                           "eval.rtn-int8", "eval.fp8"]
+    # the base variant reads the converted safetensors too (one slow GGUF load, not one a stage)
+    from llmaccel.pipeline.dag import build_graph
+    r = parse_recipe(text + "  draft: {methods: [ngram, head]}\n")
+    reads = {n.name: n.inputs["model"] for n in build_graph(r, str(gguf))}
+    assert reads["eval.base"] == reads["draft.head"] == reads["spec.ngram"] == "convert"
+    assert reads["convert"] == "model"
 
 
 # -- end to end, real stages on a tiny model ---------------------------------------------------

@@ -44,17 +44,20 @@ def build_graph(recipe: Recipe, model: str,
                                {"model": SOURCE}))
         tuned = "finetune"
     hf_dir = tuned
+    base = SOURCE
     if on["quantize"] and s.quantize.methods:
         if tuned == SOURCE and _needs_hf_dir(model):  # quantizers read safetensors
             nodes.append(StageNode("convert", "convert", {}, {"model": SOURCE}))
-            hf_dir = "convert"
+            # The base variant's stages read the same dequantized weights from safetensors:
+            # a 1.5B Q4_K_M GGUF took ~70 s a load on the GPU machine, safetensors seconds.
+            hf_dir = base = tuned = "convert"
         q = s.quantize.model_dump(exclude={"enabled", "methods"})
         for scheme in s.quantize.methods:
             nodes.append(StageNode(f"quantize.{scheme}", "quantize",
                                    {"scheme": scheme, **q, "device": recipe.device},
                                    {"model": hf_dir}))
     # The model variants evaluated and benchmarked: (label, node, quantization scheme or None)
-    sources = {"base": SOURCE, "finetuned": tuned}
+    sources = {"base": base, "finetuned": tuned}
     variants: list[tuple[str, str, str | None]] = [
         (v, sources[v], None) if v in sources else (v, f"quantize.{v}", v)
         for v in s.variants()]
