@@ -510,11 +510,10 @@ def bench_spec(
     """W5: speculative decoding against plain decoding on our engine (a real model: text
     prompts, real acceptance); speedup, acceptance (overall and per draft position), and
     whether greedy outputs stayed identical."""
-    import asyncio
-
-    from llmaccel.bench.backends.engine import EngineBackend
+    from llmaccel.bench import hardware as hw
     from llmaccel.bench.results import Failure
     from llmaccel.bench.spec_suite import SpecSettings, spec_cells
+    from llmaccel.engine.llm import LLM
 
     try:
         configs = [json.loads(s) for s in speculative_config]
@@ -532,29 +531,28 @@ def bench_spec(
                None, None, "server", None, "/v1/completions", None, {}, None, 1,
                not no_progress)
     label = model_label(model)
+    # One line per finished cell (no live display: its refresh thread would share the GIL
+    # with the timed runs).
+    from rich.console import Console
 
-    async def run():
-        records, failures = [], []
-        plain = EngineBackend(model, base)
-        await plain.start()
-        meta = run_meta(_command(), plain.device())
+    console = Console(stderr=True)
+    say = (lambda line: console.print(line, highlight=False)) if not no_progress else None
+    records, failures = [], []
+    plain = LLM(model, **base)
+    meta = run_meta(_command(), hw.device_name(plain.engine.device))
+    for cfg in configs:
+        spec = None
         try:
-            for cfg in configs:
-                spec = EngineBackend(model, {**base, "speculative_config": cfg})
-                try:
-                    await spec.start()
-                    records += await spec_cells(plain, spec, cfg["method"], cfg, settings,
-                                                meta, label)
-                except (LLMAccelError, ValueError, RuntimeError) as e:
-                    failures.append(Failure("W5", label, f"llmaccel [{cfg['method']}]",
-                                            f"{type(e).__name__}: {e}"[:500]))
-                finally:
-                    await spec.close()
+            spec = LLM(model, **{**base, "speculative_config": cfg})
+            records += spec_cells(plain, spec, cfg["method"], cfg, settings, meta, label, say)
+        except (LLMAccelError, ValueError, RuntimeError) as e:
+            failures.append(Failure("W5", label, f"llmaccel [{cfg['method']}]",
+                                    f"{type(e).__name__}: {e}"[:500]))
         finally:
-            await plain.close()
-        return records, failures
-
-    records, failures = asyncio.run(run())
+            del spec
+            hw.release_memory()
+    del plain
+    hw.release_memory()
     for r in records:
         r.config["variant"] = f"{r.config['method']} {r.config['kind']} b{r.config['batch']}"
     _finish(c, "W5", records, [], failures, "W5 speculative decoding",
