@@ -10,6 +10,8 @@
 #                                                       # `llmaccel run $RECIPE ...` if set
 #   bash benchmarks/recipe_full_gpu.sh unpack FILE.tgz  # stage dirs from an earlier lease
 #   bash benchmarks/recipe_full_gpu.sh pack NAME [GLOB] # stage dirs (or the report) -> $OUT
+#   bash benchmarks/recipe_full_gpu.sh work NAME STAGES # run --only STAGES, print what ran,
+#                                                       # log and records (pack) -> $OUT
 # Another recipe: RECIPE=recipes/qwen-coder-study.yaml RECIPE_NAME=qwen-coder-study (its name:
 # where pack and unpack find its stage directories).
 # Stages that read only the model (bench.base.*) can run in one lease and be carried into the
@@ -44,9 +46,24 @@ case $phase in
   unpack)
     mkdir -p $runs && tar xzf "$1" -C $runs && ls $runs ;;
   pack)
-    # stage directories without model weights (records, manifests, reports): small
-    name=$1; glob=${2:-*}
-    (cd $runs && tar czf "$OUT/$name" --exclude='*.safetensors' --exclude='*.bin' $glob)
+    # stage directories without model weights or tokenizer files (records, manifests,
+    # reports): small. Unpacked into a later lease, a convert or quantize directory would
+    # read as cached without its weights, so those go only with GLOB naming them.
+    name=$1; glob=${2:-}
+    [[ -n $glob ]] || glob=$(cd $runs && { ls -d analyze-* eval.* bench.* draft.* spec.* \
+                                 report-* 2>/dev/null || true; } | tr '\n' ' ')
+    (cd $runs && tar czf "$OUT/$name" --exclude='*.safetensors' --exclude='*.bin' \
+       --exclude='tokenizer*' $glob)
     ls -la "$OUT" ;;
+  work)
+    # one GPU call's share of a recipe: the stages named, a short table of what ran, the
+    # log and the finished stage directories (pack) returned under $OUT
+    name=$1; stages=$2; rc=0
+    bash "$0" run --only "$stages" > /tmp/$name.log 2>&1 || rc=$?
+    echo "rc=$rc $(date -u +%H:%M:%S)"
+    grep -E "│ .*(ran|failed|skipped) " /tmp/$name.log | cut -c1-150 | tail -40 || true
+    grep -E "did not finish" -A3 /tmp/$name.log | cut -c1-400 || true
+    cp /tmp/$name.log "$OUT/"
+    bash "$0" pack "$name.tgz" > /dev/null ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -92,6 +92,9 @@ def test_bench_variant_lists_narrow_each_variants_own_config():
     limits = {n.name: n.config.get("disable_by_batch_size") for n in build_graph(r, "m")
               if n.kind == "spec"}
     assert limits == {"spec.ngram": 64, "spec.head": None}
+    from llmaccel.pipeline.dag import W5_HARNESS  # runs of an older W5 harness are not reused
+    assert {n.config["harness"] for n in build_graph(r, "m") if n.kind == "spec"} == \
+        {W5_HARNESS}
     # the full built-in recipe: every stage, W3 and the HF baselines on the base model only
     nodes = {n.name: n for n in build_graph(default_recipe("full"), "m.gguf")}
     runs = [k for k in nodes if k.startswith("bench.")]

@@ -11,6 +11,9 @@ from typing import Any
 from llmaccel.pipeline.recipe import WORKLOAD_BACKENDS, BenchStage, Recipe, RecipeError
 
 SOURCE = "model"  # the external input: the recipe's model, not a stage
+# W5's timing harness, in the spec runs' keys: runs timed by an earlier harness are not
+# reused. 2: offline LLM.generate (1: AsyncLLM streams, too noisy near 1x; spec_suite.py).
+W5_HARNESS = 2
 
 
 @dataclass
@@ -85,7 +88,7 @@ def build_graph(recipe: Recipe, model: str,
         for method in d.methods:
             for label, src, scheme in targets:
                 inputs = {"model": src}
-                config = {**measure, "method": method, **common}
+                config = {**measure, "method": method, **common, "harness": W5_HARNESS}
                 if method in d.disable_by_batch_size:  # absent: keys of older runs unchanged
                     config["disable_by_batch_size"] = d.disable_by_batch_size[method]
                 if label is not None:
