@@ -4,6 +4,8 @@ against B x 1 rows (a plain decode step), on named shapes with random weights.
 
     python benchmarks/spec_step_cost.py --shapes llama-3.2-3b,qwen2.5-1.5b,qwen2.5-0.5b \\
         --batches 1,4,16,64 --k 4 --name 2026-11-24-W5-step-cost-h100 --out benchmarks/results
+    python benchmarks/spec_step_cost.py --shapes qwen2.5-1.5b,qwen2.5-0.5b \\
+        --quantization bf16,gptq-int4-g128,fp8 ...     # quantized targets (the draft in bf16)
 
 The engine runs a verify step exactly this way (ModelRunner gives each token its own decode
 row, padded up to the next captured size), so these are the step costs speculation pays. Each
@@ -11,6 +13,9 @@ row attends over `--context` earlier tokens plus its own position. Records: `ste
 per (shape, batch, tokens per sequence), with the graph's padded row count, and
 `verify_cost_ratio` = time(B x (k + 1)) / time(B x 1) per (shape, batch). With two shapes that
 form a draft pair, the table also shows c = draft decode / target decode at each batch.
+`--quantization` times every shape but the last (the draft, kept in bf16) in each scheme
+(llmaccel.quant.presets names, dummy codes): a quantized target's verify step may take other
+kernels than its decode step (the batch-1 GEMVs serve one row only).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from llmaccel import LLM
 from llmaccel.engine.cuda_graph import default_capture_sizes, replay_ms
+from llmaccel.quant.presets import preset_config
 
 
 def _time_graph(runner, rows: int, context: int, batch: int, q: int,
@@ -58,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--name", default="W5-step-cost")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--quantization", default="bf16",
+                    help="comma-separated schemes for the target shapes (bf16: unquantized)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("spec_step_cost times CUDA graphs: it needs a GPU")
@@ -69,34 +77,45 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv)
     device = torch.cuda.get_device_name()
     records, times = [], {}
-    for shape in args.shapes.split(","):
+    names = args.shapes.split(",")
+    schemes = args.quantization.split(",")
+    # (row label, shape, scheme): every target shape in every scheme; the draft (the last of
+    # two or more shapes) in bf16 only
+    runs = [(n if q == "bf16" else f"{n} [{q}]", n, q)
+            for n in (names[:-1] if len(names) >= 2 else names) for q in schemes]
+    if len(names) >= 2:
+        runs.append((names[-1], names[-1], "bf16"))
+    for label, shape, scheme in runs:
+        extra = {} if scheme == "bf16" else \
+            {"hf_overrides": {"quantization_config": preset_config(scheme)}}
         # the engine's default capture sizes up to the largest step, as a verify step uses them
         llm = LLM(shape, load_format="dummy", dtype="bfloat16", max_model_len=2048,
                   skip_tokenizer_init=True, enable_prefix_caching=False,
                   max_num_seqs=max(rows_needed),
-                  cudagraph_capture_sizes=default_capture_sizes(max(rows_needed)))
+                  cudagraph_capture_sizes=default_capture_sizes(max(rows_needed)), **extra)
         runner = llm.engine.runner
+        quant = {} if scheme == "bf16" else {"quantization": scheme}
         for b in batches:
             for q in qs:
                 ms, padded = _time_graph(runner, b * q, args.context, b, q, args.iters)
-                times[shape, b, q] = ms
+                times[label, b, q] = ms
                 records.append({
                     "workload": "W5", "model": shape, "load_format": "dummy",
                     "backend": "llmaccel",
                     "config": {"batch": b, "tokens_per_seq": q, "rows": b * q,
                                "graph_rows": padded, "context": args.context,
-                               "dtype": "bfloat16"},
+                               "dtype": "bfloat16", **quant},
                     "metric": "step_time_ms", "value": round(ms, 4), "device": device,
                     "torch": torch.__version__, "commit": commit, "command": command})
-            ratio = times[shape, b, args.k + 1] / times[shape, b, 1]
+            ratio = times[label, b, args.k + 1] / times[label, b, 1]
             records.append({
                 "workload": "W5", "model": shape, "load_format": "dummy", "backend": "llmaccel",
-                "config": {"batch": b, "k": args.k, "context": args.context},
+                "config": {"batch": b, "k": args.k, "context": args.context, **quant},
                 "metric": "verify_cost_ratio", "value": round(ratio, 4), "device": device,
                 "torch": torch.__version__, "commit": commit, "command": command})
         del llm, runner
         torch.cuda.empty_cache()
-    shapes = args.shapes.split(",")
+    shapes = [label for label, _, _ in runs]
     head = "| shape | batch | " + " | ".join(f"q={q} ms" for q in qs) + " | verify/decode |"
     lines = [head, "|" + "---|" * (len(qs) + 3)]
     for shape in shapes:
@@ -105,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {shape} | {b} | {cells} | "
                          f"{times[shape, b, args.k + 1] / times[shape, b, 1]:.2f} |")
     table = "\n".join(lines)
-    if len(shapes) >= 2:
-        # c for a pair: the last shape drafting for each earlier one
+    if len(names) >= 2:
+        # c for a pair: the last shape drafting for each earlier one (in each scheme)
         draft = shapes[-1]
         pair = ["", "| target | draft | batch | c = draft decode / target decode |",
                 "|---|---|---|---|"]
@@ -121,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         f.writelines(json.dumps(r) + "\n" for r in records)
     (out / f"{args.name}.md").write_text(
         f"# {args.name}\n\nDevice: {device}. Command: `{command}`\n\nGPU time per replay of "
-        f"the captured decode graph (mean of {args.iters}), random bf16 weights, context "
+        f"the captured decode graph (mean of {args.iters}), random weights (bf16, or the "
+        f"scheme in brackets), context "
         f"{args.context}; q = tokens per sequence (1: plain decode; k + 1: a verify step).\n\n"
         f"{table}\n")
     print(table)
