@@ -510,6 +510,8 @@ def bench_spec(
     """W5: speculative decoding against plain decoding on our engine (a real model: text
     prompts, real acceptance); speedup, acceptance (overall and per draft position), and
     whether greedy outputs stayed identical."""
+    from rich.console import Console
+
     from llmaccel.bench import hardware as hw
     from llmaccel.bench.results import Failure
     from llmaccel.bench.spec_suite import SpecSettings, spec_cells
@@ -533,8 +535,6 @@ def bench_spec(
     label = model_label(model)
     # One line per finished cell (no live display: its refresh thread would share the GIL
     # with the timed runs).
-    from rich.console import Console
-
     console = Console(stderr=True)
     say = (lambda line: console.print(line, highlight=False)) if not no_progress else None
     records, failures = [], []
