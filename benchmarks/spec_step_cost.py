@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from llmaccel import LLM
+from llmaccel.bench.engine_runs import EngineSettings, engine_kwargs
 from llmaccel.engine.cuda_graph import default_capture_sizes, replay_ms
-from llmaccel.quant.presets import preset_config
 
 
 def _time_graph(runner, rows: int, context: int, batch: int, q: int,
@@ -86,15 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(names) >= 2:
         runs.append((names[-1], names[-1], "bf16"))
     for label, shape, scheme in runs:
-        extra = {} if scheme == "bf16" else \
-            {"hf_overrides": {"quantization_config": preset_config(scheme)}}
-        # the engine's default capture sizes up to the largest step, as a verify step uses them
-        llm = LLM(shape, load_format="dummy", dtype="bfloat16", max_model_len=2048,
-                  skip_tokenizer_init=True, enable_prefix_caching=False,
-                  max_num_seqs=max(rows_needed),
-                  cudagraph_capture_sizes=default_capture_sizes(max(rows_needed)), **extra)
-        runner = llm.engine.runner
         quant = {} if scheme == "bf16" else {"quantization": scheme}
+        # the engine's default capture sizes up to the largest step, as a verify step uses them
+        llm = LLM(shape, **engine_kwargs(EngineSettings(**quant), 2048, {
+            "max_num_seqs": max(rows_needed),
+            "cudagraph_capture_sizes": default_capture_sizes(max(rows_needed))}))
+        runner = llm.engine.runner
         for b in batches:
             for q in qs:
                 ms, padded = _time_graph(runner, b * q, args.context, b, q, args.iters)

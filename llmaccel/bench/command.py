@@ -520,7 +520,7 @@ def bench_spec(
     try:
         configs = [json.loads(s) for s in speculative_config]
         settings = SpecSettings(tuple(int(b) for b in _csv(batches)), tuple(_csv(kinds)),
-                                max_tokens, repeats, not no_progress)
+                                max_tokens, repeats)
     except (json.JSONDecodeError, ValueError) as e:
         raise LLMAccelError(f"bench spec: {e}") from None
     bad = [k for k in settings.kinds if k not in ("code", "prose")]

@@ -33,7 +33,6 @@ class SpecSettings:
     kinds: tuple[str, ...] = ("code", "prose")
     max_tokens: int = 192
     repeats: int = 3
-    progress: bool = True
 
 
 def chat_prompts(llm: Any, kind: str, batch: int) -> list[list[int]]:

@@ -89,7 +89,7 @@ def build_graph(recipe: Recipe, model: str,
             for label, src, scheme in targets:
                 inputs = {"model": src}
                 config = {**measure, "method": method, **common, "harness": W5_HARNESS}
-                if method in d.disable_by_batch_size:  # absent: keys of older runs unchanged
+                if method in d.disable_by_batch_size:  # absent: the engine's switch alone
                     config["disable_by_batch_size"] = d.disable_by_batch_size[method]
                 if label is not None:
                     config.update(variant=label, scheme=scheme)
