@@ -381,3 +381,24 @@ def test_a_home_relative_model_path_is_expanded(monkeypatch, tmp_path):
     assert resolve_model(parse_recipe("model: ~/m.gguf\n")) == str(tmp_path / "m.gguf")
     assert resolve_model(parse_recipe("model: Qwen/Qwen2.5-Coder-1.5B\n")) == \
         "Qwen/Qwen2.5-Coder-1.5B"
+
+
+def test_relabel_names_the_recipe_model_in_records_and_markdown(tmp_path):
+    """A quantized variant's bench stage runs a directory called `checkpoint`: its records
+    and its markdown headings must name the recipe's model and the variant instead."""
+    from llmaccel.bench.results import Record, read_jsonl, write_jsonl
+    from llmaccel.pipeline import stages
+
+    ckpt = tmp_path / "quantize.fp8-abc" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    path = tmp_path / "latency.jsonl"
+    write_jsonl(path, [Record("W1", "checkpoint", "safetensors", "llmaccel", {"batch": 1},
+                              "tok_s", 1.0, "cpu", "2", "abc", "llmaccel bench latency")])
+    path.with_suffix(".md").write_text("# W1\n\n## W1 — checkpoint\n\n| backend |\n"
+                                       "- checkpoint stays in prose\n")
+    stages._relabel(path, "/models/qwen-1.5b.gguf", {"quantization": "fp8"}, str(ckpt), "fp8")
+    (rec,) = read_jsonl(path)
+    assert rec.model == "qwen-1.5b" and rec.config == {"batch": 1, "quantization": "fp8"}
+    md = path.with_suffix(".md").read_text()
+    assert "## W1 — qwen-1.5b (fp8)" in md and "— checkpoint" not in md
+    assert "- checkpoint stays in prose" in md

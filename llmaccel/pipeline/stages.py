@@ -119,7 +119,7 @@ def run_bench(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]
     path = run_workload(workload, inputs.model, out, workload, backend=",".join(c["backends"]),
                         quick=c["quick"], repeats=c["repeats"], dtype=c["dtype"],
                         device=_device(c), no_progress=True, **extra)
-    _relabel(path, inputs.source, _variant_facts(c))
+    _relabel(path, inputs.source, _variant_facts(c), inputs.model, c["variant"])
     return {"records": [path.name], "variant": c["variant"], "workload": workload}
 
 
@@ -145,15 +145,24 @@ def model_label(model: str) -> str:
     return label(model)
 
 
-def _relabel(path: Path, source: str, facts: dict[str, Any] | None = None) -> None:
+def _relabel(path: Path, source: str, facts: dict[str, Any] | None = None,
+             built_from: str | None = None, variant: str | None = None) -> None:
     """Rewrite a bench file's records for the recipe: model = the recipe's model (not the
-    stage directory's name), config extended by `facts`."""
+    stage directory's name), config extended by `facts`. The markdown beside it gets the same
+    name in its headings: `built_from` (the checkpoint the stage ran) named them after its
+    directory ("checkpoint" for every quantized variant)."""
     from llmaccel.bench.results import Record, read_jsonl, write_jsonl
 
     label = model_label(source)
     write_jsonl(path, [Record(**{**r.__dict__, "model": label,
                                  "config": {**r.config, **(facts or {})}})
                        for r in read_jsonl(path)])
+    md = path.with_suffix(".md")
+    if built_from is not None and md.exists():
+        old = f" — {model_label(built_from)}"
+        new = f" — {label}" + (f" ({variant})" if variant else "")
+        md.write_text("\n".join(line.replace(old, new, 1) if line.startswith("## ") else line
+                                for line in md.read_text().split("\n")))
 
 
 def _meta(c: dict[str, Any]):
@@ -206,7 +215,7 @@ def run_spec(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
     # A named target variant goes into config.quantization (config.variant is W5's row label)
     target = {} if "variant" not in c else \
         {"quantization": _variant_facts(c)["quantization"], "target_variant": c["variant"]}
-    _relabel(path, inputs.source, target)
+    _relabel(path, inputs.source, target, inputs.model, c.get("variant"))
     return {"records": [path.name], "method": c["method"], **(
         {"target_variant": c["variant"]} if "variant" in c else {})}
 
