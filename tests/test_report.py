@@ -394,3 +394,42 @@ def test_real_result_files(tmp_path: Path) -> None:
     shared = [q for q in tok_s if q in ppl]
     front = pareto_front({q: (tok_s[q], ppl[q]) for q in shared})
     assert f"perplexed): {', '.join(front)}." in md
+
+
+def recipe_w5_rows() -> list[dict[str, Any]]:
+    """W5 as `llmaccel bench spec` writes it in a recipe: config.variant is the cell's own
+    name (batch included), config.quantization the target's format, the counters nested;
+    batch 16 ran no speculative step (switched off)."""
+    rows = []
+    for quant in ("bf16", "gptq-int4-g128"):
+        for method in ("draft", "ngram"):
+            for batch in (1, 4, 16):
+                steps = 0 if batch == 16 else 12
+                rows.append(rec("W5", "llmaccel", "speedup", 1.0 + 0.1 / batch,
+                                model="qwen2.5-coder-1.5b", command="llmaccel run r.yaml",
+                                method=method, kind="code", batch=batch, quantization=quant,
+                                variant=f"{method} code b{batch}", target_variant=quant,
+                                spec_counters={"num_steps": steps},
+                                per_position_acceptance=[0.7, 0.5] if steps else [0.0, 0.0]))
+    return rows
+
+
+def test_recipe_w5_rows_lines_and_panels(tmp_path: Path) -> None:
+    rows = records(recipe_w5_rows())
+    labels = [r.label for r in assign_rows(rows)]
+    # the cell name repeats the point: it is not a variant (it split every line per batch)
+    assert labels[0] == "draft · code · batch 1 [bf16]"
+    assert not any(" b1" in lab or " b4" in lab for lab in labels)
+    assert plots._spec_steps({"spec_counters": {"num_steps": 0}}) == 0
+    assert plots._spec_steps({"spec_steps": 3}) == 3
+    assert plots._spec_steps({}) is None
+    speed = plots.plot_speedup_vs_batch(rows, tmp_path)
+    assert_png(speed.path)
+    assert "one panel per target quantization" in speed.caption and not speed.notes
+    acc = plots.plot_acceptance_by_position(rows, tmp_path)
+    assert_png(acc.path)
+    assert acc.notes == ["4 runs drafted nothing (switched off at their batch size) and are "
+                         "not drawn"]
+    one = plots.plot_speedup_vs_batch([r for r in rows if r.config["quantization"] == "bf16"],
+                                      tmp_path / "one")
+    assert "panel" not in one.caption

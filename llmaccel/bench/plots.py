@@ -68,12 +68,15 @@ def _log_x(ax: Axes, xs: Iterable[float], base: int = 2) -> None:
     ax.minorticks_off()
 
 
-def _legend(ax: Axes, lines: int) -> list[str]:
+def _legend(ax: Axes, lines: int, small: bool = False) -> list[str]:
     """A legend inside for a few lines, beside the axes for many, none past MAX_LEGEND (it
-    would hide the plot); returns a note when left out."""
+    would hide the plot); returns a note when left out. `small`: a panel of several, whose
+    legend stays inside in a smaller font."""
     if lines > MAX_LEGEND:
         return [f"{lines} lines: too many to label; pass fewer files for a legend"]
-    if lines <= 10:
+    if small:
+        ax.legend(fontsize=6)
+    elif lines <= 10:
         ax.legend(fontsize=8)
     else:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
@@ -300,7 +303,9 @@ def plot_ppl_vs_speed(records: Iterable[Record], out_dir: str | Path,
     ax.set_title("Quantization formats: perplexity vs speed")
     ref = (f" The unquantized point is the `{reference_variant}` variant, the model the "
            "quantized formats were made from." if reference_variant else "")
-    caption = (f"The two axes come from different models, joined on the format name "
+    source = ("The two axes come from different models" if join.speed_model != join.ppl_model
+              else "The two axes come from different workloads of one model")
+    caption = (f"{source}, joined on the format name "
                f"(`config.quantization`): tok/s from W1 records of {join.speed_model} on "
                f"{join.speed_device}, perplexity from W6 records of {join.ppl_model}. "
                f"Pareto front (no other format is both at least as fast and at most as "
@@ -324,93 +329,170 @@ def plot_ppl_vs_speed(records: Iterable[Record], out_dir: str | Path,
 
 
 # -- W5: acceptance by position, speedup by batch ----------------------------------------------
+def _spec_steps(config: Mapping[str, Any]) -> float | None:
+    """Speculative steps a W5 run made: `spec_steps` (benchmarks/spec_bench.py) or
+    `spec_counters.num_steps` (`llmaccel bench spec`); None when the record says neither."""
+    if _is_number(config.get("spec_steps")):
+        return float(config["spec_steps"])
+    counters = config.get("spec_counters")
+    if isinstance(counters, Mapping) and _is_number(counters.get("num_steps")):
+        return float(counters["num_steps"])
+    return None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _panels(records: Sequence[Record]) -> list[str | None]:
+    """One panel per target quantization when W5 runs span several (a recipe's variants:
+    24 lines on one axes read as noise); else one panel."""
+    quants = sorted({str(r.config["quantization"]) for r in records
+                     if r.config.get("quantization") not in (None, "")}, key=natural_key)
+    return quants if len(quants) > 1 else [None]
+
+
+def _in_panel(r: Record, panel: str | None) -> bool:
+    return panel is None or str(r.config.get("quantization")) == panel
+
+
+def _drop_quant(label: str, panel: str | None) -> str:
+    """A line's label inside its quantization's panel: the panel title says the format."""
+    return label if panel is None else label.replace(f" [{panel}]", "").replace(
+        f", {panel}]", "]")
+
+
 def plot_acceptance_by_position(records: Iterable[Record], out_dir: str | Path,
                                 commands: Sequence[str] = ()) -> PlotResult:
     """W5 config.per_position_acceptance (positions 1..k), one line per method × kind ×
-    batch."""
+    batch; one panel per target quantization when there are several. Runs that drafted
+    nothing (speculation switched off) have no acceptance to draw and are left out."""
     name = "acceptance_by_position"
     w5 = [r for r in records if r.workload == "W5"
           and isinstance(r.config.get("per_position_acceptance"), list)]
-    lines: dict[str, tuple[str, str, list[float]]] = {}  # label -> (series, batch, values)
-    many_models = len({r.model for r in w5}) > 1
-    for r, row in zip(w5, assign_rows(w5, commands)):
+    rows = assign_rows(w5, commands)
+    kept = [(r, row) for r, row in zip(w5, rows) if _spec_steps(r.config) != 0]
+    off = {row.label for r, row in zip(w5, rows) if _spec_steps(r.config) == 0}
+    if not kept:
+        return _skip(name, "no W5 record has config.per_position_acceptance (a list of "
+                     "acceptance rates by draft position) from a run that drafted")
+    many_models = len({r.model for r, _ in kept}) > 1
+    panels = _panels([r for r, _ in kept])
+    # label -> (panel, series, batch, values)
+    lines: dict[str, tuple[str | None, str, str, list[float]]] = {}
+    for r, row in kept:
         prefix = f"{r.model} · " if many_models else ""
         values = _numbers(r.config["per_position_acceptance"])
+        panel = next(p for p in panels if _in_panel(r, p))
         if values and len(values) == len(r.config["per_position_acceptance"]):
             # every metric record of a run carries the same list: the first is kept
-            lines.setdefault(prefix + row.label, (prefix + row.series_label(drop_point=True),
-                                                  row.point[-1], values))
+            lines.setdefault(prefix + row.label, (
+                panel, prefix + _drop_quant(row.series_label(drop_point=True), panel),
+                row.point[-1], values))
     if not lines:
-        return _skip(name, "no W5 record has config.per_position_acceptance (a list of "
-                     "acceptance rates by draft position)")
+        return _skip(name, "no W5 record has a numeric config.per_position_acceptance")
     # colour: method × kind; line style and marker: batch size
-    colors = {s: f"C{i}" for i, s in enumerate(sorted({v[0] for v in lines.values()},
-                                                      key=natural_key))}
-    batches = sorted({v[1] for v in lines.values()}, key=natural_key)
+    colors = {s: f"C{i % 10}" for i, s in enumerate(sorted({v[1] for v in lines.values()},
+                                                           key=natural_key))}
+    batches = sorted({v[2] for v in lines.values()}, key=natural_key)
     styles = {b: (["-", "--", ":", "-."][i % 4], "os^Dv*"[i % 6]) for i, b in enumerate(batches)}
-    fig, (ax,) = _figure(width=7.2 if len(lines) <= 10 else 10.0, height=4.6)
-    for label, (series, batch, values) in sorted(lines.items(),
-                                                 key=lambda kv: natural_key(kv[0])):
-        ax.plot(range(1, len(values) + 1), values, color=colors[series],
-                linestyle=styles[batch][0], marker=styles[batch][1], label=label)
-    k = max(len(v[2]) for v in lines.values())
-    ax.set_xticks(range(1, k + 1))
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate")
-    ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    legend_notes = _legend(ax, len(lines))
-    ax.set_title(f"W5 acceptance by draft position ({_devices(w5)})")
+    multi = len(panels) > 1
+    fig, axes = _figure(ncols=len(panels), width=4.6 if multi else
+                        (7.2 if len(lines) <= 10 else 10.0), height=4.6)
+    k = max(len(v[3]) for v in lines.values())
+    notes: list[str] = []
+    for ax, panel in zip(axes, panels):
+        mine = sorted(((lab, v) for lab, v in lines.items() if v[0] == panel),
+                      key=lambda kv: natural_key(kv[0]))
+        for label, (_, series, batch, values) in mine:
+            shown = _drop_quant(label, panel) if multi else label
+            ax.plot(range(1, len(values) + 1), values, color=colors[series],
+                    linestyle=styles[batch][0], marker=styles[batch][1], label=shown)
+        ax.set_xticks(range(1, k + 1))
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        if multi:
+            ax.set_title(f"target {panel}", fontsize=10)
+        notes += _legend(ax, len(mine), small=multi)
+    axes[0].set_ylabel("acceptance rate")
+    title = f"W5 acceptance by draft position ({_devices(w5)})"
+    (fig.suptitle if multi else axes[0].set_title)(title)
+    if off:
+        notes.append(f"{len(off)} runs drafted nothing (switched off at their batch size) "
+                     "and are not drawn")
     return PlotResult(name, TITLES[name], _save(fig, out_dir, name),
                       caption="Share of drafted tokens accepted at each draft position, one "
                               "line per method × prompt kind × batch (colour: method × kind; "
-                              "line style: batch).", notes=legend_notes)
+                              "line style: batch)" + ("; one panel per target quantization."
+                                                      if multi else "."), notes=notes)
 
 
 def plot_speedup_vs_batch(records: Iterable[Record], out_dir: str | Path,
                           commands: Sequence[str] = ()) -> PlotResult:
-    """W5 speedup over plain decoding against batch size, one line per method × kind; a
-    hollow marker where no speculative step ran (the switch kept it off)."""
+    """W5 speedup over plain decoding against batch size, one line per method × kind (one
+    panel per target quantization when there are several); a hollow marker where no
+    speculative step ran (the switch kept it off)."""
     name = "speedup_vs_batch"
     w5 = [r for r in records if r.workload == "W5" and r.metric == "speedup"]
     if not w5:
         return _skip(name, "no W5 records with metric speedup")
     many_models = len({r.model for r in w5}) > 1
-    series: dict[str, list[tuple[float, float, bool]]] = {}
+    panels = _panels(w5)
+    series: dict[tuple[str | None, str], list[tuple[float, float, bool]]] = {}
     dropped = []
     for r, row in zip(w5, assign_rows(w5, commands)):
-        label = row.series_label(drop_point=True)
+        panel = next(p for p in panels if _in_panel(r, p))
+        label = _drop_quant(row.series_label(drop_point=True), panel)
         if many_models:
             label = f"{r.model} · {label}"
         batch = r.config.get("batch")
-        if not isinstance(batch, (int, float)) or isinstance(batch, bool) or batch <= 0:
+        if not _is_number(batch) or batch <= 0:
             dropped.append(f"{label} (batch {batch!r})")
             continue
-        series.setdefault(label, []).append((float(batch), r.value,
-                                             r.config.get("spec_steps", 1) != 0))
+        series.setdefault((panel, label), []).append((float(batch), r.value,
+                                                      _spec_steps(r.config) != 0))
     if not series:
         return _skip(name, "no W5 speedup record has a numeric config.batch")
-    fig, (ax,) = _figure(width=7.2 if len(series) <= 10 else 10.0, height=4.6)
-    batches = []
-    for i, (label, pts) in enumerate(sorted(series.items(), key=lambda kv: natural_key(kv[0]))):
-        pts.sort()
-        batches += [p[0] for p in pts]
-        color, style = f"C{i % 10}", ("-" if i < 10 else "--")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
-                linestyle=style, label=label)
-        off = [p for p in pts if not p[2]]
-        if off:  # no speculative step ran at these batch sizes
-            ax.scatter([p[0] for p in off], [p[1] for p in off], s=70, facecolors="white",
-                       edgecolors=color, zorder=3)
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    _log_x(ax, batches)
-    ax.set_xlabel("batch size (concurrent requests), log scale")
-    ax.set_ylabel("speedup over plain decoding")
-    ax.grid(alpha=0.3)
-    legend_notes = _legend(ax, len(series))
-    ax.set_title(f"W5 speculative decoding speedup ({_devices(w5)})")
+    multi = len(panels) > 1
+    fig, axes = _figure(ncols=len(panels), width=4.6 if multi else
+                        (7.2 if len(series) <= 10 else 10.0), height=4.6)
+    # one colour per line label, the same in every panel
+    labels = sorted({lab for _, lab in series}, key=natural_key)
+    colors = {lab: (f"C{i % 10}", "-" if i < 10 else "--") for i, lab in enumerate(labels)}
+    notes: list[str] = []
+    batches = [p[0] for pts in series.values() for p in pts]
+    for ax, panel in zip(axes, panels):
+        mine = sorted(((lab, pts) for (p, lab), pts in series.items() if p == panel),
+                      key=lambda kv: natural_key(kv[0]))
+        for label, pts in mine:
+            pts.sort()
+            color, style = colors[label]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
+                    linestyle=style, label=label)
+            off = [p for p in pts if not p[2]]
+            if off:  # no speculative step ran at these batch sizes
+                ax.scatter([p[0] for p in off], [p[1] for p in off], s=70,
+                           facecolors="white", edgecolors=color, zorder=3)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        _log_x(ax, batches)
+        ax.set_xlabel("batch size (concurrent requests), log scale")
+        ax.grid(alpha=0.3)
+        if multi:
+            ax.set_title(f"target {panel}", fontsize=10)
+        notes += _legend(ax, len(mine), small=multi)
+    if multi:  # one y scale, so panels compare at a glance
+        lo = min(ax.get_ylim()[0] for ax in axes)
+        hi = max(ax.get_ylim()[1] for ax in axes)
+        for ax in axes:
+            ax.set_ylim(lo, hi)
+    axes[0].set_ylabel("speedup over plain decoding")
+    title = f"W5 speculative decoding speedup ({_devices(w5)})"
+    (fig.suptitle if multi else axes[0].set_title)(title)
     return PlotResult(name, TITLES[name], _save(fig, out_dir, name),
                       caption="W5 `speedup` (speculative / plain output tok/s) by batch size, "
-                              "one line per method × prompt kind; hollow: no speculative "
-                              "step ran (switched off); grey line: 1.0.",
-                      notes=[f"no numeric batch: {d}" for d in dropped] + legend_notes)
+                              "one line per method × prompt kind"
+                              + ("; one panel per target quantization" if multi else "")
+                              + "; hollow: no speculative step ran (switched off); grey "
+                              "line: 1.0.",
+                      notes=[f"no numeric batch: {d}" for d in dropped] + notes)

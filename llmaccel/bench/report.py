@@ -361,6 +361,8 @@ def base_row(r: Record) -> RowId:
         return RowId("serving", r.backend, variant, quant, (load_point(c),))
     if r.workload == "W5" and "method" in c:  # (W5 step-cost records have no method)
         point = (str(c["method"]), str(c.get("kind", "?")), num_text(c.get("batch", "?")))
+        if variant == f"{point[0]} {point[1]} b{point[2]}":
+            variant = None  # `bench spec`'s own row name: the point again, batch included
         return RowId("spec", r.backend, variant, quant, point)
     return RowId("plain", r.backend, variant, quant)
 
