@@ -20,11 +20,12 @@ from matplotlib.figure import Figure
 from llmaccel.bench.report import (
     TITLES,
     PlotResult,
-    num_text,
     assign_rows,
+    is_number,
     join_ppl_speed,
     load_x,
     natural_key,
+    num_text,
     pareto_front,
 )
 from llmaccel.bench.results import Record
@@ -332,16 +333,12 @@ def plot_ppl_vs_speed(records: Iterable[Record], out_dir: str | Path,
 def _spec_steps(config: Mapping[str, Any]) -> float | None:
     """Speculative steps a W5 run made: `spec_steps` (benchmarks/spec_bench.py) or
     `spec_counters.num_steps` (`llmaccel bench spec`); None when the record says neither."""
-    if _is_number(config.get("spec_steps")):
+    if is_number(config.get("spec_steps")):
         return float(config["spec_steps"])
     counters = config.get("spec_counters")
-    if isinstance(counters, Mapping) and _is_number(counters.get("num_steps")):
+    if isinstance(counters, Mapping) and is_number(counters.get("num_steps")):
         return float(counters["num_steps"])
     return None
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _panels(records: Sequence[Record]) -> list[str | None]:
@@ -405,9 +402,9 @@ def plot_acceptance_by_position(records: Iterable[Record], out_dir: str | Path,
         mine = sorted(((lab, v) for lab, v in lines.items() if v[0] == panel),
                       key=lambda kv: natural_key(kv[0]))
         for label, (_, series, batch, values) in mine:
-            shown = _drop_quant(label, panel) if multi else label
             ax.plot(range(1, len(values) + 1), values, color=colors[series],
-                    linestyle=styles[batch][0], marker=styles[batch][1], label=shown)
+                    linestyle=styles[batch][0], marker=styles[batch][1],
+                    label=_drop_quant(label, panel))
         ax.set_xticks(range(1, k + 1))
         ax.set_xlabel("draft position")
         ax.set_ylim(0, 1.05)
@@ -447,7 +444,7 @@ def plot_speedup_vs_batch(records: Iterable[Record], out_dir: str | Path,
         if many_models:
             label = f"{r.model} · {label}"
         batch = r.config.get("batch")
-        if not _is_number(batch) or batch <= 0:
+        if not is_number(batch) or batch <= 0:
             dropped.append(f"{label} (batch {batch!r})")
             continue
         series.setdefault((panel, label), []).append((float(batch), r.value,

@@ -72,7 +72,7 @@ class PlotResult:
 
 
 # -- loading -----------------------------------------------------------------------------------
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -99,12 +99,12 @@ def parse_record_line(line: str, where: str) -> tuple[Record, list[Record]]:
     if not isinstance(d["config"], dict):
         raise LLMAccelError(f"{where}: \"config\" must be a JSON object, "
                             f"got {type(d['config']).__name__}")
-    if not _is_number(d["value"]):
+    if not is_number(d["value"]):
         raise LLMAccelError(f"{where}: \"value\" must be a number, got {d['value']!r}")
     fields = {k: (d[k] if k in ("config", "value") else str(d[k])) for k in RECORD_KEYS}
     record = Record(**fields)
     extras = [replace(record, config=dict(record.config), metric=k, value=v)
-              for k, v in d.items() if k not in RECORD_KEYS and _is_number(v)]
+              for k, v in d.items() if k not in RECORD_KEYS and is_number(v)]
     return record, extras
 
 
@@ -280,7 +280,7 @@ def num_text(v: Any) -> str:
 
 def _is_inf(v: Any) -> bool:
     return (isinstance(v, str) and v.strip().lower() in ("inf", "infinity")) or (
-        _is_number(v) and math.isinf(v))
+        is_number(v) and math.isinf(v))
 
 
 def load_point(config: Mapping[str, Any]) -> str:
@@ -301,9 +301,9 @@ def load_x(config: Mapping[str, Any]) -> tuple[str, float] | None:
     """Where a W3 load point goes on a load axis: ("concurrency", n) when capped, else
     ("request rate", r) for a finite rate; None for all-at-once without a cap."""
     conc, rate = config.get("max_concurrency"), config.get("request_rate")
-    if _is_number(conc):
+    if is_number(conc):
         return "concurrency", float(conc)
-    if _is_number(rate) and math.isfinite(rate):
+    if is_number(rate) and math.isfinite(rate):
         return "request rate", float(rate)
     if isinstance(rate, str):
         try:
