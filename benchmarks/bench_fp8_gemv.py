@@ -52,14 +52,20 @@ SEEDS = ((8, 512, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (16, 1024, 8, 3), (4,
          (8, 2048, 8, 2), (1, 4096, 2, 2))
 
 
-def candidates(n: int, k: int, quick: bool = False) -> list:
+def candidates(n: int, k: int, quick: bool = False, decodes: tuple[bool, ...] = (False,)
+               ) -> list:
     """Tiles to try, likeliest first: 1 to 8 16-byte weight vectors per thread (fewer leaves
-    bandwidth unused per thread, more spills the accumulators)."""
+    bandwidth unused per thread, more spills the accumulators). `decodes`: the weight decodes
+    to sweep (False: Triton's e4m3 conversion, True: the integer decode), each tile in each
+    in turn, so a time budget covers both alike."""
+    from dataclasses import replace
+
     from llmaccel.kernels.gemv_fp8 import GemvFp8Config, valid_config
 
     if quick:
-        return [GemvFp8Config(8, 64, 1, 2), GemvFp8Config(16, 128, 2, 3),
-                GemvFp8Config(4, 256, 1, 2)]
+        return [replace(c, bits=b) for c in (GemvFp8Config(8, 64, 1, 2),
+                                             GemvFp8Config(16, 128, 2, 3),
+                                             GemvFp8Config(4, 256, 1, 2)) for b in decodes]
     space = [GemvFp8Config(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048, 4096, 8192), (1, 2, 4, 8), (2, 3, 4))
         if 1 <= bn * bk / (16 * 32 * nw) <= 8]
@@ -68,7 +74,8 @@ def candidates(n: int, k: int, quick: bool = False) -> list:
                   key=lambda c: (-c.block_n * c.block_k / c.num_warps, c.num_stages != 3,
                                  c.num_warps))
     # a tile may overhang K (masked: 3072 in a 4096 tile is one iteration), but not by 2x
-    return [c for c in seeds + rest if c.block_k < 2 * k and valid_config(c)]
+    return [replace(c, bits=b) for c in seeds + rest if c.block_k < 2 * k and valid_config(c)
+            for b in decodes]
 
 
 def time_cpu(fn, copies: int, calls: int) -> float:
@@ -99,7 +106,7 @@ def _time_dense(x, n: int, k: int, copies: int, tg, timer, calls: int) -> float:
 
 
 def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: float,
-                tg, quick: bool) -> tuple[dict, dict]:
+                tg, quick: bool, decodes: tuple[bool, ...] = (False,)) -> tuple[dict, dict]:
     """Times cuBLAS bf16, the `_scaled_mm` path and the new kernel's tiles on one shape.
     Returns (record, table entry)."""
     from llmaccel.kernels.gemv_fp8 import fp8_gemv, fp8_gemv_ref
@@ -121,7 +128,7 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
                   copies, calls)
     ref = fp8_gemv_ref(x, ws[0][0], ws[0][1]).float()
     timed = []
-    for cfg in candidates(n, k, quick):
+    for cfg in candidates(n, k, quick, decodes):
         if not quick and time.time() - t0 > budget_s and timed:
             break
         try:
@@ -147,6 +154,9 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
           f"x{mm_us / best_us:4.2f} vs {mm_name}, x{cublas_us / best_us:4.2f} vs bf16  "
           f"[{len(timed)} tiles]", flush=True)
     model = ",".join(users)
+    by_decode = {("bits" if b else "cvt"): round(min((us for us, c in timed if c.bits == b),
+                                                      default=float("nan")), 2)
+                 for b in decodes}
     record = {
         "workload": "fp8gemv", "model": model, "load_format": "dummy", "backend": "llmaccel",
         "config": {"m": 1, "n": n, "k": k, "kernel": best.describe(), "tiles_timed": len(timed),
@@ -157,6 +167,7 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
         "cublas_bf16_gbps": round(dense_bytes / cublas_us / 1e3, 1),
         "speedup_vs_scaled_mm": round(mm_us / best_us, 2),
         "speedup_vs_bf16": round(cublas_us / best_us, 2),
+        "best_us_by_decode": by_decode,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
         "torch": torch.__version__, "commit": os.environ.get("LLMACCEL_COMMIT", "unknown"),
         "command": "python benchmarks/bench_fp8_gemv.py" + (" --quick" if quick else ""),
@@ -177,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pdl", action="store_true",
                     help="launch the Triton kernel with programmatic dependent launch, as the "
                          "engine does on Hopper (off by default, like tune_gemm.py)")
+    ap.add_argument("--decode", choices=("cvt", "bits", "both"), default="both",
+                    help="weight decode(s) to sweep: Triton's e4m3 conversion, the integer "
+                         "decode (GemvFp8Config.bits), or each tile in both")
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (interpreter)")
     args = ap.parse_args(argv)
     if args.quick and not torch.cuda.is_available():
@@ -199,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, ((n, k), users) in enumerate(shapes.items()):
         # what is left of the budget, shared by the shapes still to run
         budget = (args.budget_s - (time.time() - t0)) / (len(shapes) - i)
-        record, entry = bench_shape(n, k, users, dev, budget, tg, args.quick)
+        decodes = {"cvt": (False,), "bits": (True,), "both": (False, True)}[args.decode]
+        record, entry = bench_shape(n, k, users, dev, budget, tg, args.quick, decodes)
         record["config"]["pdl"] = pdl.enabled()
         records.append(record)
         if record["speedup_vs_scaled_mm"] > 1:  # no measured win, no entry
@@ -209,12 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out_jsonl, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     print("\n| layers | N | K | cuBLAS bf16 us | _scaled_mm us | new us | new GB/s | tile | "
-          "x _scaled_mm | x bf16 |\n|---|---|---|---|---|---|---|---|---|---|")
+          "x _scaled_mm | x bf16 | best us by decode |\n" + "|---" * 11 + "|")
     for r in records:
         c = r["config"]
+        by = ", ".join(f"{d} {us}" for d, us in r["best_us_by_decode"].items())
         print(f"| {r['model']} | {c['n']} | {c['k']} | {r['cublas_bf16_us']:.2f} | "
               f"{r['scaled_mm_us']:.2f} | {r['value']:.2f} | {r['gbps']:,.0f} | {c['kernel']} | "
-              f"{r['speedup_vs_scaled_mm']:.2f} | {r['speedup_vs_bf16']:.2f} |")
+              f"{r['speedup_vs_scaled_mm']:.2f} | {r['speedup_vs_bf16']:.2f} | {by} |")
     if args.out_table:
         name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
         path = write_table(args.out_table, name, entries)

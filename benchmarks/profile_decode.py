@@ -22,11 +22,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--kernels", action="store_true", help="print a per-kernel GPU profile")
+    ap.add_argument("--quantization", default=None,
+                    help="a llmaccel.quant.presets name (random codes), e.g. rtn-int4-g128, fp8")
+    ap.add_argument("--rows", type=int, default=30, help="rows of the --kernels table")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="wait for each step's tokens before launching the next (the engine's "
                          "default launches each step before the previous one's tokens arrive)")
     args = ap.parse_args()
-    llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=2048,
+    extra = {}
+    if args.quantization:
+        from llmaccel.quant.presets import preset_config
+        extra["hf_overrides"] = {"quantization_config": preset_config(args.quantization)}
+    llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=2048, **extra,
               skip_tokenizer_init=True, enable_prefix_caching=False,
               cudagraph_capture_sizes=[args.batch],  # the one graph profiled: quick start
               async_scheduling=args.async_scheduling)
@@ -72,17 +79,23 @@ def main() -> None:
         eng.step()
         total = time.perf_counter() - t
         phases["step"].append(total)
+        # a phase the step did not enter (async scheduling overlaps some) counts as 0
         for k in ("schedule", "execute", "sample"):
-            phases[k].append(marks[k])
-        phases["rest"].append(total - marks["schedule"] - marks["execute"] - marks["sample"])
+            phases[k].append(marks.pop(k, 0.0))
+        phases["rest"].append(total - sum(phases[k][-1] for k in ("schedule", "execute",
+                                                                   "sample")))
     if args.kernels:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
                 g.replay()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
-                                        max_name_column_width=70))
+        avg = prof.key_averages()
+        print(avg.table(sort_by="cuda_time_total", row_limit=args.rows,
+                        max_name_column_width=90))
+        # kernels per replay: how many launches a step is cut into (each costs latency)
+        launches = sum(e.count for e in avg if e.device_type.name == "CUDA") / 20
+        print(f"kernel launches per step: {launches:.0f}")
     print(f"graph replay (GPU, back to back): {graph_ms * 1e3:.0f} us")
     for k, v in phases.items():
         print(f"{k:>9}: median {statistics.median(v) * 1e6:7.0f} us")

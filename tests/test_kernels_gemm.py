@@ -267,7 +267,8 @@ def test_one_row_takes_the_w4_gemv_where_tuned(case, tmp_path, monkeypatch):
                         lambda layer, k, device: gemv_w4.GemvW4Config(8, 32, 2, 2))
     calls = []
     real = gemv_w4.w4a16_gemv
-    monkeypatch.setattr(gemv_w4, "w4a16_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gemv_w4, "w4a16_gemv",
+                        lambda *a, **kw: calls.append(kw.get("silu_out", False)) or real(*a, **kw))
     packed_dir, plain_dir = write_checkpoints(QCASES[case], tmp_path, family="llama")
     _, ours = load_model(str(packed_dir), dtype="float32", device="cpu")
     _, ref = load_model(str(plain_dir), dtype="float32", device="cpu")
@@ -283,7 +284,10 @@ def test_one_row_takes_the_w4_gemv_where_tuned(case, tmp_path, monkeypatch):
             return model.compute_logits(model(torch.tensor([7]), torch.tensor([0]), meta))
 
     torch.testing.assert_close(logits(ours), logits(ref), atol=1e-4, rtol=0)
-    assert calls
+    # gate_up ran with SiLU-and-mul in its epilogue, the other layers plain
+    gate_ups = [layer.mlp.gate_up_proj for layer in ours.model.layers]
+    assert calls.count(True) == sum(hasattr(g, "kernel_weight") for g in gate_ups)
+    assert False in calls
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -97,6 +97,37 @@ def test_leading_dims_and_default_config():
     assert cfg.block_k % 128 == 0 or 128 % cfg.block_k == 0
 
 
+SILU_OUT = [  # n (= 2I), k, group, zeros, bias, norm prologue, dtype, config
+    (48, 128, 32, True, False, False, torch.float32, GemvW4Config(8, 64, 1, 2, 2)),
+    (40, 384, 128, False, True, True, torch.float32, GemvW4Config(16, 256, 2, 3, 1)),  # K tail
+    (6, 64, -1, True, True, False, torch.float32, GemvW4Config(8, 32, 1, 2, 1)),  # one tile
+    (72, 256, 64, True, False, False, torch.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("n,k,group,zeros,bias,norm,dtype,cfg", SILU_OUT)
+def test_silu_out_epilogue(n, k, group, zeros, bias, norm, dtype, cfg):
+    """A [gate; up] layer with SiLU-and-mul in the epilogue (tile rows interleaved gate/up)
+    equals the layer's product, rounded to x's dtype, then silu_and_mul."""
+    from llmaccel.kernels.activation import silu_and_mul_ref
+    from llmaccel.kernels.gemm import fused_linear_ref
+
+    w, s, z, x, b = _case(n, k, group, zeros, seed=n + k, bias=bias)
+    x = x.to(dtype)
+    b = None if b is None else b.to(dtype)
+    kw = {"norm_weight": (torch.rand(k, generator=_gen(3)) + 0.5).to(dtype),
+          "eps": 1e-5} if norm else {}
+    want = silu_and_mul_ref(fused_linear_ref(x, _dequant(w, s, z, group, k), b, **kw))
+    dev = {key: _to(v)[0] if isinstance(v, torch.Tensor) else v for key, v in kw.items()}
+    got = w4a16_gemv(*_to(x, w, s, z), group, _to(b)[0], cfg, silu_out=True, **dev)
+    assert got.shape == (1, n // 2) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2 * want.float().abs().max().item()
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=tol, rtol=1e-4)
+    with pytest.raises(ValueError, match="silu_out"):
+        w4a16_gemv(*_to(x, w, s, z), group, _to(b)[0], cfg, silu_out=True,
+                   residual=torch.zeros(1, n, dtype=dtype, device=DEVICE))
+
+
 def _dequant(w, s, z, group, k):
     """The fp32 weight [N, K] that `linear_ref` multiplies by (its own unpacking)."""
     return linear_ref(torch.eye(k), w, 4, s.float(), z, group).t().contiguous()

@@ -58,8 +58,14 @@ def _spy(monkeypatch) -> list[tuple[str, ...]]:
     return calls
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_fp8_model_on_the_gemv_matches_the_w8a8_reference(fused, fp8_dir, monkeypatch):
+@pytest.mark.parametrize("fused,silu_epilogue", [(False, True), (False, False), (True, True)])
+def test_fp8_model_on_the_gemv_matches_the_w8a8_reference(fused, silu_epilogue, fp8_dir,
+                                                          monkeypatch):
+    """Fused decode layers, or unfused ones with SiLU-and-mul in the gate_up GEMV's epilogue
+    (LLMACCEL_GEMV_SILU_EPILOGUE, on by default) or after it: the W8A8 reference's logits."""
+    from llmaccel.models.layers import quantization
+
+    monkeypatch.setattr(quantization, "SILU_EPILOGUE", silu_epilogue)
     _, ref = load_model(str(fp8_dir), dtype="float32", device="cpu")
     _, ours = load_model(str(fp8_dir), dtype="float32", device="cpu")
     calls = _spy(monkeypatch)
@@ -81,7 +87,8 @@ def test_fp8_model_on_the_gemv_matches_the_w8a8_reference(fused, fp8_dir, monkey
         assert calls == [("norm_weight",), ("residual",), ("norm_weight",),
                          ("residual", "silu")] * (2 * n)
     else:
-        assert not layers and calls == [()] * (4 * 2 * n)
+        gate_up = ("silu_out",) if silu_epilogue else ()
+        assert not layers and calls == [(), (), gate_up, ()] * (2 * n)
     qkv = ours.model.layers[0].self_attn.qkv_proj
     desc = qkv.quant_method.describe(qkv)
     assert "gemv_fp8.py" in desc and ("fused decode layers" in desc) == fused

@@ -89,7 +89,12 @@ def _act(X, NormW, k0, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr,
     """The activation tile at k0 after the prologue, in x's dtype (zeros past K), rounded as
     the unfused layers round: 0 none; 1 RMSNorm (x * rstd rounded, times the norm weight,
     rounded); 2 SiLU-and-mul (x = [gate | up]: silu(gate) rounded, times up, rounded)."""
-    rk = _cols(k0, BLOCK_K)
+    return _act_at(X, NormW, _cols(k0, BLOCK_K), K, rstd, PROLOGUE, EVEN_K)
+
+
+@triton.jit
+def _act_at(X, NormW, rk, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
+    """`_act` at the columns rk (any shape)."""
     m = rk < K
     dt = X.dtype.element_ty
     if PROLOGUE == 2:
@@ -121,23 +126,102 @@ def _quantize(a, scale, rcp):
 
 
 @triton.jit
+def _load_words(W32, w_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile at k0 as int32 words [BLOCK_N, BLOCK_K / VEC, 4] (a 16-byte vector per
+    thread): byte j of word i of vector v is the weight at column k0 + 16v + 4i + j."""
+    rw = k0 // 4 + tl.arange(0, BLOCK_K // _VEC)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    return _ld(W32 + w_row[:, None, None] + rw[None, :, :], (rw < K // 4)[None, :, :], EVEN_K)
+
+
+@triton.jit
+def _e4m3_bits(word, j: tl.constexpr):
+    """Byte j of each word, an e4m3 value v, as the fp32 v * 2^-120, in two integer ops and
+    no conversion: shifted to the top byte (sign at bit 31), an arithmetic shift right by 4
+    puts its exponent and mantissa bits at fp32's bits 26..20 and fills 30..27 with the sign,
+    which the mask clears. e4m3's exponent field then sits in the low 4 bits of fp32's, whose
+    bias is 120 larger, and its 3 mantissa bits lead fp32's: a normal e4m3 value maps to
+    v * 2^-120 and a subnormal one (exponent field 0) to an fp32 subnormal of the same
+    v * 2^-120, exactly (fp32 math here keeps subnormals: no .ftz). The kernel multiplies the
+    sum by 2^120 at the end, which is exact."""
+    if j == 3:
+        t = word
+    else:
+        t = word << (24 - 8 * j)
+    return ((t >> 4) & -0x78100000).to(tl.float32, bitcast=True)  # mask 0x87F00000
+
+
+@triton.jit
+def _bits_products(words, a0, a1, a2, a3):
+    """sum over each 16-byte vector of weight * activation, weights decoded by `_e4m3_bits`
+    (the four activation tensors are the columns of byte 0..3 of each word)."""
+    p = _e4m3_bits(words, 0) * a0[None, :, :]
+    p += _e4m3_bits(words, 1) * a1[None, :, :]
+    p += _e4m3_bits(words, 2) * a2[None, :, :]
+    p += _e4m3_bits(words, 3) * a3[None, :, :]
+    return tl.sum(p, axis=2)
+
+
+@triton.jit
+def _act_bytes(X, NormW, k0, K, rstd, scale, rcp, PROLOGUE: tl.constexpr,
+               EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The quantized activations of the tile at k0 for byte j = 0..3 of each weight word:
+    four [BLOCK_K / VEC, 4] tensors (see `_load_words`)."""
+    base = k0 + tl.arange(0, BLOCK_K // _VEC)[:, None] * _VEC + tl.arange(0, 4)[None, :] * 4
+    a0 = _quantize(_act_at(X, NormW, base, K, rstd, PROLOGUE, EVEN_K), scale, rcp)
+    a1 = _quantize(_act_at(X, NormW, base + 1, K, rstd, PROLOGUE, EVEN_K), scale, rcp)
+    a2 = _quantize(_act_at(X, NormW, base + 2, K, rstd, PROLOGUE, EVEN_K), scale, rcp)
+    a3 = _quantize(_act_at(X, NormW, base + 3, K, rstd, PROLOGUE, EVEN_K), scale, rcp)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _out_rows(N, BLOCK_N: tl.constexpr, SILU_OUT: tl.constexpr):
+    """The weight rows of this program's tile. With SILU_OUT the layer is [gate; up] (N = 2I)
+    and the tile interleaves them, gate row j then up row j for BLOCK_N / 2 outputs j, so the
+    epilogue pairs rows without leaving registers. Rows past the end re-read the last valid
+    one (their results are not stored): no mask on weight loads."""
+    r = tl.arange(0, BLOCK_N)
+    if SILU_OUT:
+        half = N // 2
+        j = tl.program_id(0) * (BLOCK_N // 2) + r // 2
+        rows = tl.minimum(j, half - 1) + (r % 2) * half
+    else:
+        rows = tl.minimum(tl.program_id(0) * BLOCK_N + r, N - 1)
+    return rows.to(tl.int64)
+
+
+@triton.jit
+def _silu_out(y, Y, N, BLOCK_N: tl.constexpr):
+    """SILU_OUT's epilogue: y [BLOCK_N] holds (gate, up) pairs, already rounded to Y's dtype
+    as the layer's output would be; stores silu(gate) * up rounded as silu_and_mul rounds."""
+    dt = Y.dtype.element_ty
+    gate, up = tl.split(tl.reshape(y.to(tl.float32), (BLOCK_N // 2, 2)))
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(Y + out, (act * up).to(dt), mask=out < N // 2)
+
+
+@triton.jit
 def _gemv_fp8_kernel(
     X, W, WScale, Bias, NormW, Y,
     N, K, stride_wn, eps, min_scale,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_R: tl.constexpr,
+    EVEN_R: tl.constexpr, BITS: tl.constexpr, SILU_OUT: tl.constexpr,
 ):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past N re-read row N - 1 (their results are not stored): no mask on weight loads.
-    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    # BITS: W is the weight viewed as int32 words ([N, K / 4], stride_wn in words), decoded by
+    # `_e4m3_bits`; else e4m3 read as such and converted by Triton.
+    rows = _out_rows(N, BLOCK_N, SILU_OUT)
     w_row = rows * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K // _VEC), tl.float32)
     if USE_PDL:
         # Weights are read-only during a step: start streaming the first tile while the
         # previous kernel (which produces X) finishes.
-        w_first = _load_w(W, w_row, 0, K, EVEN_K, BLOCK_K)
+        if BITS:
+            w_first = _load_words(W, w_row, 0, K, EVEN_K, BLOCK_K)
+        else:
+            w_first = _load_w(W, w_row, 0, K, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     # The passes over the row below sit on the critical path after the wait, and each load
@@ -162,24 +246,43 @@ def _gemv_fp8_kernel(
     rcp = tl.div_rn(tl.full((), 1.0, tl.float32), scale)
     k_start = 0
     if USE_PDL:
-        a_q = _quantize(_act(X, NormW, 0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp)
-        acc += tl.sum(w_first.to(tl.float32) * a_q[None, :, :], axis=2)
+        if BITS:
+            a0, a1, a2, a3 = _act_bytes(X, NormW, 0, K, rstd, scale, rcp, PROLOGUE, EVEN_K,
+                                        BLOCK_K)
+            acc += _bits_products(w_first, a0, a1, a2, a3)
+        else:
+            a_q = _quantize(_act(X, NormW, 0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp)
+            acc += tl.sum(w_first.to(tl.float32) * a_q[None, :, :], axis=2)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = _load_w(W, w_row, k0, K, EVEN_K, BLOCK_K)
-        a_q = _quantize(_act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp)
-        # the 16 products of a vector sum in-thread (FFMAs); one accumulator per vector
-        acc += tl.sum(w.to(tl.float32) * a_q[None, :, :], axis=2)
+        if BITS:
+            words = _load_words(W, w_row, k0, K, EVEN_K, BLOCK_K)
+            a0, a1, a2, a3 = _act_bytes(X, NormW, k0, K, rstd, scale, rcp, PROLOGUE, EVEN_K,
+                                        BLOCK_K)
+            acc += _bits_products(words, a0, a1, a2, a3)
+        else:
+            w = _load_w(W, w_row, k0, K, EVEN_K, BLOCK_K)
+            a_q = _quantize(_act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp)
+            # the 16 products of a vector sum in-thread (FFMAs); one accumulator per vector
+            acc += tl.sum(w.to(tl.float32) * a_q[None, :, :], axis=2)
+    y = tl.sum(acc, axis=1)
+    if BITS:
+        y = y * (2.0 ** 120)  # exact: undoes _e4m3_bits' offset
     # (sum * s_a) * s_w, rounded to x's dtype: _reference_product's order
-    y = tl.sum(acc, axis=1) * scale * tl.load(WScale + rows)
+    y = y * scale * tl.load(WScale + rows)
     dt = Y.dtype.element_ty
     y = y.to(dt)
-    mask_n = rn < N
     if HAS_BIAS:  # added after the cast, in x's dtype, as fp8_linear does
         y = (y.to(tl.float32) + tl.load(Bias + rows).to(tl.float32)).to(dt)
-    if RESIDUAL:  # Y holds the residual stream: residual + y, rounded once more
-        y = (y.to(tl.float32) + tl.load(Y + rn, mask=mask_n, other=0.0).to(tl.float32)).to(dt)
-    tl.store(Y + rn, y, mask=mask_n)
+    if SILU_OUT:
+        _silu_out(y, Y, N, BLOCK_N)
+    else:
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = rn < N
+        if RESIDUAL:  # Y holds the residual stream: residual + y, rounded once more
+            y = (y.to(tl.float32) + tl.load(Y + rn, mask=mask_n, other=0.0).to(tl.float32)
+                 ).to(dt)
+        tl.store(Y + rn, y, mask=mask_n)
 
 
 @dataclass(frozen=True)
@@ -188,9 +291,13 @@ class GemvFp8Config:
     block_k: int  # a power of two >= 16 (whole 16-byte vectors)
     num_warps: int = 4
     num_stages: int = 3
+    # weights as int32 words decoded by integer ops (`_e4m3_bits`) instead of Triton's
+    # e4m3 -> fp32 conversion; needs K % 4 == 0 (else the conversion runs)
+    bits: bool = False
 
     def describe(self) -> str:
-        return f"n{self.block_n}k{self.block_k}-w{self.num_warps}s{self.num_stages}"
+        return (f"n{self.block_n}k{self.block_k}-w{self.num_warps}s{self.num_stages}"
+                + ("-bits" if self.bits else ""))
 
 
 def _pow2(v: int) -> bool:
@@ -214,7 +321,7 @@ def default_gemv_fp8_config(n: int, k: int) -> GemvFp8Config:
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
            bias: torch.Tensor | None, norm_weight: torch.Tensor | None, silu: bool,
-           residual: torch.Tensor | None) -> tuple[int, int]:
+           residual: torch.Tensor | None, silu_out: bool = False) -> tuple[int, int]:
     """Validates the arguments of `fp8_gemv`; returns (N, K)."""
     width = x.shape[-1] if x.dim() else 0
     if x.numel() != width or width == 0:
@@ -238,6 +345,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         if t is not None and (t.shape != (size,) or t.dtype != x.dtype):
             raise ValueError(f"{name} must be [{size}] in {x.dtype}, got {tuple(t.shape)} "
                              f"{t.dtype}")
+    if silu_out and (silu or residual is not None or n % 2):
+        raise ValueError("silu_out needs an even N ([gate; up] rows), no silu prologue and no "
+                         "residual")
     if residual is not None and (residual.shape != (*x.shape[:-1], n)
                                  or residual.dtype != x.dtype or not residual.is_contiguous()):
         raise ValueError(f"residual must be contiguous {(*x.shape[:-1], n)} in {x.dtype}")
@@ -247,34 +357,42 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None, config: GemvFp8Config | None = None, *,
              norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, silu_out: bool = False) -> torch.Tensor:
     """x [..., K] holding exactly one row ([..., 2K] = [gate | up] with `silu`) -> y [..., N]
     in x's dtype: `fp8_linear(prologue(x), weight, weight_scale, bias)` for e4m3 `weight`
     [N, K] and fp32 `weight_scale` [N, 1] or [N]. `norm_weight` [K] (with `eps`) or `silu`
     fuse RMSNorm or SiLU-and-mul before it; `residual` [..., N] is updated in place to
-    residual + y and returned. Rounds as `fp8_gemv_ref` (module docstring)."""
-    n, k = _check(x, weight, weight_scale, bias, norm_weight, silu, residual)
+    residual + y and returned; `silu_out` (a [gate; up] layer, N = 2I) returns
+    silu_and_mul(y) [..., I] instead of y, the activation in the epilogue. Rounds as
+    `fp8_gemv_ref` (module docstring)."""
+    n, k = _check(x, weight, weight_scale, bias, norm_weight, silu, residual, silu_out)
     cfg = config or default_gemv_fp8_config(n, k)
-    if not valid_config(cfg):
-        raise ValueError(f"config {cfg.describe()} is invalid: powers of two, block_k >= {VEC}")
-    y = residual if residual is not None else torch.empty(*x.shape[:-1], n, dtype=x.dtype,
+    if not valid_config(cfg) or (silu_out and cfg.block_n < 2):
+        raise ValueError(f"config {cfg.describe()} is invalid: powers of two, block_k >= {VEC}"
+                         + (", block_n >= 2 for silu_out" if silu_out else ""))
+    n_out = n // 2 if silu_out else n
+    y = residual if residual is not None else torch.empty(*x.shape[:-1], n_out, dtype=x.dtype,
                                                           device=x.device)
     if n == 0:
         return y
+    bits = cfg.bits and k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
+    w_arg, w_stride = (weight.view(torch.int32), weight.stride(0) // 4) if bits else (
+        weight, weight.stride(0))
     x1 = x.reshape(-1).contiguous()
     # the chunk of the row-wide passes (absmax, RMSNorm): the whole row up to 8192 columns
     block_r = max(VEC, min(8192, triton.next_power_of_2(k)))
     dummy = weight  # pointer arguments the constexpr flags switch off
-    _gemv_fp8_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x1, weight, weight_scale.reshape(n).contiguous(),
+    grid = triton.cdiv(n // 2, cfg.block_n // 2) if silu_out else triton.cdiv(n, cfg.block_n)
+    _gemv_fp8_kernel[(grid,)](
+        x1, w_arg, weight_scale.reshape(n).contiguous(),
         bias if bias is not None else dummy,
         norm_weight.contiguous() if norm_weight is not None else dummy, y,
-        n, k, weight.stride(0), eps, MIN_ACT_SCALE,
+        n, k, w_stride, eps, MIN_ACT_SCALE,
         PROLOGUE=1 if norm_weight is not None else (2 if silu else 0),
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
-        BLOCK_R=block_r, EVEN_R=k % block_r == 0,
+        BLOCK_R=block_r, EVEN_R=k % block_r == 0, BITS=bits, SILU_OUT=silu_out,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y
@@ -283,9 +401,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None,
                  eps: float = 0.0, silu: bool = False,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, silu_out: bool = False) -> torch.Tensor:
     """PyTorch reference of `fp8_gemv`: the unfused layers in order (RMSNorm / SiLU-and-mul,
-    `fp8_linear`'s fp32 reference product, residual add in place)."""
+    `fp8_linear`'s fp32 reference product, residual add in place, or SiLU-and-mul after)."""
     from llmaccel.kernels.activation import silu_and_mul_ref
     from llmaccel.kernels.rmsnorm import rms_norm_ref
     from llmaccel.quant.fp8_linear import fp8_linear
@@ -295,6 +413,8 @@ def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     if silu:
         x = silu_and_mul_ref(x)
     y = fp8_linear(x, weight, weight_scale.reshape(-1, 1), bias, use_scaled_mm=False)
+    if silu_out:
+        return silu_and_mul_ref(y)
     if residual is None:
         return y
     residual.copy_(y + residual)

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from llmaccel.kernels import pdl
+from llmaccel.kernels.gemv_fp8 import _out_rows, _silu_out
 from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
 
 # The fp32 bit pattern of 2^23, passed as a run-time argument: as a compile-time constant,
@@ -169,13 +170,13 @@ def _gemv_w4_kernel(
     GROUP: tl.constexpr, PER_CH: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PROLOGUE: tl.constexpr,
-    RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr,
+    RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, SILU_OUT: tl.constexpr,
 ):
     WG: tl.constexpr = (BLOCK_K if PER_CH or BLOCK_K <= GROUP else GROUP) // 8
     GT: tl.constexpr = BLOCK_K // (8 * WG)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past N re-read row N - 1 (their results are not stored): no mask on weight loads.
-    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    # Rows past N re-read a valid row (their results are not stored): no mask on weight
+    # loads. SILU_OUT interleaves gate and up rows (gemv_fp8._out_rows).
+    rows = _out_rows(N, BLOCK_N, SILU_OUT)
     w_row, s_row, z_row = rows * stride_wn, rows * stride_sn, rows * stride_zn
     acc = tl.zeros((BLOCK_N, GT, WG), tl.float32)
     if USE_PDL:
@@ -220,13 +221,17 @@ def _gemv_w4_kernel(
     if PER_CH:
         y = y * tl.load(Scales + s_row).to(tl.float32)
     if HAS_BIAS:
-        y += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)
-    if RESIDUAL:
-        # Y holds the residual stream: Y += product, rounded as the unfused layers round
-        # (the product to the activation dtype, then the sum), as gemm.py's epilogue does.
-        res = tl.load(Y + rn, mask=rn < N, other=0.0).to(tl.float32)
-        y = y.to(Y.dtype.element_ty).to(tl.float32) + res
-    tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
+        y += tl.load(Bias + rows).to(tl.float32)
+    if SILU_OUT:  # the layer's output rounded as it would be stored, then silu_and_mul
+        _silu_out(y.to(Y.dtype.element_ty), Y, N, BLOCK_N)
+    else:
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if RESIDUAL:
+            # Y holds the residual stream: Y += product, rounded as the unfused layers round
+            # (the product to the activation dtype, then the sum), as gemm.py's epilogue does.
+            res = tl.load(Y + rn, mask=rn < N, other=0.0).to(tl.float32)
+            y = y.to(Y.dtype.element_ty).to(tl.float32) + res
+        tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
 
 
 @dataclass(frozen=True)
@@ -270,16 +275,20 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,
                config: GemvW4Config | None = None, *, norm_weight: torch.Tensor | None = None,
                eps: float = 0.0, silu: bool = False,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, silu_out: bool = False) -> torch.Tensor:
     """x [..., K] holding exactly one row -> y [..., N] in x's dtype. `weight` int32 [N, K/8],
     `scales` [N, G], `zeros` uint8 [N, G] or None (zero point 8), group_size -1 per channel.
 
     The fused decode variants of `gemm.triton_linear`, rounded the same way: `norm_weight`
     (the input is RMSNorm(x) * norm_weight with `eps`), `silu` (x is [gate | up], 2K wide; the
     input is silu(gate) * up), `residual` [..., N] (updated in place to residual + product and
-    returned)."""
+    returned); `silu_out` (a [gate; up] layer, N = 2I) returns silu_and_mul of the product,
+    [..., I], the activation computed in the epilogue."""
     if silu and norm_weight is not None:
         raise ValueError("one prologue at a time: silu or norm_weight")
+    if silu_out and (silu or residual is not None or weight.shape[0] % 2):
+        raise ValueError("silu_out needs an even N ([gate; up] rows), no silu prologue and no "
+                         "residual")
     k = x.shape[-1] // 2 if silu else x.shape[-1]
     if x.numel() != x.shape[-1] or k == 0:
         raise ValueError(f"w4a16_gemv takes exactly one row of x, got {tuple(x.shape)}")
@@ -306,7 +315,8 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     if norm_weight is not None and norm_weight.shape != (k,):
         raise ValueError(f"norm_weight must be [{k}]")
     cfg = config or default_gemv_w4_config(n, k, group)
-    if not (_pow2(cfg.block_n) and _pow2(cfg.vec) and _valid_block_k(cfg.block_k, k, group)):
+    if not (_pow2(cfg.block_n) and _pow2(cfg.vec) and _valid_block_k(cfg.block_k, k, group)
+            and (cfg.block_n >= 2 or not silu_out)):
         raise ValueError(f"config {cfg.describe()} does not fit K={k}, group {group}: "
                          "powers of two, block_k within one group or whole groups")
     if residual is not None:
@@ -316,12 +326,14 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                              f"{x.dtype}")
         y = residual
     else:
-        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+        y = torch.empty(*x.shape[:-1], n // 2 if silu_out else n, dtype=x.dtype,
+                        device=x.device)
     if n == 0:
         return y
     x1 = x.reshape(x.shape[-1]).contiguous()
     dummy = weight  # pointer arguments the constexpr flags switch off
-    _gemv_w4_kernel[(triton.cdiv(n, cfg.block_n),)](
+    grid = triton.cdiv(n // 2, cfg.block_n // 2) if silu_out else triton.cdiv(n, cfg.block_n)
+    _gemv_w4_kernel[(grid,)](
         x1, weight, scales, zeros if zeros is not None else dummy,
         bias if bias is not None else dummy, y,
         norm_weight if norm_weight is not None else dummy,
@@ -332,7 +344,7 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, VEC=cfg.vec, NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
         PROLOGUE=1 if norm_weight is not None else (2 if silu else 0),
-        RESIDUAL=residual is not None,
+        RESIDUAL=residual is not None, SILU_OUT=silu_out,
         # the RMSNorm pass loads the row in one go (up to 8192 columns)
         BLOCK_R=min(8192, triton.next_power_of_2(k)) if norm_weight is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),

@@ -24,6 +24,7 @@ from llmaccel.models.layers.quantization import (
     dense_linear,
     fused_gemv_config,
     fused_linear,
+    gate_up_silu,
 )
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -90,7 +91,10 @@ class MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        act = gate_up_silu(self.gate_up_proj, x)  # a quantized batch-1 GEMV, or None
+        if act is None:
+            act = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

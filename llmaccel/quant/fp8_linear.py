@@ -227,6 +227,17 @@ class Fp8LinearMethod(LinearMethodBase):
                 return fp8_gemv(x, layer.weight, layer.weight_scale, bias, cfg)
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, x.dtype in self.mm_dtypes)
 
+    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+        """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
+        activation in its epilogue), or None where `apply` would not take the GEMV."""
+        cfg = _gemv_config(layer)
+        if cfg is None or cfg.block_n < 2:
+            return None
+        from llmaccel.kernels.gemv_fp8 import fp8_gemv
+
+        return fp8_gemv(x, layer.weight, layer.weight_scale, bias, cfg, silu_out=True)
+
     def fused_decode_config(self, layer: nn.Module, m: int, kind: str):
         """The FP8 GEMV tile for a fused decode layer (norm / SiLU-and-mul / residual folded
         into `kernels/gemv_fp8.py`), or None: one row, and a tile for this fusion in the GPU's

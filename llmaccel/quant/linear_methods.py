@@ -199,6 +199,23 @@ class PackedLinearMethod(LinearMethodBase):
         return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
                           layer.kernel_group_size, bias, config, **fusion)
 
+    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+        """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
+        activation in its epilogue, `gemv_w4.w4a16_gemv(silu_out=True)`), or None where the
+        plain batch-1 path would not take the GEMV either."""
+        if self.bits != 4 or not hasattr(layer, "kernel_weight"):
+            return None
+        gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
+        if gemv is None or gemv.block_n < 2:
+            return None
+        from llmaccel.kernels.gemv_w4 import w4a16_gemv
+
+        if layer.kernel_perm is not None:
+            x = x.index_select(-1, layer.kernel_perm)
+        return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+                          layer.kernel_group_size, bias, gemv, silu_out=True)
+
     def _unpack(self, layer: nn.Module) -> None:
         """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""
         raise NotImplementedError
@@ -264,6 +281,23 @@ class GPTQLinearMethod(PackedLinearMethod):
         g_idx.weight_loader = _per_shard_loader("g_idx")
         layer.register_parameter("g_idx", g_idx)
 
+    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+        """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
+        activation in its epilogue, `gemv_w4.w4a16_gemv(silu_out=True)`), or None where the
+        plain batch-1 path would not take the GEMV either."""
+        if self.bits != 4 or not hasattr(layer, "kernel_weight"):
+            return None
+        gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
+        if gemv is None or gemv.block_n < 2:
+            return None
+        from llmaccel.kernels.gemv_w4 import w4a16_gemv
+
+        if layer.kernel_perm is not None:
+            x = x.index_select(-1, layer.kernel_perm)
+        return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+                          layer.kernel_group_size, bias, gemv, silu_out=True)
+
     def _unpack(self, layer: nn.Module) -> None:
         codes = unpack_int32(layer.qweight.data, self.bits, dim=0).t()
         zeros = (unpack_int32(layer.qzeros.data, self.bits, dim=1) + self.zero_offset).t()
@@ -285,6 +319,23 @@ class AWQLinearMethod(PackedLinearMethod):
         layer.register_parameter("qweight", _param((input_size, out // pf), torch.int32, 1, pf))
         layer.register_parameter("qzeros", _param((n_groups, out // pf), torch.int32, 1, pf))
         layer.register_parameter("scales", _param((n_groups, out), torch.float32, 1))
+
+    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+        """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
+        activation in its epilogue, `gemv_w4.w4a16_gemv(silu_out=True)`), or None where the
+        plain batch-1 path would not take the GEMV either."""
+        if self.bits != 4 or not hasattr(layer, "kernel_weight"):
+            return None
+        gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
+        if gemv is None or gemv.block_n < 2:
+            return None
+        from llmaccel.kernels.gemv_w4 import w4a16_gemv
+
+        if layer.kernel_perm is not None:
+            x = x.index_select(-1, layer.kernel_perm)
+        return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+                          layer.kernel_group_size, bias, gemv, silu_out=True)
 
     def _unpack(self, layer: nn.Module) -> None:
         codes, scales, zeros = unpack_awq(layer.qweight.data, layer.qzeros.data,
@@ -317,6 +368,23 @@ class CompressedTensorsLinearMethod(PackedLinearMethod):
         if not self.sym:
             layer.register_parameter("weight_zero_point", _param((out // pf, n_groups),
                                                                  torch.int32, 0, pf))
+
+    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+        """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
+        activation in its epilogue, `gemv_w4.w4a16_gemv(silu_out=True)`), or None where the
+        plain batch-1 path would not take the GEMV either."""
+        if self.bits != 4 or not hasattr(layer, "kernel_weight"):
+            return None
+        gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
+        if gemv is None or gemv.block_n < 2:
+            return None
+        from llmaccel.kernels.gemv_w4 import w4a16_gemv
+
+        if layer.kernel_perm is not None:
+            x = x.index_select(-1, layer.kernel_perm)
+        return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+                          layer.kernel_group_size, bias, gemv, silu_out=True)
 
     def _unpack(self, layer: nn.Module) -> None:
         expected = [[size, layer.input_size] for size in layer.output_sizes]

@@ -7,6 +7,7 @@ the product (`apply`). The model definition stays the same for bf16, int8, int4 
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
@@ -105,6 +106,25 @@ def fused_linear(layer: nn.Module, x: torch.Tensor, config, **fusion) -> torch.T
 
         return triton_linear(x, layer.weight, bias=layer.bias, config=config, **fusion)
     return layer.quant_method.apply_fused(layer, x, layer.bias, config, **fusion)
+
+
+# SiLU-and-mul in the epilogue of a quantized gate_up GEMV at batch 1 (one kernel less per
+# layer where the decode layer runs unfused); LLMACCEL_GEMV_SILU_EPILOGUE=0 turns it off, to
+# measure it.
+SILU_EPILOGUE = os.environ.get("LLMACCEL_GEMV_SILU_EPILOGUE", "1") == "1"
+
+
+def gate_up_silu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """silu_and_mul(layer(x)) in one kernel, for a [gate; up] layer whose quantized method has
+    a batch-1 GEMV with the activation in its epilogue (`apply_silu_out`); None where it has
+    none (more than one row, Triton off, no tuned GEMV for the shape), and the caller runs the
+    two steps."""
+    if (not SILU_EPILOGUE or not getattr(layer, "use_triton", False)
+            or x.numel() != x.shape[-1] or len(layer.output_sizes) != 2
+            or layer.output_sizes[0] != layer.output_sizes[1]):
+        return None
+    apply_silu_out = getattr(layer.quant_method, "apply_silu_out", None)
+    return None if apply_silu_out is None else apply_silu_out(layer, x, layer.bias)
 
 
 class QuantizationConfig(ABC):
