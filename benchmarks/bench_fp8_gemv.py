@@ -99,6 +99,14 @@ def make_fp8_weights(n: int, k: int, copies: int, dev: torch.device
     return out
 
 
+def _pair(x, w_s, cfg):
+    """The row's quantize kernel, then the GEMV on its output."""
+    from llmaccel.kernels.gemv_fp8 import fp8_gemv, quantize_row_fp8
+
+    q, xs = quantize_row_fp8(x)
+    return fp8_gemv(q, w_s[0], w_s[1], config=cfg, x_scale=xs)
+
+
 def _time_dense(x, n: int, k: int, copies: int, tg, timer, calls: int) -> float:
     """cuBLAS (F.linear) on copies of a dense bf16 weight, freed on return."""
     dense = tg.make_weights(16, n, k, -1, copies, x.device)
@@ -106,10 +114,11 @@ def _time_dense(x, n: int, k: int, copies: int, tg, timer, calls: int) -> float:
 
 
 def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: float,
-                tg, quick: bool, decodes: tuple[bool, ...] = (False,)) -> tuple[dict, dict]:
+                tg, quick: bool, decodes: tuple[bool, ...] = (False,),
+                prequant: bool = False) -> tuple[dict, dict]:
     """Times cuBLAS bf16, the `_scaled_mm` path and the new kernel's tiles on one shape.
     Returns (record, table entry)."""
-    from llmaccel.kernels.gemv_fp8 import fp8_gemv, fp8_gemv_ref
+    from llmaccel.kernels.gemv_fp8 import fp8_gemv, fp8_gemv_ref, quantize_row_fp8
     from llmaccel.quant.fp8_linear import fp8_linear, supports_scaled_mm
 
     t0 = time.time()
@@ -146,6 +155,32 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
     if not timed:
         raise RuntimeError(f"no tile ran for {n} x {k}")
     best_us, best = min(timed, key=lambda t: t[0])
+    pre = {}
+    if prequant:
+        # An experiment: the row quantized once (quantize_row_fp8) instead of by every
+        # program; the GEMV alone on the quantized row per tile, then the pair for the best.
+        q, xs = quantize_row_fp8(x)
+        pre_timed = []
+        t1 = time.time()
+        for cfg in candidates(n, k, quick, decodes):
+            if not quick and time.time() - t1 > budget_s / 2 and pre_timed:
+                break
+            try:
+                us = timer(lambda i, cfg=cfg: fp8_gemv(q, ws[i][0], ws[i][1], config=cfg,
+                                                       x_scale=xs), copies, calls)
+            except Exception as e:  # noqa: BLE001
+                print(f"  prequant {cfg.describe()}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            pre_timed.append((us, cfg))
+        p_us, p_cfg = min(pre_timed, key=lambda t: t[0])
+        err = (fp8_gemv(q, ws[0][0], ws[0][1], config=p_cfg, x_scale=xs).float()
+               - ref).abs().max().item()
+        chain_us = timer(lambda i: _pair(x, ws[i], p_cfg), copies, calls)
+        pre = {"prequant_gemv_us": round(p_us, 2), "prequant_tile": p_cfg.describe(),
+               "prequant_pair_us": round(chain_us, 2), "prequant_max_err": err,
+               "prequant_tiles_timed": len(pre_timed)}
+        print(f"  prequant: GEMV alone {p_us:.2f} us ({p_cfg.describe()}), with the row's "
+              f"quantize kernel {chain_us:.2f} us; inline best {best_us:.2f} us", flush=True)
     mm_name = "_scaled_mm" if scaled_mm else "reference"
     print(f"{n:>6} x {k:<5} cuBLAS bf16 {cublas_us:7.2f} us "
           f"({dense_bytes / cublas_us / 1e3:5.0f} GB/s) | {mm_name} {mm_us:7.2f} us "
@@ -167,7 +202,7 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
         "cublas_bf16_gbps": round(dense_bytes / cublas_us / 1e3, 1),
         "speedup_vs_scaled_mm": round(mm_us / best_us, 2),
         "speedup_vs_bf16": round(cublas_us / best_us, 2),
-        "best_us_by_decode": by_decode,
+        "best_us_by_decode": by_decode, **pre,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
         "torch": torch.__version__, "commit": os.environ.get("LLMACCEL_COMMIT", "unknown"),
         "command": "python benchmarks/bench_fp8_gemv.py" + (" --quick" if quick else ""),
@@ -191,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", choices=("cvt", "bits", "both"), default="both",
                     help="weight decode(s) to sweep: Triton's e4m3 conversion, the integer "
                          "decode (GemvFp8Config.bits), or each tile in both")
+    ap.add_argument("--prequant", action="store_true",
+                    help="also time the GEMV on a row quantized once by its own kernel "
+                         "(quantize_row_fp8), alone and as a pair (an experiment: no entries)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (interpreter)")
     args = ap.parse_args(argv)
     if args.quick and not torch.cuda.is_available():
@@ -214,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         # what is left of the budget, shared by the shapes still to run
         budget = (args.budget_s - (time.time() - t0)) / (len(shapes) - i)
         decodes = {"cvt": (False,), "bits": (True,), "both": (False, True)}[args.decode]
-        record, entry = bench_shape(n, k, users, dev, budget, tg, args.quick, decodes)
+        record, entry = bench_shape(n, k, users, dev, budget, tg, args.quick, decodes,
+                                    args.prequant)
         record["config"]["pdl"] = pdl.enabled()
         records.append(record)
         if record["speedup_vs_scaled_mm"] > 1:  # no measured win, no entry

@@ -28,6 +28,7 @@ from llmaccel.kernels.gemv_fp8 import (
     default_gemv_fp8_config,
     fp8_gemv,
     fp8_gemv_ref,
+    quantize_row_fp8,
     valid_config,
 )
 from llmaccel.quant.fp8 import MIN_ACT_SCALE, over_fp8_max, quantize_fp8_per_token
@@ -294,6 +295,27 @@ def test_silu_out_epilogue(n, k, dtype, norm, bias, cfg):
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=_tol(dtype, want), rtol=0)
     with pytest.raises(ValueError, match="silu_out"):
         fp8_gemv(x, w[:-1], s[:-1], silu_out=True)  # odd N
+
+
+@pytest.mark.parametrize("dtype,cfg", [(torch.float32, GemvFp8Config(8, 64, 1, 2)),
+                                       (torch.float16, GemvFp8Config(16, 128, 2, 3, bits=True)),
+                                       (torch.bfloat16, None)])
+def test_prequantized_row(dtype, cfg):
+    """`quantize_row_fp8` gives quantize_fp8_per_token's codes and scale; the GEMV on them
+    (`x_scale`) gives the reference product."""
+    n, k = 40, 192
+    w, s = _weights(n, k, seed=4)
+    x = (torch.randn(1, k, generator=_gen(4)) * 3).to(dtype)
+    q, scale = quantize_row_fp8(_on(x)[0])
+    want_q, want_scale = quantize_fp8_per_token(x)
+    assert q.dtype == dtype and torch.equal(q.cpu().float(), want_q.float().reshape(1, k))
+    assert torch.equal(scale.cpu(), want_scale.reshape(1).float())
+    b = torch.randn(n, generator=_gen(5)).to(dtype)
+    got = fp8_gemv(q, *_on(w, s, b), cfg, x_scale=scale)
+    want = fp8_gemv_ref(x, w, s, b)
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=_tol(dtype, want), rtol=0)
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8_gemv(q, *_on(w, s), x_scale=scale, norm_weight=_on(torch.ones(k, dtype=dtype))[0])
 
 
 def test_pdl_branch(monkeypatch):

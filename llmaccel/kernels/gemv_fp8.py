@@ -112,9 +112,11 @@ def _act_at(X, NormW, rk, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr)
 
 
 @triton.jit
-def _quantize(a, scale, rcp):
+def _quantize(a, scale, rcp, PROLOGUE: tl.constexpr = 0):
     """e4m3(a / scale) as exact fp32 values (module docstring): correctly rounded division,
-    then rounding onto the e4m3 grid, ties to even."""
+    then rounding onto the e4m3 grid, ties to even. PROLOGUE 3: `a` is quantized already."""
+    if PROLOGUE == 3:
+        return a.to(tl.float32)
     af = a.to(tl.float32)
     q = af * rcp
     q = tl.fma(tl.fma(-q, scale, af), rcp, q)  # Markstein: RN(af / scale)
@@ -167,10 +169,14 @@ def _act_bytes(X, NormW, k0, K, rstd, scale, rcp, PROLOGUE: tl.constexpr,
     """The quantized activations of the tile at k0 for byte j = 0..3 of each weight word:
     four [BLOCK_K / VEC, 4] tensors (see `_load_words`)."""
     base = k0 + tl.arange(0, BLOCK_K // _VEC)[:, None] * _VEC + tl.arange(0, 4)[None, :] * 4
-    a0 = _quantize(_act_at(X, NormW, base, K, rstd, PROLOGUE, EVEN_K), scale, rcp)
-    a1 = _quantize(_act_at(X, NormW, base + 1, K, rstd, PROLOGUE, EVEN_K), scale, rcp)
-    a2 = _quantize(_act_at(X, NormW, base + 2, K, rstd, PROLOGUE, EVEN_K), scale, rcp)
-    a3 = _quantize(_act_at(X, NormW, base + 3, K, rstd, PROLOGUE, EVEN_K), scale, rcp)
+    a0 = _quantize(_act_at(X, NormW, base, K, rstd, PROLOGUE, EVEN_K), scale,
+                   rcp, PROLOGUE)
+    a1 = _quantize(_act_at(X, NormW, base + 1, K, rstd, PROLOGUE, EVEN_K), scale,
+                   rcp, PROLOGUE)
+    a2 = _quantize(_act_at(X, NormW, base + 2, K, rstd, PROLOGUE, EVEN_K), scale,
+                   rcp, PROLOGUE)
+    a3 = _quantize(_act_at(X, NormW, base + 3, K, rstd, PROLOGUE, EVEN_K), scale,
+                   rcp, PROLOGUE)
     return a0, a1, a2, a3
 
 
@@ -235,15 +241,20 @@ def _gemv_fp8_kernel(
             h = _ld(X + rk, rk < K, EVEN_R).to(tl.float32)
             sq += h * h
         rstd = tl.rsqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / K + eps)
-    # the per-token scale, as quantize_fp8_per_token: max(absmax / 448, MIN_ACT_SCALE), with
-    # a correctly rounded division
-    amax = tl.zeros((BLOCK_R // _VEC, _VEC), tl.float32)
-    for k0 in range(0, K, BLOCK_R):
-        a = _act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_R, BLOCK_R)
-        amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
-    absmax = tl.max(tl.max(amax, axis=1), axis=0)
-    scale = tl.maximum(tl.div_rn(absmax, tl.full((), _FP8_MAX, tl.float32)), min_scale)
-    rcp = tl.div_rn(tl.full((), 1.0, tl.float32), scale)
+    if PROLOGUE == 3:
+        # X is quantized already (`quantize_row_fp8`): e4m3 values, the scale at NormW
+        scale = tl.load(NormW)
+        rcp = 1.0
+    else:
+        # the per-token scale, as quantize_fp8_per_token: max(absmax / 448, MIN_ACT_SCALE),
+        # with a correctly rounded division
+        amax = tl.zeros((BLOCK_R // _VEC, _VEC), tl.float32)
+        for k0 in range(0, K, BLOCK_R):
+            a = _act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_R, BLOCK_R)
+            amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
+        absmax = tl.max(tl.max(amax, axis=1), axis=0)
+        scale = tl.maximum(tl.div_rn(absmax, tl.full((), _FP8_MAX, tl.float32)), min_scale)
+        rcp = tl.div_rn(tl.full((), 1.0, tl.float32), scale)
     k_start = 0
     if USE_PDL:
         if BITS:
@@ -251,7 +262,8 @@ def _gemv_fp8_kernel(
                                         BLOCK_K)
             acc += _bits_products(w_first, a0, a1, a2, a3)
         else:
-            a_q = _quantize(_act(X, NormW, 0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp)
+            a_q = _quantize(_act(X, NormW, 0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp,
+                            PROLOGUE)
             acc += tl.sum(w_first.to(tl.float32) * a_q[None, :, :], axis=2)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -262,7 +274,8 @@ def _gemv_fp8_kernel(
             acc += _bits_products(words, a0, a1, a2, a3)
         else:
             w = _load_w(W, w_row, k0, K, EVEN_K, BLOCK_K)
-            a_q = _quantize(_act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp)
+            a_q = _quantize(_act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp,
+                            PROLOGUE)
             # the 16 products of a vector sum in-thread (FFMAs); one accumulator per vector
             acc += tl.sum(w.to(tl.float32) * a_q[None, :, :], axis=2)
     y = tl.sum(acc, axis=1)
@@ -283,6 +296,36 @@ def _gemv_fp8_kernel(
             y = (y.to(tl.float32) + tl.load(Y + rn, mask=mask_n, other=0.0).to(tl.float32)
                  ).to(dt)
         tl.store(Y + rn, y, mask=mask_n)
+
+
+@triton.jit
+def _quantize_row_kernel(X, Q, S, K, min_scale, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    rk = tl.arange(0, BLOCK)
+    a = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
+    absmax = tl.max(tl.abs(a), axis=0)
+    scale = tl.maximum(tl.div_rn(absmax, tl.full((), _FP8_MAX, tl.float32)), min_scale)
+    rcp = tl.div_rn(tl.full((), 1.0, tl.float32), scale)
+    tl.store(Q + rk, _quantize(a, scale, rcp).to(Q.dtype.element_ty), mask=rk < K)
+    tl.store(S, scale)
+
+
+def quantize_row_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One activation row -> (its e4m3 codes as values in x's dtype, the fp32 scale [1]), as
+    `quantize_fp8_per_token` computes them, in one program: what `fp8_gemv(x_scale=...)`
+    takes, so that the GEMV's programs do not each redo the row's absmax and quantization.
+    (Every e4m3 value is exact in bf16, fp16 and fp32.)"""
+    width = x.shape[-1]
+    if x.numel() != width or width == 0 or width > 65536:
+        raise ValueError(f"quantize_row_fp8 takes one row of at most 65536, got {tuple(x.shape)}")
+    q = torch.empty_like(x)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(width)
+    _quantize_row_kernel[(1,)](x.reshape(-1).contiguous(), q, scale, width, MIN_ACT_SCALE,
+                               BLOCK=block, USE_PDL=pdl.enabled(),
+                               num_warps=max(1, min(16, block // 512)), **pdl.launch_kwargs())
+    return q, scale
 
 
 @dataclass(frozen=True)
@@ -357,15 +400,20 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None, config: GemvFp8Config | None = None, *,
              norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
-             residual: torch.Tensor | None = None, silu_out: bool = False) -> torch.Tensor:
+             residual: torch.Tensor | None = None, silu_out: bool = False,
+             x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] holding exactly one row ([..., 2K] = [gate | up] with `silu`) -> y [..., N]
     in x's dtype: `fp8_linear(prologue(x), weight, weight_scale, bias)` for e4m3 `weight`
     [N, K] and fp32 `weight_scale` [N, 1] or [N]. `norm_weight` [K] (with `eps`) or `silu`
     fuse RMSNorm or SiLU-and-mul before it; `residual` [..., N] is updated in place to
     residual + y and returned; `silu_out` (a [gate; up] layer, N = 2I) returns
-    silu_and_mul(y) [..., I] instead of y, the activation in the epilogue. Rounds as
-    `fp8_gemv_ref` (module docstring)."""
+    silu_and_mul(y) [..., I] instead of y, the activation in the epilogue. With `x_scale`
+    (fp32 [1]) x is the quantized row already (`quantize_row_fp8`; no prologue then). Rounds
+    as `fp8_gemv_ref` (module docstring)."""
     n, k = _check(x, weight, weight_scale, bias, norm_weight, silu, residual, silu_out)
+    if x_scale is not None and (silu or norm_weight is not None or x_scale.numel() != 1
+                                or x_scale.dtype != torch.float32):
+        raise ValueError("x_scale (fp32, one value) takes a quantized row: no prologue")
     cfg = config or default_gemv_fp8_config(n, k)
     if not valid_config(cfg) or (silu_out and cfg.block_n < 2):
         raise ValueError(f"config {cfg.describe()} is invalid: powers of two, block_k >= {VEC}"
@@ -386,9 +434,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     _gemv_fp8_kernel[(grid,)](
         x1, w_arg, weight_scale.reshape(n).contiguous(),
         bias if bias is not None else dummy,
-        norm_weight.contiguous() if norm_weight is not None else dummy, y,
+        x_scale if x_scale is not None else (
+            norm_weight.contiguous() if norm_weight is not None else dummy), y,
         n, k, w_stride, eps, MIN_ACT_SCALE,
-        PROLOGUE=1 if norm_weight is not None else (2 if silu else 0),
+        PROLOGUE=3 if x_scale is not None else (1 if norm_weight is not None else (
+            2 if silu else 0)),
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
@@ -422,4 +472,4 @@ def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 
 
 __all__ = ["GemvFp8Config", "default_gemv_fp8_config", "fp8_gemv", "fp8_gemv_ref",
-           "valid_config"]
+           "quantize_row_fp8", "valid_config"]
