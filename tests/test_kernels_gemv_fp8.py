@@ -314,6 +314,11 @@ def test_prequantized_row(dtype, cfg):
     got = fp8_gemv(q, *_on(w, s, b), cfg, x_scale=scale)
     want = fp8_gemv_ref(x, w, s, b)
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=_tol(dtype, want), rtol=0)
+    # a prequant tile quantizes the row itself first: the same result from the raw row
+    cfg_q = GemvFp8Config(8, 64, 1, 2, prequant=True)
+    torch.testing.assert_close(fp8_gemv(*_on(x, w, s, b), cfg_q).float().cpu(), want.float(),
+                               atol=_tol(dtype, want), rtol=0)
+    assert cfg_q.describe().endswith("-q")
     with pytest.raises(ValueError, match="x_scale"):
         fp8_gemv(q, *_on(w, s), x_scale=scale, norm_weight=_on(torch.ones(k, dtype=dtype))[0])
 

@@ -337,10 +337,13 @@ class GemvFp8Config:
     # weights as int32 words decoded by integer ops (`_e4m3_bits`) instead of Triton's
     # e4m3 -> fp32 conversion; needs K % 4 == 0 (else the conversion runs)
     bits: bool = False
+    # quantize the row once in its own kernel (`quantize_row_fp8`) and run the GEMV on it,
+    # instead of every program deriving the scale and codes itself (not with a prologue)
+    prequant: bool = False
 
     def describe(self) -> str:
         return (f"n{self.block_n}k{self.block_k}-w{self.num_warps}s{self.num_stages}"
-                + ("-bits" if self.bits else ""))
+                + ("-bits" if self.bits else "") + ("-q" if self.prequant else ""))
 
 
 def _pow2(v: int) -> bool:
@@ -411,6 +414,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     (fp32 [1]) x is the quantized row already (`quantize_row_fp8`; no prologue then). Rounds
     as `fp8_gemv_ref` (module docstring)."""
     n, k = _check(x, weight, weight_scale, bias, norm_weight, silu, residual, silu_out)
+    if (config is not None and config.prequant and x_scale is None and not silu
+            and norm_weight is None and n and k):
+        x, x_scale = quantize_row_fp8(x)
     if x_scale is not None and (silu or norm_weight is not None or x_scale.numel() != 1
                                 or x_scale.dtype != torch.float32):
         raise ValueError("x_scale (fp32, one value) takes a quantized row: no prologue")
