@@ -199,22 +199,11 @@ class PackedLinearMethod(LinearMethodBase):
         return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
                           layer.kernel_group_size, bias, config, **fusion)
 
-    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor | None:
-        """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
-        activation in its epilogue, `gemv_w4.w4a16_gemv(silu_out=True)`), or None where the
-        plain batch-1 path would not take the GEMV either."""
-        if self.bits != 4 or not hasattr(layer, "kernel_weight"):
-            return None
-        gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
-        if gemv is None or gemv.block_n < 2:
-            return None
-        from llmaccel.kernels.gemv_w4 import w4a16_gemv
-
-        if layer.kernel_perm is not None:
-            x = x.index_select(-1, layer.kernel_perm)
-        return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                          layer.kernel_group_size, bias, gemv, silu_out=True)
+    # No `apply_silu_out` (SiLU-and-mul in the gate_up GEMV's epilogue, which the FP8 method
+    # has): `gemv_w4.w4a16_gemv(silu_out=True)` matched the GEMV + silu_and_mul pair alone on an
+    # H100 (13.2 against 14.0 us, benchmarks/exp_silu_out.py), but whole llama-3.2-3b decode
+    # steps ran slower with it, in two runs: 1,977-1,985 against 1,745-1,749 us of graph replay
+    # (benchmarks/results/2026-11-25-quant-decode-s19-h100.md). Cause not established.
 
     def _unpack(self, layer: nn.Module) -> None:
         """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""
@@ -281,23 +270,6 @@ class GPTQLinearMethod(PackedLinearMethod):
         g_idx.weight_loader = _per_shard_loader("g_idx")
         layer.register_parameter("g_idx", g_idx)
 
-    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor | None:
-        """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
-        activation in its epilogue, `gemv_w4.w4a16_gemv(silu_out=True)`), or None where the
-        plain batch-1 path would not take the GEMV either."""
-        if self.bits != 4 or not hasattr(layer, "kernel_weight"):
-            return None
-        gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
-        if gemv is None or gemv.block_n < 2:
-            return None
-        from llmaccel.kernels.gemv_w4 import w4a16_gemv
-
-        if layer.kernel_perm is not None:
-            x = x.index_select(-1, layer.kernel_perm)
-        return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                          layer.kernel_group_size, bias, gemv, silu_out=True)
-
     def _unpack(self, layer: nn.Module) -> None:
         codes = unpack_int32(layer.qweight.data, self.bits, dim=0).t()
         zeros = (unpack_int32(layer.qzeros.data, self.bits, dim=1) + self.zero_offset).t()
@@ -319,23 +291,6 @@ class AWQLinearMethod(PackedLinearMethod):
         layer.register_parameter("qweight", _param((input_size, out // pf), torch.int32, 1, pf))
         layer.register_parameter("qzeros", _param((n_groups, out // pf), torch.int32, 1, pf))
         layer.register_parameter("scales", _param((n_groups, out), torch.float32, 1))
-
-    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor | None:
-        """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
-        activation in its epilogue, `gemv_w4.w4a16_gemv(silu_out=True)`), or None where the
-        plain batch-1 path would not take the GEMV either."""
-        if self.bits != 4 or not hasattr(layer, "kernel_weight"):
-            return None
-        gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
-        if gemv is None or gemv.block_n < 2:
-            return None
-        from llmaccel.kernels.gemv_w4 import w4a16_gemv
-
-        if layer.kernel_perm is not None:
-            x = x.index_select(-1, layer.kernel_perm)
-        return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                          layer.kernel_group_size, bias, gemv, silu_out=True)
 
     def _unpack(self, layer: nn.Module) -> None:
         codes, scales, zeros = unpack_awq(layer.qweight.data, layer.qzeros.data,
@@ -368,23 +323,6 @@ class CompressedTensorsLinearMethod(PackedLinearMethod):
         if not self.sym:
             layer.register_parameter("weight_zero_point", _param((out // pf, n_groups),
                                                                  torch.int32, 0, pf))
-
-    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor | None:
-        """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
-        activation in its epilogue, `gemv_w4.w4a16_gemv(silu_out=True)`), or None where the
-        plain batch-1 path would not take the GEMV either."""
-        if self.bits != 4 or not hasattr(layer, "kernel_weight"):
-            return None
-        gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
-        if gemv is None or gemv.block_n < 2:
-            return None
-        from llmaccel.kernels.gemv_w4 import w4a16_gemv
-
-        if layer.kernel_perm is not None:
-            x = x.index_select(-1, layer.kernel_perm)
-        return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                          layer.kernel_group_size, bias, gemv, silu_out=True)
 
     def _unpack(self, layer: nn.Module) -> None:
         expected = [[size, layer.input_size] for size in layer.output_sizes]
