@@ -53,18 +53,14 @@ SEEDS = ((8, 512, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (16, 1024, 8, 3), (4,
          (8, 2048, 8, 2), (1, 4096, 2, 2))
 
 
-def candidates(n: int, k: int, quick: bool = False, decodes: tuple[bool, ...] = (False,)
-               ) -> list:
+def candidates(n: int, k: int, quick: bool = False) -> list:
     """Tiles to try, likeliest first: 1 to 8 16-byte weight vectors per thread (fewer leaves
-    bandwidth unused per thread, more spills the accumulators). `decodes`: the weight decodes
-    to sweep (False: Triton's e4m3 conversion, True: the integer decode), each tile in each
-    in turn, so a time budget covers both alike."""
+    bandwidth unused per thread, more spills the accumulators)."""
     from llmaccel.kernels.gemv_fp8 import GemvFp8Config, valid_config
 
     if quick:
-        return [replace(c, bits=b) for c in (GemvFp8Config(8, 64, 1, 2),
-                                             GemvFp8Config(16, 128, 2, 3),
-                                             GemvFp8Config(4, 256, 1, 2)) for b in decodes]
+        return [GemvFp8Config(8, 64, 1, 2), GemvFp8Config(16, 128, 2, 3),
+                GemvFp8Config(4, 256, 1, 2)]
     space = [GemvFp8Config(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048, 4096, 8192), (1, 2, 4, 8), (2, 3, 4))
         if 1 <= bn * bk / (16 * 32 * nw) <= 8]
@@ -73,8 +69,7 @@ def candidates(n: int, k: int, quick: bool = False, decodes: tuple[bool, ...] = 
                   key=lambda c: (-c.block_n * c.block_k / c.num_warps, c.num_stages != 3,
                                  c.num_warps))
     # a tile may overhang K (masked: 3072 in a 4096 tile is one iteration), but not by 2x
-    return [replace(c, bits=b) for c in seeds + rest if c.block_k < 2 * k and valid_config(c)
-            for b in decodes]
+    return [c for c in seeds + rest if c.block_k < 2 * k and valid_config(c)]
 
 
 def time_cpu(fn, copies: int, calls: int) -> float:
@@ -98,14 +93,6 @@ def make_fp8_weights(n: int, k: int, copies: int, dev: torch.device
     return out
 
 
-def _pair(x, w_s, cfg):
-    """The row's quantize kernel, then the GEMV on its output."""
-    from llmaccel.kernels.gemv_fp8 import fp8_gemv, quantize_row_fp8
-
-    q, xs = quantize_row_fp8(x)
-    return fp8_gemv(q, w_s[0], w_s[1], config=cfg, x_scale=xs)
-
-
 def _time_dense(x, n: int, k: int, copies: int, tg, timer, calls: int) -> float:
     """cuBLAS (F.linear) on copies of a dense bf16 weight, freed on return."""
     dense = tg.make_weights(16, n, k, -1, copies, x.device)
@@ -113,8 +100,7 @@ def _time_dense(x, n: int, k: int, copies: int, tg, timer, calls: int) -> float:
 
 
 def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: float,
-                tg, quick: bool, decodes: tuple[bool, ...] = (False,),
-                prequant: bool = False) -> tuple[dict, dict]:
+                tg, quick: bool, prequant: bool = False) -> tuple[dict, dict]:
     """Times cuBLAS bf16, the `_scaled_mm` path and the new kernel's tiles on one shape.
     Returns (record, table entry)."""
     from llmaccel.kernels.gemv_fp8 import fp8_gemv, fp8_gemv_ref, quantize_row_fp8
@@ -136,7 +122,7 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
                   copies, calls)
     ref = fp8_gemv_ref(x, ws[0][0], ws[0][1]).float()
     timed = []
-    for cfg in candidates(n, k, quick, decodes):
+    for cfg in candidates(n, k, quick):
         if not quick and time.time() - t0 > budget_s and timed:
             break
         try:
@@ -156,12 +142,12 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
     best_us, best = min(timed, key=lambda t: t[0])
     pre = {}
     if prequant:
-        # An experiment: the row quantized once (quantize_row_fp8) instead of by every
-        # program; the GEMV alone on the quantized row per tile, then the pair for the best.
+        # The row quantized once (quantize_row_fp8) instead of by every program: the GEMV
+        # alone on the quantized row per tile, then the pair (a prequant tile) for the best.
         q, xs = quantize_row_fp8(x)
         pre_timed = []
         t1 = time.time()
-        for cfg in candidates(n, k, quick, decodes):
+        for cfg in candidates(n, k, quick):
             if not quick and time.time() - t1 > budget_s / 2 and pre_timed:
                 break
             try:
@@ -174,14 +160,15 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
         p_us, p_cfg = min(pre_timed, key=lambda t: t[0])
         err = (fp8_gemv(q, ws[0][0], ws[0][1], config=p_cfg, x_scale=xs).float()
                - ref).abs().max().item()
-        chain_us = timer(lambda i: _pair(x, ws[i], p_cfg), copies, calls)
+        pair = replace(p_cfg, prequant=True)  # fp8_gemv quantizes the row first
+        chain_us = timer(lambda i: fp8_gemv(x, ws[i][0], ws[i][1], config=pair), copies, calls)
         pre = {"prequant_gemv_us": round(p_us, 2), "prequant_tile": p_cfg.describe(),
                "prequant_pair_us": round(chain_us, 2), "prequant_max_err": err,
                "prequant_tiles_timed": len(pre_timed)}
         print(f"  prequant: GEMV alone {p_us:.2f} us ({p_cfg.describe()}), with the row's "
               f"quantize kernel {chain_us:.2f} us; inline best {best_us:.2f} us", flush=True)
         if chain_us < best_us:  # the pair wins: the entry says to quantize first
-            best_us, best = chain_us, replace(p_cfg, prequant=True)
+            best_us, best = chain_us, pair
     mm_name = "_scaled_mm" if scaled_mm else "reference"
     print(f"{n:>6} x {k:<5} cuBLAS bf16 {cublas_us:7.2f} us "
           f"({dense_bytes / cublas_us / 1e3:5.0f} GB/s) | {mm_name} {mm_us:7.2f} us "
@@ -190,9 +177,6 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
           f"x{mm_us / best_us:4.2f} vs {mm_name}, x{cublas_us / best_us:4.2f} vs bf16  "
           f"[{len(timed)} tiles]", flush=True)
     model = ",".join(users)
-    by_decode = {("bits" if b else "cvt"): round(min((us for us, c in timed if c.bits == b),
-                                                      default=float("nan")), 2)
-                 for b in decodes}
     record = {
         "workload": "fp8gemv", "model": model, "load_format": "dummy", "backend": "llmaccel",
         "config": {"m": 1, "n": n, "k": k, "kernel": best.describe(), "tiles_timed": len(timed),
@@ -203,7 +187,7 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
         "cublas_bf16_gbps": round(dense_bytes / cublas_us / 1e3, 1),
         "speedup_vs_scaled_mm": round(mm_us / best_us, 2),
         "speedup_vs_bf16": round(cublas_us / best_us, 2),
-        "best_us_by_decode": by_decode, **pre,
+        **pre,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
         "torch": torch.__version__, "commit": os.environ.get("LLMACCEL_COMMIT", "unknown"),
         "command": "python benchmarks/bench_fp8_gemv.py" + (" --quick" if quick else ""),
@@ -224,9 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pdl", action="store_true",
                     help="launch the Triton kernel with programmatic dependent launch, as the "
                          "engine does on Hopper (off by default, like tune_gemm.py)")
-    ap.add_argument("--decode", choices=("cvt", "bits", "both"), default="both",
-                    help="weight decode(s) to sweep: Triton's e4m3 conversion, the integer "
-                         "decode (GemvFp8Config.bits), or each tile in both")
     ap.add_argument("--prequant", action="store_true",
                     help="also time the GEMV on a row quantized once by its own kernel "
                          "(quantize_row_fp8), alone per tile and as a pair for the best; the "
@@ -253,9 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, ((n, k), users) in enumerate(shapes.items()):
         # what is left of the budget, shared by the shapes still to run
         budget = (args.budget_s - (time.time() - t0)) / (len(shapes) - i)
-        decodes = {"cvt": (False,), "bits": (True,), "both": (False, True)}[args.decode]
-        record, entry = bench_shape(n, k, users, dev, budget, tg, args.quick, decodes,
-                                    args.prequant)
+        record, entry = bench_shape(n, k, users, dev, budget, tg, args.quick, args.prequant)
         record["config"]["pdl"] = pdl.enabled()
         records.append(record)
         if record["speedup_vs_scaled_mm"] > 1:  # no measured win, no entry
@@ -265,13 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out_jsonl, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     print("\n| layers | N | K | cuBLAS bf16 us | _scaled_mm us | new us | new GB/s | tile | "
-          "x _scaled_mm | x bf16 | best us by decode |\n" + "|---" * 11 + "|")
+          "x _scaled_mm | x bf16 |\n" + "|---" * 10 + "|")
     for r in records:
         c = r["config"]
-        by = ", ".join(f"{d} {us}" for d, us in r["best_us_by_decode"].items())
         print(f"| {r['model']} | {c['n']} | {c['k']} | {r['cublas_bf16_us']:.2f} | "
               f"{r['scaled_mm_us']:.2f} | {r['value']:.2f} | {r['gbps']:,.0f} | {c['kernel']} | "
-              f"{r['speedup_vs_scaled_mm']:.2f} | {r['speedup_vs_bf16']:.2f} | {by} |")
+              f"{r['speedup_vs_scaled_mm']:.2f} | {r['speedup_vs_bf16']:.2f} |")
     if args.out_table:
         name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
         path = write_table(args.out_table, name, entries)

@@ -237,47 +237,9 @@ def test_fused_variants_match_the_separate_layers(prologue, with_residual, bias,
         assert (plain.float() - fp8_gemv_ref(x, w, s, b, **kw).float()).abs().max() > 10 * tol
 
 
-BITS = [  # n, k, dtype, prologue, config (bits=True: weights decoded by integer ops)
-    (40, 192, torch.float32, None, GemvFp8Config(8, 64, 1, 2, bits=True)),
-    (33, 96, torch.float16, "norm", GemvFp8Config(16, 512, 4, 3, bits=True)),  # overhangs K
-    (24, 320, torch.float32, "silu", GemvFp8Config(4, 128, 2, 3, bits=True)),  # K tail
-    (16, 130, torch.float32, None, GemvFp8Config(8, 64, 1, 2, bits=True)),  # K % 4: converts
-]
-
-
-@pytest.mark.parametrize("n,k,dtype,prologue,cfg", BITS)
-def test_bits_decode_matches_reference(n, k, dtype, prologue, cfg):
-    """The integer decode of e4m3 weights (`_e4m3_bits`) gives the reference product up to
-    fp32 summation order: every code, subnormals included (the weights span the whole e4m3
-    range and a row of all 254 finite codes is checked on its own)."""
-    x, w, s, b, kw, _ = _fused_case(prologue, False, True, dtype, n=n, k=k, seed=n + k)
-    want = fp8_gemv_ref(x, w, s, b, **kw)
-    dev_kw = {key: _on(v)[0] if isinstance(v, torch.Tensor) else v for key, v in kw.items()}
-    got = fp8_gemv(*_on(x, w, s, b), cfg, **dev_kw)
-    torch.testing.assert_close(got.float().cpu(), want.float(), atol=_tol(dtype, want), rtol=0)
-
-
-def test_bits_decode_every_code():
-    """Each finite e4m3 code alone (a one-hot activation picks one weight per product): the
-    decoded weight equals the code's value exactly, for all 254 codes (NaNs 0x7F/0xFF left
-    out; 0x00 and 0x80 are +-0)."""
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    k = 256
-    w = torch.zeros(len(codes), k, dtype=torch.uint8)
-    col = (torch.arange(len(codes)) * 5) % k  # each byte position 0..3 of a word occurs
-    w[torch.arange(len(codes)), col] = codes
-    w = w.view(E4M3)
-    s = torch.ones(len(codes), 1)
-    x = torch.full((1, k), 448.0)  # quantized with scale 1 to the code 448: exact products
-    want = fp8_gemv_ref(x, w, s)
-    assert torch.equal(want[0], codes.view(E4M3).float() * 448)
-    got = fp8_gemv(*_on(x, w, s), config=GemvFp8Config(16, 64, 1, 2, bits=True)).cpu()
-    assert torch.equal(got, want)
-
-
 SILU_OUT = [  # n (= 2I), k, dtype, norm prologue, bias, config
     (48, 128, torch.float32, False, False, GemvFp8Config(8, 64, 1, 2)),
-    (40, 192, torch.float16, True, True, GemvFp8Config(16, 128, 2, 3, bits=True)),
+    (40, 192, torch.float16, True, True, GemvFp8Config(16, 128, 2, 3)),
     (6, 64, torch.float32, True, False, GemvFp8Config(8, 64, 1, 2)),  # one partial tile
     (72, 96, torch.bfloat16, False, True, None),
 ]
@@ -298,7 +260,7 @@ def test_silu_out_epilogue(n, k, dtype, norm, bias, cfg):
 
 
 @pytest.mark.parametrize("dtype,cfg", [(torch.float32, GemvFp8Config(8, 64, 1, 2)),
-                                       (torch.float16, GemvFp8Config(16, 128, 2, 3, bits=True)),
+                                       (torch.float16, GemvFp8Config(16, 128, 2, 3)),
                                        (torch.bfloat16, None)])
 def test_prequantized_row(dtype, cfg):
     """`quantize_row_fp8` gives quantize_fp8_per_token's codes and scale; the GEMV on them
@@ -336,8 +298,7 @@ def test_pdl_branch(monkeypatch):
     monkeypatch.setattr(gemv_fp8, "pdl_launch_dependents", _noop)
     monkeypatch.setattr(pdl, "launch_kwargs", dict)
     monkeypatch.setattr(pdl, "_enabled", True)
-    for cfg in (GemvFp8Config(8, 64, 1, 2), GemvFp8Config(16, 256, 2, 3),  # loop; one step
-                GemvFp8Config(8, 64, 1, 2, bits=True)):
+    for cfg in (GemvFp8Config(8, 64, 1, 2), GemvFp8Config(16, 256, 2, 3)):  # loop; one step
         x, w, s, b, kw, res = _fused_case("norm", True, True, torch.float32, k=200)
         want = fp8_gemv_ref(x, w, s, b, residual=res.clone(), **kw)
         got = fp8_gemv(x, w, s, b, cfg, residual=res, **kw)
@@ -425,11 +386,9 @@ def test_benchmark_quick_run(tmp_path, monkeypatch):
                   10.0, 3.0, 9.0, 4.0, 6.0])   # 72 x 128: slower than the baseline
     monkeypatch.setattr(mod, "time_cpu", lambda fn, copies, calls: next(times))
     jsonl, table = tmp_path / "fp8.jsonl", tmp_path / "table.json"
-    assert mod.main(["--quick", "--decode", "cvt", "--out-jsonl", str(jsonl),
-                     "--out-table", str(table)]) == 0
+    assert mod.main(["--quick", "--out-jsonl", str(jsonl), "--out-table", str(table)]) == 0
     recs = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [(r["config"]["n"], r["config"]["k"]) for r in recs] == [(40, 256), (72, 128)]
-    assert all(list(r["best_us_by_decode"]) == ["cvt"] for r in recs)
     assert all(r["workload"] == "fp8gemv" and r["config"]["tiles_timed"] == 3 for r in recs)
     assert [r["speedup_vs_scaled_mm"] for r in recs] == [2.0, 0.75]
     entries = json.loads(table.read_text())["entries"]
@@ -459,7 +418,7 @@ def test_gpu_llama_3b_shapes_bf16(variant):
         want = fp8_gemv_ref(x, w, s, b, residual=None if res is None else res.clone(), **kw)
         scale = want.float().abs().max().item()
         for cfg in (None, GemvFp8Config(8, 512, 4, 3), GemvFp8Config(2, 4096, 4, 2),
-                    GemvFp8Config(8, 512, 4, 3, bits=True)):
+                    GemvFp8Config(4, 1024, 2, 3, prequant=True)):
             for use_pdl in (False, pdl.supported("cuda")):
                 before = pdl.enabled()
                 pdl.set_enabled(use_pdl)

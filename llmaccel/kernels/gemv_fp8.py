@@ -84,24 +84,33 @@ def _load_w(W, w_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _silu_mul(gate, up, dt: tl.constexpr):
+    """silu(gate) * up from fp32 inputs, rounded to dt as silu_and_mul rounds (the SiLU, then
+    the product)."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    return (act * up).to(dt)
+
+
+@triton.jit
+def _act_scale(absmax, min_scale):
+    """The per-token scale and its reciprocal, as quantize_fp8_per_token:
+    max(absmax / 448, MIN_ACT_SCALE), both correctly rounded divisions."""
+    scale = tl.maximum(tl.div_rn(absmax, tl.full((), _FP8_MAX, tl.float32)), min_scale)
+    return scale, tl.div_rn(tl.full((), 1.0, tl.float32), scale)
+
+
+@triton.jit
 def _act(X, NormW, k0, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr,
          BLOCK_K: tl.constexpr):
     """The activation tile at k0 after the prologue, in x's dtype (zeros past K), rounded as
     the unfused layers round: 0 none; 1 RMSNorm (x * rstd rounded, times the norm weight,
     rounded); 2 SiLU-and-mul (x = [gate | up]: silu(gate) rounded, times up, rounded)."""
-    return _act_at(X, NormW, _cols(k0, BLOCK_K), K, rstd, PROLOGUE, EVEN_K)
-
-
-@triton.jit
-def _act_at(X, NormW, rk, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
-    """`_act` at the columns rk (any shape)."""
+    rk = _cols(k0, BLOCK_K)
     m = rk < K
     dt = X.dtype.element_ty
     if PROLOGUE == 2:
-        gate = _ld(X + rk, m, EVEN_K).to(tl.float32)
-        up = _ld(X + K + rk, m, EVEN_K).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # as silu_and_mul does
-        a = (act * up).to(dt)
+        a = _silu_mul(_ld(X + rk, m, EVEN_K).to(tl.float32),
+                      _ld(X + K + rk, m, EVEN_K).to(tl.float32), dt)
     else:
         a = _ld(X + rk, m, EVEN_K)
         if PROLOGUE == 1:
@@ -128,59 +137,6 @@ def _quantize(a, scale, rcp, PROLOGUE: tl.constexpr = 0):
 
 
 @triton.jit
-def _load_words(W32, w_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weight tile at k0 as int32 words [BLOCK_N, BLOCK_K / VEC, 4] (a 16-byte vector per
-    thread): byte j of word i of vector v is the weight at column k0 + 16v + 4i + j."""
-    rw = k0 // 4 + tl.arange(0, BLOCK_K // _VEC)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    return _ld(W32 + w_row[:, None, None] + rw[None, :, :], (rw < K // 4)[None, :, :], EVEN_K)
-
-
-@triton.jit
-def _e4m3_bits(word, j: tl.constexpr):
-    """Byte j of each word, an e4m3 value v, as the fp32 v * 2^-120, in two integer ops and
-    no conversion: shifted to the top byte (sign at bit 31), an arithmetic shift right by 4
-    puts its exponent and mantissa bits at fp32's bits 26..20 and fills 30..27 with the sign,
-    which the mask clears. e4m3's exponent field then sits in the low 4 bits of fp32's, whose
-    bias is 120 larger, and its 3 mantissa bits lead fp32's: a normal e4m3 value maps to
-    v * 2^-120 and a subnormal one (exponent field 0) to an fp32 subnormal of the same
-    v * 2^-120, exactly (fp32 math here keeps subnormals: no .ftz). The kernel multiplies the
-    sum by 2^120 at the end, which is exact."""
-    if j == 3:
-        t = word
-    else:
-        t = word << (24 - 8 * j)
-    return ((t >> 4) & -0x78100000).to(tl.float32, bitcast=True)  # mask 0x87F00000
-
-
-@triton.jit
-def _bits_products(words, a0, a1, a2, a3):
-    """sum over each 16-byte vector of weight * activation, weights decoded by `_e4m3_bits`
-    (the four activation tensors are the columns of byte 0..3 of each word)."""
-    p = _e4m3_bits(words, 0) * a0[None, :, :]
-    p += _e4m3_bits(words, 1) * a1[None, :, :]
-    p += _e4m3_bits(words, 2) * a2[None, :, :]
-    p += _e4m3_bits(words, 3) * a3[None, :, :]
-    return tl.sum(p, axis=2)
-
-
-@triton.jit
-def _act_bytes(X, NormW, k0, K, rstd, scale, rcp, PROLOGUE: tl.constexpr,
-               EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The quantized activations of the tile at k0 for byte j = 0..3 of each weight word:
-    four [BLOCK_K / VEC, 4] tensors (see `_load_words`)."""
-    base = k0 + tl.arange(0, BLOCK_K // _VEC)[:, None] * _VEC + tl.arange(0, 4)[None, :] * 4
-    a0 = _quantize(_act_at(X, NormW, base, K, rstd, PROLOGUE, EVEN_K), scale,
-                   rcp, PROLOGUE)
-    a1 = _quantize(_act_at(X, NormW, base + 1, K, rstd, PROLOGUE, EVEN_K), scale,
-                   rcp, PROLOGUE)
-    a2 = _quantize(_act_at(X, NormW, base + 2, K, rstd, PROLOGUE, EVEN_K), scale,
-                   rcp, PROLOGUE)
-    a3 = _quantize(_act_at(X, NormW, base + 3, K, rstd, PROLOGUE, EVEN_K), scale,
-                   rcp, PROLOGUE)
-    return a0, a1, a2, a3
-
-
-@triton.jit
 def _out_rows(N, BLOCK_N: tl.constexpr, SILU_OUT: tl.constexpr):
     """The weight rows of this program's tile. With SILU_OUT the layer is [gate; up] (N = 2I)
     and the tile interleaves them, gate row j then up row j for BLOCK_N / 2 outputs j, so the
@@ -202,9 +158,8 @@ def _silu_out(y, Y, N, BLOCK_N: tl.constexpr):
     as the layer's output would be; stores silu(gate) * up rounded as silu_and_mul rounds."""
     dt = Y.dtype.element_ty
     gate, up = tl.split(tl.reshape(y.to(tl.float32), (BLOCK_N // 2, 2)))
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
     out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(Y + out, (act * up).to(dt), mask=out < N // 2)
+    tl.store(Y + out, _silu_mul(gate, up, dt), mask=out < N // 2)
 
 
 @triton.jit
@@ -214,20 +169,15 @@ def _gemv_fp8_kernel(
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_R: tl.constexpr, BITS: tl.constexpr, SILU_OUT: tl.constexpr,
+    EVEN_R: tl.constexpr, SILU_OUT: tl.constexpr,
 ):
-    # BITS: W is the weight viewed as int32 words ([N, K / 4], stride_wn in words), decoded by
-    # `_e4m3_bits`; else e4m3 read as such and converted by Triton.
     rows = _out_rows(N, BLOCK_N, SILU_OUT)
     w_row = rows * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K // _VEC), tl.float32)
     if USE_PDL:
         # Weights are read-only during a step: start streaming the first tile while the
         # previous kernel (which produces X) finishes.
-        if BITS:
-            w_first = _load_words(W, w_row, 0, K, EVEN_K, BLOCK_K)
-        else:
-            w_first = _load_w(W, w_row, 0, K, EVEN_K, BLOCK_K)
+        w_first = _load_w(W, w_row, 0, K, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     # The passes over the row below sit on the critical path after the wait, and each load
@@ -246,43 +196,26 @@ def _gemv_fp8_kernel(
         scale = tl.load(NormW)
         rcp = 1.0
     else:
-        # the per-token scale, as quantize_fp8_per_token: max(absmax / 448, MIN_ACT_SCALE),
-        # with a correctly rounded division
+        # the per-token scale from the prologued row's absmax
         amax = tl.zeros((BLOCK_R // _VEC, _VEC), tl.float32)
         for k0 in range(0, K, BLOCK_R):
             a = _act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_R, BLOCK_R)
             amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
-        absmax = tl.max(tl.max(amax, axis=1), axis=0)
-        scale = tl.maximum(tl.div_rn(absmax, tl.full((), _FP8_MAX, tl.float32)), min_scale)
-        rcp = tl.div_rn(tl.full((), 1.0, tl.float32), scale)
+        scale, rcp = _act_scale(tl.max(tl.max(amax, axis=1), axis=0), min_scale)
     k_start = 0
     if USE_PDL:
-        if BITS:
-            a0, a1, a2, a3 = _act_bytes(X, NormW, 0, K, rstd, scale, rcp, PROLOGUE, EVEN_K,
-                                        BLOCK_K)
-            acc += _bits_products(w_first, a0, a1, a2, a3)
-        else:
-            a_q = _quantize(_act(X, NormW, 0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp,
-                            PROLOGUE)
-            acc += tl.sum(w_first.to(tl.float32) * a_q[None, :, :], axis=2)
+        a_q = _quantize(_act(X, NormW, 0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp,
+                        PROLOGUE)
+        acc += tl.sum(w_first.to(tl.float32) * a_q[None, :, :], axis=2)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
-        if BITS:
-            words = _load_words(W, w_row, k0, K, EVEN_K, BLOCK_K)
-            a0, a1, a2, a3 = _act_bytes(X, NormW, k0, K, rstd, scale, rcp, PROLOGUE, EVEN_K,
-                                        BLOCK_K)
-            acc += _bits_products(words, a0, a1, a2, a3)
-        else:
-            w = _load_w(W, w_row, k0, K, EVEN_K, BLOCK_K)
-            a_q = _quantize(_act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp,
-                            PROLOGUE)
-            # the 16 products of a vector sum in-thread (FFMAs); one accumulator per vector
-            acc += tl.sum(w.to(tl.float32) * a_q[None, :, :], axis=2)
-    y = tl.sum(acc, axis=1)
-    if BITS:
-        y = y * (2.0 ** 120)  # exact: undoes _e4m3_bits' offset
+        w = _load_w(W, w_row, k0, K, EVEN_K, BLOCK_K)
+        a_q = _quantize(_act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp,
+                        PROLOGUE)
+        # the 16 products of a vector sum in-thread (FFMAs); one accumulator per vector
+        acc += tl.sum(w.to(tl.float32) * a_q[None, :, :], axis=2)
     # (sum * s_a) * s_w, rounded to x's dtype: _reference_product's order
-    y = y * scale * tl.load(WScale + rows)
+    y = tl.sum(acc, axis=1) * scale * tl.load(WScale + rows)
     dt = Y.dtype.element_ty
     y = y.to(dt)
     if HAS_BIAS:  # added after the cast, in x's dtype, as fp8_linear does
@@ -304,9 +237,7 @@ def _quantize_row_kernel(X, Q, S, K, min_scale, BLOCK: tl.constexpr, USE_PDL: tl
     pdl_launch_dependents(USE_PDL)
     rk = tl.arange(0, BLOCK)
     a = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
-    absmax = tl.max(tl.abs(a), axis=0)
-    scale = tl.maximum(tl.div_rn(absmax, tl.full((), _FP8_MAX, tl.float32)), min_scale)
-    rcp = tl.div_rn(tl.full((), 1.0, tl.float32), scale)
+    scale, rcp = _act_scale(tl.max(tl.abs(a), axis=0), min_scale)
     tl.store(Q + rk, _quantize(a, scale, rcp).to(Q.dtype.element_ty), mask=rk < K)
     tl.store(S, scale)
 
@@ -334,16 +265,13 @@ class GemvFp8Config:
     block_k: int  # a power of two >= 16 (whole 16-byte vectors)
     num_warps: int = 4
     num_stages: int = 3
-    # weights as int32 words decoded by integer ops (`_e4m3_bits`) instead of Triton's
-    # e4m3 -> fp32 conversion; needs K % 4 == 0 (else the conversion runs)
-    bits: bool = False
     # quantize the row once in its own kernel (`quantize_row_fp8`) and run the GEMV on it,
     # instead of every program deriving the scale and codes itself (not with a prologue)
     prequant: bool = False
 
     def describe(self) -> str:
         return (f"n{self.block_n}k{self.block_k}-w{self.num_warps}s{self.num_stages}"
-                + ("-bits" if self.bits else "") + ("-q" if self.prequant else ""))
+                + ("-q" if self.prequant else ""))
 
 
 def _pow2(v: int) -> bool:
@@ -429,26 +357,23 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                                                           device=x.device)
     if n == 0:
         return y
-    bits = cfg.bits and k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
-    w_arg, w_stride = (weight.view(torch.int32), weight.stride(0) // 4) if bits else (
-        weight, weight.stride(0))
     x1 = x.reshape(-1).contiguous()
     # the chunk of the row-wide passes (absmax, RMSNorm): the whole row up to 8192 columns
     block_r = max(VEC, min(8192, triton.next_power_of_2(k)))
     dummy = weight  # pointer arguments the constexpr flags switch off
     grid = triton.cdiv(n // 2, cfg.block_n // 2) if silu_out else triton.cdiv(n, cfg.block_n)
     _gemv_fp8_kernel[(grid,)](
-        x1, w_arg, weight_scale.reshape(n).contiguous(),
+        x1, weight, weight_scale.reshape(n).contiguous(),
         bias if bias is not None else dummy,
         x_scale if x_scale is not None else (
             norm_weight.contiguous() if norm_weight is not None else dummy), y,
-        n, k, w_stride, eps, MIN_ACT_SCALE,
+        n, k, weight.stride(0), eps, MIN_ACT_SCALE,
         PROLOGUE=3 if x_scale is not None else (1 if norm_weight is not None else (
             2 if silu else 0)),
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
-        BLOCK_R=block_r, EVEN_R=k % block_r == 0, BITS=bits, SILU_OUT=silu_out,
+        BLOCK_R=block_r, EVEN_R=k % block_r == 0, SILU_OUT=silu_out,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from llmaccel.kernels import pdl
-from llmaccel.kernels.gemv_fp8 import _out_rows, _silu_out
+from llmaccel.kernels.gemv_fp8 import _out_rows, _silu_mul, _silu_out
 from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
 
 # The fp32 bit pattern of 2^23, passed as a run-time argument: as a compile-time constant,
@@ -81,10 +81,8 @@ def _x_at(X, NormW, kx, m, rstd, K, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr
     dt = X.dtype.element_ty
     f = tl.float32
     if PROLOGUE == 2:
-        gate = _ld(X + kx, m, EVEN_K).to(f)
-        up = _ld(X + K + kx, m, EVEN_K).to(f)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(f)
-        v = (act * up).to(dt).to(f)
+        v = _silu_mul(_ld(X + kx, m, EVEN_K).to(f), _ld(X + K + kx, m, EVEN_K).to(f),
+                      dt).to(f)
     elif PROLOGUE == 1:
         x = _ld(X + kx, m, EVEN_K).to(f)
         nw = _ld(NormW + kx, m, EVEN_K).to(f)
