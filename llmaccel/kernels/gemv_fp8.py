@@ -38,6 +38,7 @@ its columns once for all the rows it holds:
   No clamp to +-448: |a| <= absmax makes |q| <= 448 up to one rounding, which the grid rounds
   to 448 (`quantize_fp8_per_token` skips it for the same reason).
 
+(The quantizer and the epilogue helpers are in `gemv_common.py`, shared with the int4 GEMV.)
 Products of two e4m3 values are exact in fp32, so the result differs from `fp8_gemv_ref` only in
 fp32 summation order (and, in the interpreter, in its bf16 roundings, which truncate).
 """
@@ -51,12 +52,21 @@ import triton
 import triton.language as tl
 
 from llmaccel.kernels import pdl
+from llmaccel.kernels.gemv_common import (
+    NO_TAIL,
+    RowNormTail,
+    _act_scale,
+    _norm_tail,
+    _out_rows,
+    _quantize,
+    _silu_mul,
+    _silu_out,
+)
 from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
-from llmaccel.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_ACT_SCALE
+from llmaccel.quant.fp8 import FP8_DTYPE, MIN_ACT_SCALE
 
 VEC = 16  # e4m3 weights per vector load: 16 bytes, the widest global load
 _VEC = tl.constexpr(VEC)
-_FP8_MAX = tl.constexpr(FP8_MAX)  # 448: the activation scale is absmax / 448
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -84,22 +94,6 @@ def _load_w(W, w_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul(gate, up, dt: tl.constexpr):
-    """silu(gate) * up from fp32 inputs, rounded to dt as silu_and_mul rounds (the SiLU, then
-    the product)."""
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-    return (act * up).to(dt)
-
-
-@triton.jit
-def _act_scale(absmax, min_scale):
-    """The per-token scale and its reciprocal, as quantize_fp8_per_token:
-    max(absmax / 448, MIN_ACT_SCALE), both correctly rounded divisions."""
-    scale = tl.maximum(tl.div_rn(absmax, tl.full((), _FP8_MAX, tl.float32)), min_scale)
-    return scale, tl.div_rn(tl.full((), 1.0, tl.float32), scale)
-
-
-@triton.jit
 def _act(X, NormW, k0, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr,
          BLOCK_K: tl.constexpr):
     """The activation tile at k0 after the prologue, in x's dtype (zeros past K), rounded as
@@ -121,55 +115,13 @@ def _act(X, NormW, k0, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr,
 
 
 @triton.jit
-def _quantize(a, scale, rcp, PROLOGUE: tl.constexpr = 0):
-    """e4m3(a / scale) as exact fp32 values (module docstring): correctly rounded division,
-    then rounding onto the e4m3 grid, ties to even. PROLOGUE 3: `a` is quantized already."""
-    if PROLOGUE == 3:
-        return a.to(tl.float32)
-    af = a.to(tl.float32)
-    q = af * rcp
-    q = tl.fma(tl.fma(-q, scale, af), rcp, q)  # Markstein: RN(af / scale)
-    mag = tl.abs(q)
-    expo = tl.maximum(mag.to(tl.int32, bitcast=True) & 0x7F800000, 121 << 23)  # >= 2^-6
-    c = (expo + (20 << 23)).to(tl.float32, bitcast=True)  # 2^(max(e, -6) + 20)
-    mag = (mag + c) - c
-    return tl.where(q < 0, -mag, mag)
-
-
-@triton.jit
-def _out_rows(N, BLOCK_N: tl.constexpr, SILU_OUT: tl.constexpr):
-    """The weight rows of this program's tile. With SILU_OUT the layer is [gate; up] (N = 2I)
-    and the tile interleaves them, gate row j then up row j for BLOCK_N / 2 outputs j, so the
-    epilogue pairs rows without leaving registers. Rows past the end re-read the last valid
-    one (their results are not stored): no mask on weight loads."""
-    r = tl.arange(0, BLOCK_N)
-    if SILU_OUT:
-        half = N // 2
-        j = tl.program_id(0) * (BLOCK_N // 2) + r // 2
-        rows = tl.minimum(j, half - 1) + (r % 2) * half
-    else:
-        rows = tl.minimum(tl.program_id(0) * BLOCK_N + r, N - 1)
-    return rows.to(tl.int64)
-
-
-@triton.jit
-def _silu_out(y, Y, N, BLOCK_N: tl.constexpr):
-    """SILU_OUT's epilogue: y [BLOCK_N] holds (gate, up) pairs, already rounded to Y's dtype
-    as the layer's output would be; stores silu(gate) * up rounded as silu_and_mul rounds."""
-    dt = Y.dtype.element_ty
-    gate, up = tl.split(tl.reshape(y.to(tl.float32), (BLOCK_N // 2, 2)))
-    out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(Y + out, _silu_mul(gate, up, dt), mask=out < N // 2)
-
-
-@triton.jit
 def _gemv_fp8_kernel(
-    X, W, WScale, Bias, NormW, Y,
-    N, K, stride_wn, eps, min_scale,
+    X, W, WScale, Bias, NormW, Y, Counter, TailW, TailOut, TailScale,
+    N, K, stride_wn, eps, min_scale, tail_eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_R: tl.constexpr, SILU_OUT: tl.constexpr,
+    EVEN_R: tl.constexpr, SILU_OUT: tl.constexpr, TAIL: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     rows = _out_rows(N, BLOCK_N, SILU_OUT)
     w_row = rows * stride_wn
@@ -229,6 +181,9 @@ def _gemv_fp8_kernel(
             y = (y.to(tl.float32) + tl.load(Y + rn, mask=mask_n, other=0.0).to(tl.float32)
                  ).to(dt)
         tl.store(Y + rn, y, mask=mask_n)
+        if TAIL != 0:  # the next RMSNorm (and FP8 quantization) of the finished row
+            _norm_tail(Y, N, Counter, TailW, TailOut, TailScale, tail_eps, min_scale, TAIL,
+                       BLOCK_T)
 
 
 @triton.jit
@@ -332,16 +287,23 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None, config: GemvFp8Config | None = None, *,
              norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
              residual: torch.Tensor | None = None, silu_out: bool = False,
-             x_scale: torch.Tensor | None = None) -> torch.Tensor:
+             x_scale: torch.Tensor | None = None,
+             norm_tail: RowNormTail | None = None) -> torch.Tensor:
     """x [..., K] holding exactly one row ([..., 2K] = [gate | up] with `silu`) -> y [..., N]
     in x's dtype: `fp8_linear(prologue(x), weight, weight_scale, bias)` for e4m3 `weight`
     [N, K] and fp32 `weight_scale` [N, 1] or [N]. `norm_weight` [K] (with `eps`) or `silu`
     fuse RMSNorm or SiLU-and-mul before it; `residual` [..., N] is updated in place to
     residual + y and returned; `silu_out` (a [gate; up] layer, N = 2I) returns
     silu_and_mul(y) [..., I] instead of y, the activation in the epilogue. With `x_scale`
-    (fp32 [1]) x is the quantized row already (`quantize_row_fp8`; no prologue then). Rounds
-    as `fp8_gemv_ref` (module docstring)."""
+    (fp32 [1]) x is the quantized row already (`quantize_row_fp8`; no prologue then). With
+    `norm_tail` (needs `residual`) the last program also writes the next RMSNorm of the
+    updated residual row (`gemv_common.RowNormTail`). Rounds as `fp8_gemv_ref` (module
+    docstring)."""
     n, k = _check(x, weight, weight_scale, bias, norm_weight, silu, residual, silu_out)
+    if norm_tail is not None:
+        if residual is None:
+            raise ValueError("norm_tail normalizes the updated residual: it needs residual")
+        norm_tail.check(residual)
     if (config is not None and config.prequant and x_scale is None and not silu
             and norm_weight is None and n and k):
         x, x_scale = quantize_row_fp8(x)
@@ -362,18 +324,21 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     block_r = max(VEC, min(8192, triton.next_power_of_2(k)))
     dummy = weight  # pointer arguments the constexpr flags switch off
     grid = triton.cdiv(n // 2, cfg.block_n // 2) if silu_out else triton.cdiv(n, cfg.block_n)
+    tail_ptrs = norm_tail.pointers() if norm_tail is not None else (dummy,) * 4
     _gemv_fp8_kernel[(grid,)](
         x1, weight, weight_scale.reshape(n).contiguous(),
         bias if bias is not None else dummy,
         x_scale if x_scale is not None else (
-            norm_weight.contiguous() if norm_weight is not None else dummy), y,
+            norm_weight.contiguous() if norm_weight is not None else dummy), y, *tail_ptrs,
         n, k, weight.stride(0), eps, MIN_ACT_SCALE,
+        norm_tail.eps if norm_tail is not None else 0.0,
         PROLOGUE=3 if x_scale is not None else (1 if norm_weight is not None else (
             2 if silu else 0)),
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
         BLOCK_R=block_r, EVEN_R=k % block_r == 0, SILU_OUT=silu_out,
+        **(norm_tail.launch_args() if norm_tail is not None else NO_TAIL),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y
