@@ -63,17 +63,21 @@ def _check_tail(tail: RowNormTail, residual: torch.Tensor, quant: bool) -> None:
     assert int(tail.counter.item()) == 0
 
 
-# int4: (n, k, group, config); n not a multiple of the tile (rows past the end), several
-# programs, and a hidden size over the tail's 2048-column chunk
-W4_CASES = [(40, 128, 64, GemvW4Config(8, 64, 1, 2, 2)),
-            (72, 256, 128, GemvW4Config(16, 128, 2, 3, 2)),
-            (2100, 64, 32, GemvW4Config(512, 32, 4, 2, 2))]
+# int4: (n, k, group, config, the tail's widest one-load row); n not a multiple of the tile
+# (rows past the end), several programs, and rows wider than the one-load row (in chunks)
+W4_CASES = [(40, 128, 64, GemvW4Config(8, 64, 1, 2, 2), 8192),
+            (72, 256, 128, GemvW4Config(16, 128, 2, 3, 2), 8192),
+            (72, 256, 128, GemvW4Config(16, 128, 2, 3, 2), 32),
+            (2100, 64, 32, GemvW4Config(512, 32, 4, 2, 2), 1024)]
 
 
-@pytest.mark.parametrize("n,k,group,cfg", W4_CASES)
+@pytest.mark.parametrize("n,k,group,cfg,row_max", W4_CASES)
 @pytest.mark.parametrize("quant", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_gemv_norm_tail(n, k, group, cfg, quant, dtype):
+def test_int4_gemv_norm_tail(n, k, group, cfg, row_max, quant, dtype, monkeypatch):
+    from llmaccel.kernels import gemv_common
+
+    monkeypatch.setattr(gemv_common, "TAIL_ROW_MAX", row_max)
     g = _gen(n + k)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, k // group, generator=g) * 0.1 + 0.01).to(dtype)
