@@ -326,65 +326,6 @@ def test_int4_model_decodes_through_fused_layers(case, tmp_path, monkeypatch):
         assert "fused decode layers" in desc
 
 
-@pytest.mark.parametrize("case", ["gptq-w4-sym", "awq-w4-zp", "gptq-w4-asym-v1-actorder"])
-def test_int4_model_decodes_through_norm_tails(case, tmp_path, monkeypatch):
-    """Batch 1 with a GEMV tile for every shape but none for fused layers: the o and down
-    GEMVs add into the residual and run the next RMSNorm in their last program
-    (DecoderLayer.forward_tail; the last layer's runs the model's final norm), interpreted on
-    CPU; the logits are the plain dequantized checkpoint's. Act-order layers (permuted inputs)
-    keep the unfused path."""
-    from test_quant_loading import CASES as QCASES
-    from test_quant_loading import write_checkpoints
-
-    from llmaccel.kernels import gemv_w4
-    from llmaccel.models.attention import AttentionMetadata
-    from llmaccel.models.layers.linear import Linear
-    from llmaccel.models.loader import load_model
-    from llmaccel.models.transformer import DecoderLayer
-
-    calls = []
-    real = gemv_w4.w4a16_gemv
-
-    def spy(*a, **kw):
-        calls.append(tuple(sorted(k for k, v in kw.items() if v is not None and v is not False
-                                  and k not in ("eps",))))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(gemv_w4, "w4a16_gemv", spy)
-    monkeypatch.setattr(gemm_tuning, "gemv_w4_config",
-                        lambda n, k, group, device=None: GemvW4Config(8, 32, 2, 2))
-    packed_dir, plain_dir = write_checkpoints(QCASES[case], tmp_path, family="llama")
-    _, ours = load_model(str(packed_dir), dtype="float32", device="cpu")
-    _, ref = load_model(str(plain_dir), dtype="float32", device="cpu")
-    for module in ours.modules():
-        if isinstance(module, Linear) and hasattr(module, "codes"):
-            module.quant_method._prepare_kernel(module)
-    ours.set_fused_kernels(True, fuse_decode=True)
-    tails = []
-    original = DecoderLayer.forward_tail
-    monkeypatch.setattr(DecoderLayer, "forward_tail",
-                        lambda self, *a: tails.append(1) or original(self, *a))
-
-    def logits(model, token):
-        meta = AttentionMetadata.for_prefill([1], "cpu")
-        with torch.no_grad():
-            return model.compute_logits(model(torch.tensor([token]), torch.tensor([0]), meta))
-
-    for token in (7, 31):
-        torch.testing.assert_close(logits(ours, token), logits(ref, token), atol=1e-4, rtol=0)
-    n_layers = ours.config.num_hidden_layers
-    if "actorder" in case:
-        assert not tails and ("norm_tail", "residual") not in calls
-    else:
-        assert len(tails) == 2 * n_layers
-        tail = ("norm_tail", "residual")
-        # o and down (qkv and gate_up run the general kernel: on CPU weights the plain
-        # GEMV's table is not read)
-        assert calls == [tail, tail] * (2 * n_layers)
-        for layer in ours.model.layers:
-            assert not layer.norm_tail_counters.any()
-
-
 # ------------------------------------------------------------------------------------- GPU
 
 LLAMA_3B = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]

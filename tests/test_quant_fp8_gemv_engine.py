@@ -58,55 +58,37 @@ def _spy(monkeypatch) -> list[tuple[str, ...]]:
     return calls
 
 
-@pytest.mark.parametrize("fused,silu_epilogue,norm_tail,prequant", [
-    (False, True, False, False), (False, False, False, False), (True, True, True, False),
-    (False, True, True, False), (False, False, True, True), (False, True, True, True)])
-def test_fp8_model_on_the_gemv_matches_the_w8a8_reference(fused, silu_epilogue, norm_tail,
-                                                          prequant, fp8_dir, monkeypatch):
-    """Fused decode layers; or unfused ones with SiLU-and-mul in the gate_up GEMV's epilogue
-    (LLMACCEL_GEMV_SILU_EPILOGUE, on by default) or after it; with the o and down GEMVs
-    adding into the residual and running the next RMSNorm in their last program
-    (LLMACCEL_GEMV_NORM_TAIL, on by default: DecoderLayer.forward_tail), which also quantizes
-    the row for prequant tiles: the W8A8 reference's logits."""
+@pytest.mark.parametrize("fused,silu_epilogue", [(False, True), (False, False), (True, True)])
+def test_fp8_model_on_the_gemv_matches_the_w8a8_reference(fused, silu_epilogue, fp8_dir,
+                                                          monkeypatch):
+    """Fused decode layers, or unfused ones with SiLU-and-mul in the gate_up GEMV's epilogue
+    (LLMACCEL_GEMV_SILU_EPILOGUE, on by default) or after it: the W8A8 reference's logits."""
     from llmaccel.models.layers import quantization
 
     monkeypatch.setattr(quantization, "SILU_EPILOGUE", silu_epilogue)
-    monkeypatch.setattr(quantization, "NORM_TAIL", norm_tail)
-    tile = GemvFp8Config(8, 64, 2, 2, prequant=prequant)
     _, ref = load_model(str(fp8_dir), dtype="float32", device="cpu")
     _, ours = load_model(str(fp8_dir), dtype="float32", device="cpu")
     calls = _spy(monkeypatch)
-    monkeypatch.setattr(gemm_tuning, "gemv_fp8_config", lambda n, k, device=None: tile)
+    monkeypatch.setattr(gemm_tuning, "gemv_fp8_config", lambda n, k, device=None: TILE)
     monkeypatch.setattr(gemm_tuning, "fused_fp8_config",
-                        (lambda kind, n, k, device=None: tile) if fused else
+                        (lambda kind, n, k, device=None: TILE) if fused else
                         (lambda kind, n, k, device=None: None))
     ours.set_fused_kernels(True, fuse_decode=True)
-    layers, tails = [], []
-    for name, log in (("forward_fused", layers), ("forward_tail", tails)):
-        original = getattr(DecoderLayer, name)
-        monkeypatch.setattr(DecoderLayer, name,
-                            lambda self, *a, _o=original, _l=log: _l.append(1) or _o(self, *a))
+    layers = []
+    original = DecoderLayer.forward_fused
+    monkeypatch.setattr(DecoderLayer, "forward_fused",
+                        lambda self, *a: layers.append(1) or original(self, *a))
     for token in (7, 201):
         torch.testing.assert_close(_logits(ours, token), _logits(ref, token), atol=1e-4,
                                    rtol=0)
     n = CONFIG["num_hidden_layers"]
-    gate_up = ("silu_out",) if silu_epilogue else ()
     if fused:
-        assert len(layers) == 2 * n and not tails
+        assert len(layers) == 2 * n
         assert calls == [("norm_weight",), ("residual",), ("norm_weight",),
                          ("residual", "silu")] * (2 * n)
-    elif norm_tail:
-        assert not layers and len(tails) == 2 * n
-        res_tail = ("norm_tail", "residual")
-        if prequant:  # the tails hand gate_up and the next qkv their rows quantized
-            gate_up = tuple(sorted(gate_up + ("x_scale",)))
-            per_token = [(), res_tail, gate_up, res_tail] + [("x_scale",), res_tail, gate_up,
-                                                            res_tail] * (n - 1)
-        else:
-            per_token = [(), res_tail, gate_up, res_tail] * n
-        assert calls == per_token * 2
     else:
-        assert not layers and not tails and calls == [(), (), gate_up, ()] * (2 * n)
+        gate_up = ("silu_out",) if silu_epilogue else ()
+        assert not layers and calls == [(), (), gate_up, ()] * (2 * n)
     qkv = ours.model.layers[0].self_attn.qkv_proj
     desc = qkv.quant_method.describe(qkv)
     assert "gemv_fp8.py" in desc and ("fused decode layers" in desc) == fused

@@ -52,16 +52,7 @@ import triton
 import triton.language as tl
 
 from llmaccel.kernels import pdl
-from llmaccel.kernels.gemv_common import (
-    NO_TAIL,
-    RowNormTail,
-    _act_scale,
-    _norm_tail,
-    _out_rows,
-    _quantize,
-    _silu_mul,
-    _silu_out,
-)
+from llmaccel.kernels.gemv_common import _act_scale, _out_rows, _quantize, _silu_mul, _silu_out
 from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
 from llmaccel.quant.fp8 import FP8_DTYPE, MIN_ACT_SCALE
 
@@ -116,12 +107,12 @@ def _act(X, NormW, k0, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr,
 
 @triton.jit
 def _gemv_fp8_kernel(
-    X, W, WScale, Bias, NormW, Y, Counter, TailW, TailOut, TailScale,
-    N, K, stride_wn, eps, min_scale, tail_eps,
+    X, W, WScale, Bias, NormW, Y,
+    N, K, stride_wn, eps, min_scale,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_R: tl.constexpr, SILU_OUT: tl.constexpr, TAIL: tl.constexpr, BLOCK_T: tl.constexpr,
+    EVEN_R: tl.constexpr, SILU_OUT: tl.constexpr,
 ):
     rows = _out_rows(N, BLOCK_N, SILU_OUT)
     w_row = rows * stride_wn
@@ -181,9 +172,6 @@ def _gemv_fp8_kernel(
             y = (y.to(tl.float32) + tl.load(Y + rn, mask=mask_n, other=0.0).to(tl.float32)
                  ).to(dt)
         tl.store(Y + rn, y, mask=mask_n)
-        if TAIL != 0:  # the next RMSNorm (and FP8 quantization) of the finished row
-            _norm_tail(Y, N, Counter, TailW, TailOut, TailScale, tail_eps, min_scale, TAIL,
-                       BLOCK_T)
 
 
 @triton.jit
@@ -287,23 +275,16 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None, config: GemvFp8Config | None = None, *,
              norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
              residual: torch.Tensor | None = None, silu_out: bool = False,
-             x_scale: torch.Tensor | None = None,
-             norm_tail: RowNormTail | None = None) -> torch.Tensor:
+             x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] holding exactly one row ([..., 2K] = [gate | up] with `silu`) -> y [..., N]
     in x's dtype: `fp8_linear(prologue(x), weight, weight_scale, bias)` for e4m3 `weight`
     [N, K] and fp32 `weight_scale` [N, 1] or [N]. `norm_weight` [K] (with `eps`) or `silu`
     fuse RMSNorm or SiLU-and-mul before it; `residual` [..., N] is updated in place to
     residual + y and returned; `silu_out` (a [gate; up] layer, N = 2I) returns
     silu_and_mul(y) [..., I] instead of y, the activation in the epilogue. With `x_scale`
-    (fp32 [1]) x is the quantized row already (`quantize_row_fp8`; no prologue then). With
-    `norm_tail` (needs `residual`) the last program also writes the next RMSNorm of the
-    updated residual row (`gemv_common.RowNormTail`). Rounds as `fp8_gemv_ref` (module
-    docstring)."""
+    (fp32 [1]) x is the quantized row already (`quantize_row_fp8`; no prologue then). Rounds
+    as `fp8_gemv_ref` (module docstring)."""
     n, k = _check(x, weight, weight_scale, bias, norm_weight, silu, residual, silu_out)
-    if norm_tail is not None:
-        if residual is None:
-            raise ValueError("norm_tail normalizes the updated residual: it needs residual")
-        norm_tail.check(residual)
     if (config is not None and config.prequant and x_scale is None and not silu
             and norm_weight is None and n and k):
         x, x_scale = quantize_row_fp8(x)
@@ -324,21 +305,18 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     block_r = max(VEC, min(8192, triton.next_power_of_2(k)))
     dummy = weight  # pointer arguments the constexpr flags switch off
     grid = triton.cdiv(n // 2, cfg.block_n // 2) if silu_out else triton.cdiv(n, cfg.block_n)
-    tail_ptrs = norm_tail.pointers() if norm_tail is not None else (dummy,) * 4
     _gemv_fp8_kernel[(grid,)](
         x1, weight, weight_scale.reshape(n).contiguous(),
         bias if bias is not None else dummy,
         x_scale if x_scale is not None else (
-            norm_weight.contiguous() if norm_weight is not None else dummy), y, *tail_ptrs,
+            norm_weight.contiguous() if norm_weight is not None else dummy), y,
         n, k, weight.stride(0), eps, MIN_ACT_SCALE,
-        norm_tail.eps if norm_tail is not None else 0.0,
         PROLOGUE=3 if x_scale is not None else (1 if norm_weight is not None else (
             2 if silu else 0)),
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
         BLOCK_R=block_r, EVEN_R=k % block_r == 0, SILU_OUT=silu_out,
-        **(norm_tail.launch_args() if norm_tail is not None else NO_TAIL),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y

@@ -41,16 +41,8 @@ import triton
 import triton.language as tl
 
 from llmaccel.kernels import pdl
-from llmaccel.kernels.gemv_common import (
-    NO_TAIL,
-    RowNormTail,
-    _norm_tail,
-    _out_rows,
-    _silu_mul,
-    _silu_out,
-)
+from llmaccel.kernels.gemv_common import _out_rows, _silu_mul, _silu_out
 from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
-from llmaccel.quant.fp8 import MIN_ACT_SCALE
 
 # The fp32 bit pattern of 2^23, passed as a run-time argument: as a compile-time constant,
 # ptxas re-creates it (and its per-nibble variants) with a MOV before every use.
@@ -171,18 +163,17 @@ def _accumulate(acc, word, x0, x1, x2, x3, x4, x5, x6, x7, s, z, magic,
 
 @triton.jit
 def _gemv_w4_kernel(
-    X, W, Scales, Zeros, Bias, Y, NormW, Counter, TailW, TailOut, TailScale,
-    N, K, n_groups, stride_wn, stride_sn, stride_zn, magic, eps, tail_eps, min_scale,
+    X, W, Scales, Zeros, Bias, Y, NormW,
+    N, K, n_groups, stride_wn, stride_sn, stride_zn, magic, eps,
     GROUP: tl.constexpr, PER_CH: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PROLOGUE: tl.constexpr,
     RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, SILU_OUT: tl.constexpr,
-    TAIL: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     WG: tl.constexpr = (BLOCK_K if PER_CH or BLOCK_K <= GROUP else GROUP) // 8
     GT: tl.constexpr = BLOCK_K // (8 * WG)
     # Rows past N re-read a valid row (their results are not stored): no mask on weight
-    # loads. SILU_OUT interleaves gate and up rows (gemv_fp8._out_rows).
+    # loads. SILU_OUT interleaves gate and up rows (gemv_common._out_rows).
     rows = _out_rows(N, BLOCK_N, SILU_OUT)
     w_row, s_row, z_row = rows * stride_wn, rows * stride_sn, rows * stride_zn
     acc = tl.zeros((BLOCK_N, GT, WG), tl.float32)
@@ -239,9 +230,6 @@ def _gemv_w4_kernel(
             res = tl.load(Y + rn, mask=rn < N, other=0.0).to(tl.float32)
             y = y.to(Y.dtype.element_ty).to(tl.float32) + res
         tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
-        if TAIL != 0:  # the next RMSNorm (and FP8 quantization) of the finished row
-            _norm_tail(Y, N, Counter, TailW, TailOut, TailScale, tail_eps, min_scale, TAIL,
-                       BLOCK_T)
 
 
 @dataclass(frozen=True)
@@ -285,8 +273,7 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,
                config: GemvW4Config | None = None, *, norm_weight: torch.Tensor | None = None,
                eps: float = 0.0, silu: bool = False,
-               residual: torch.Tensor | None = None, silu_out: bool = False,
-               norm_tail: RowNormTail | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, silu_out: bool = False) -> torch.Tensor:
     """x [..., K] holding exactly one row -> y [..., N] in x's dtype. `weight` int32 [N, K/8],
     `scales` [N, G], `zeros` uint8 [N, G] or None (zero point 8), group_size -1 per channel.
 
@@ -294,9 +281,7 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     (the input is RMSNorm(x) * norm_weight with `eps`), `silu` (x is [gate | up], 2K wide; the
     input is silu(gate) * up), `residual` [..., N] (updated in place to residual + product and
     returned); `silu_out` (a [gate; up] layer, N = 2I) returns silu_and_mul of the product,
-    [..., I], the activation computed in the epilogue. With `norm_tail` (needs `residual`)
-    the last program also writes the next RMSNorm of the updated residual row
-    (`gemv_common.RowNormTail`)."""
+    [..., I], the activation computed in the epilogue."""
     if silu and norm_weight is not None:
         raise ValueError("one prologue at a time: silu or norm_weight")
     if silu_out and (silu or residual is not None or weight.shape[0] % 2):
@@ -332,10 +317,6 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             and (cfg.block_n >= 2 or not silu_out)):
         raise ValueError(f"config {cfg.describe()} does not fit K={k}, group {group}: "
                          "powers of two, block_k within one group or whole groups")
-    if norm_tail is not None:
-        if residual is None:
-            raise ValueError("norm_tail normalizes the updated residual: it needs residual")
-        norm_tail.check(residual)
     if residual is not None:
         if (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype
                 or not residual.is_contiguous()):
@@ -350,14 +331,12 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     x1 = x.reshape(x.shape[-1]).contiguous()
     dummy = weight  # pointer arguments the constexpr flags switch off
     grid = triton.cdiv(n // 2, cfg.block_n // 2) if silu_out else triton.cdiv(n, cfg.block_n)
-    tail_ptrs = norm_tail.pointers() if norm_tail is not None else (dummy,) * 4
     _gemv_w4_kernel[(grid,)](
         x1, weight, scales, zeros if zeros is not None else dummy,
         bias if bias is not None else dummy, y,
-        norm_weight if norm_weight is not None else dummy, *tail_ptrs,
+        norm_weight if norm_weight is not None else dummy,
         n, k, k // group, weight.stride(0), scales.stride(0),
         0 if zeros is None else zeros.stride(0), MAGIC_2_23, eps,
-        norm_tail.eps if norm_tail is not None else 0.0, MIN_ACT_SCALE,
         # per channel: one compile for every K (GROUP unused)
         GROUP=0 if group == k else group, PER_CH=group == k, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n,
@@ -366,7 +345,6 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         RESIDUAL=residual is not None, SILU_OUT=silu_out,
         # the RMSNorm pass loads the row in one go (up to 8192 columns)
         BLOCK_R=min(8192, triton.next_power_of_2(k)) if norm_weight is not None else 1,
-        **(norm_tail.launch_args() if norm_tail is not None else NO_TAIL),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y

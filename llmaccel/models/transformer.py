@@ -20,15 +20,11 @@ from llmaccel.models.layers.embedding import VocabEmbedding
 from llmaccel.models.layers.linear import Linear
 from llmaccel.models.layers.norm import RMSNorm
 from llmaccel.models.layers.quantization import (
-    NormedRow,
     QuantizationConfig,
     dense_linear,
     fused_gemv_config,
     fused_linear,
     gate_up_silu,
-    linear_on_row,
-    norm_tail_config,
-    wants_quantized_input,
 )
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -113,34 +109,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fuse_decode = False  # set by TransformerForCausalLM.set_fused_kernels
         self._fused_by_rows: dict[int, list | None] = {}  # rows -> tiles (None: unfused)
-        self._tail_by_rows: dict[int, tuple | None] = {}  # rows -> forward_tail's plan
-        # (the RMSNorm after this layer, the next layer's qkv Linear or None), set by
-        # TransformerModel for forward_tail; a tuple, so not registered as submodules
-        self.next_input: tuple | None = None
-        # forward_tail's o and down GEMVs' tickets (kernels/gemv_common.py): zero between steps
-        self.register_buffer("norm_tail_counters", torch.zeros(2, dtype=torch.int32),
-                             persistent=False)
 
     def forward(self, positions, x, residual, meta):
         """(x, residual) -> (x, residual): the sub-layer output and the residual stream it is
-        still to be added to. The fused path returns x None: already added; the tail path a
-        `NormedRow`: added, and normalized by the next layer's input norm already."""
+        still to be added to. The fused path returns x None: already added."""
         if self.fuse_decode:
-            rows = (x.hidden if isinstance(x, NormedRow) else
-                    x if x is not None else residual).shape[0]
-            configs = self._fused_configs(rows)
+            configs = self._fused_configs((x if x is not None else residual).shape[0])
             if configs is not None:
-                if isinstance(x, NormedRow):
-                    x = None  # the whole stream is in the residual; the prologue normalizes
                 return self.forward_fused(positions, x, residual, meta, configs)
-            plan = self._tail_plan(rows)
-            if plan is not None:
-                return self.forward_tail(positions, x, residual, meta, plan)
-        if isinstance(x, NormedRow):  # the previous layer's tail ran this layer's input norm
-            attn = self.self_attn
-            x = attn.o_proj(attn.attend(positions, linear_on_row(attn.qkv_proj, x), meta))
-            x, residual = self.post_attention_layernorm(x, residual)
-            return self.mlp(x), residual
         if x is None:  # the previous layer ran fused: its output is in the residual
             x, residual = residual, None
         if residual is None:
@@ -160,60 +136,6 @@ class DecoderLayer(nn.Module):
             configs = [fused_gemv_config(lin, rows, kind) for lin, kind in linears]
             self._fused_by_rows[rows] = None if None in configs else configs
         return self._fused_by_rows[rows]
-
-    def _tail_plan(self, rows: int):
-        """forward_tail's plan for `rows` rows, or None: one row, the o and down projections
-        with a GEMV that takes the row-norm tail, and whether the gate_up and the next qkv
-        GEMVs take their rows FP8-quantized (then the tails quantize them too)."""
-        if rows not in self._tail_by_rows:
-            plan = None
-            if rows == 1 and self.next_input is not None:
-                o_cfg = norm_tail_config(self.self_attn.o_proj)
-                down_cfg = norm_tail_config(self.mlp.down_proj)
-                if o_cfg is not None and down_cfg is not None:
-                    plan = (o_cfg, down_cfg, wants_quantized_input(self.mlp.gate_up_proj),
-                            wants_quantized_input(self.next_input[1]))
-            self._tail_by_rows[rows] = plan
-        return self._tail_by_rows[rows]
-
-    def forward_tail(self, positions, x, residual, meta, plan):
-        """A batch-1 decode layer on quantized GEMVs whose o and down products add into the
-        residual stream in their epilogues and run the following RMSNorm in their last program
-        (kernels/gemv_common.py): the post-attention norm, and the next layer's input norm (the
-        model's final norm after the last layer), FP8-quantized too where the consumer's GEMV
-        takes a quantized row. Two to four one-program kernels fewer per layer than the
-        unfused path, rounded the same way. Returns (NormedRow, residual)."""
-        o_cfg, down_cfg, quant_mid, quant_next = plan
-        attn, mlp = self.self_attn, self.mlp
-        if not isinstance(x, NormedRow):
-            if x is None:  # the previous layer ran fused: its output is in the residual
-                x, residual = residual, None
-            if residual is None:  # x is the embedding output (a fresh tensor): the stream
-                h, residual = self.input_layernorm(x), x
-            else:
-                h, residual = self.input_layernorm(x, residual)
-            x = NormedRow(h)
-        out = attn.attend(positions, linear_on_row(attn.qkv_proj, x), meta)
-        mid = self._run_tail(attn.o_proj, out, residual, o_cfg, self.post_attention_layernorm,
-                             0, quant_mid)
-        act = gate_up_silu(mlp.gate_up_proj, mid.hidden, mid.scale)
-        if act is None:
-            act = mlp.act_fn(linear_on_row(mlp.gate_up_proj, mid))
-        return self._run_tail(mlp.down_proj, act, residual, down_cfg, self.next_input[0], 1,
-                              quant_next), residual
-
-    def _run_tail(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor, config,
-                  norm: RMSNorm, slot: int, quantize: bool) -> NormedRow:
-        """residual += layer(x) in place, and the NormedRow of norm(residual)."""
-        from llmaccel.kernels.gemv_common import RowNormTail
-
-        out = torch.empty_like(residual)
-        scale = (torch.empty(1, dtype=torch.float32, device=residual.device) if quantize
-                 else None)
-        tail = RowNormTail(norm.weight, norm.eps, self.norm_tail_counters[slot:slot + 1], out,
-                           scale)
-        layer.quant_method.apply_norm_tail(layer, x, residual, tail, config)
-        return NormedRow(out, scale)
 
     def forward_fused(self, positions, x, residual, meta, configs):
         """A decode-size step in four Triton GEMVs (plus rope + cache write and attention;
@@ -249,17 +171,11 @@ class TransformerModel(nn.Module):
             DecoderLayer(config, backend, rotary_emb, quant_config, f"model.layers.{i}")
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        for i, layer in enumerate(self.layers):  # what DecoderLayer.forward_tail normalizes for
-            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            layer.next_input = ((nxt.input_layernorm, nxt.self_attn.qkv_proj) if nxt is not None
-                                else (self.norm, None))
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        if isinstance(x, NormedRow):  # the last layer's tail ran the final norm
-            return x.hidden
         if x is None:  # the last layer ran fused: the residual stream is the output
             return self.norm(residual)
         x, _ = self.norm(x, residual)
@@ -324,7 +240,6 @@ class TransformerForCausalLM(nn.Module):
             if isinstance(module, DecoderLayer):
                 module.fuse_decode = fuse_decode
                 module._fused_by_rows.clear()
-                module._tail_by_rows.clear()
         backend = self.attention_backend
         if hasattr(backend, "fuse_rope_cache"):
             backend.fuse_rope_cache = fuse_decode

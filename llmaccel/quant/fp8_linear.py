@@ -227,49 +227,16 @@ class Fp8LinearMethod(LinearMethodBase):
                 return fp8_gemv(x, layer.weight, layer.weight_scale, bias, cfg)
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, x.dtype in self.mm_dtypes)
 
-    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       x_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
         """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
-        activation in its epilogue), or None where `apply` would not take the GEMV. With
-        `x_scale`, x is the row quantized already (`apply_quantized`)."""
+        activation in its epilogue), or None where `apply` would not take the GEMV."""
         cfg = _gemv_config(layer)
         if cfg is None or cfg.block_n < 2:
             return None
         from llmaccel.kernels.gemv_fp8 import fp8_gemv
 
-        return fp8_gemv(x, layer.weight, layer.weight_scale, bias, cfg, silu_out=True,
-                        x_scale=x_scale)
-
-    # ---- the row-norm tail (kernels/gemv_common.py; DecoderLayer.forward_tail)
-
-    def norm_tail_config(self, layer: nn.Module):
-        """The batch-1 GEMV tile this layer runs with a residual epilogue and the next
-        RMSNorm in its last program, or None (no tuned GEMV for the shape)."""
-        return _gemv_config(layer) if getattr(layer, "use_triton", False) else None
-
-    def apply_norm_tail(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                        tail, config) -> None:
-        """residual += layer(x) in place; tail.out = the next RMSNorm of it (quantized too
-        where tail.scale is given)."""
-        from llmaccel.kernels.gemv_fp8 import fp8_gemv
-
-        fp8_gemv(x, layer.weight, layer.weight_scale, layer.bias, config, residual=residual,
-                 norm_tail=tail)
-
-    def wants_quantized_input(self, layer: nn.Module) -> bool:
-        """Whether this layer's batch-1 GEMV quantizes its row first (a prequant tile): a
-        producer that can hand it the quantized row saves that kernel."""
-        cfg = self.norm_tail_config(layer)
-        return cfg is not None and cfg.prequant
-
-    def apply_quantized(self, layer: nn.Module, x_q: torch.Tensor, x_scale: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-        """layer(x) for one row given as its e4m3 values `x_q` and fp32 scale (what
-        `quantize_row_fp8` makes of x): the GEMV without its own quantization."""
-        from llmaccel.kernels.gemv_fp8 import fp8_gemv
-
-        return fp8_gemv(x_q, layer.weight, layer.weight_scale, bias, _gemv_config(layer),
-                        x_scale=x_scale)
+        return fp8_gemv(x, layer.weight, layer.weight_scale, bias, cfg, silu_out=True)
 
     def fused_decode_config(self, layer: nn.Module, m: int, kind: str):
         """The FP8 GEMV tile for a fused decode layer (norm / SiLU-and-mul / residual folded

@@ -199,27 +199,6 @@ class PackedLinearMethod(LinearMethodBase):
         return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
                           layer.kernel_group_size, bias, config, **fusion)
 
-    def norm_tail_config(self, layer: nn.Module):
-        """The batch-1 W4A16 GEMV tile this layer runs with a residual epilogue and the next
-        RMSNorm in its last program (kernels/gemv_common.py; DecoderLayer.forward_tail), or
-        None: 4-bit kernel layout without act-order permutation, and a tuned GEMV tile."""
-        if (self.bits != 4 or not getattr(layer, "use_triton", False)
-                or not hasattr(layer, "kernel_weight") or layer.kernel_perm is not None):
-            return None
-        from llmaccel.kernels.gemm_tuning import gemv_w4_config
-
-        return gemv_w4_config(layer.output_size, layer.input_size, layer.kernel_group_size,
-                              layer.kernel_weight.device)
-
-    def apply_norm_tail(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                        tail, config) -> None:
-        """residual += layer(x) in place; tail.out = the next RMSNorm of it."""
-        from llmaccel.kernels.gemv_w4 import w4a16_gemv
-
-        w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                   layer.kernel_group_size, layer.bias, config, residual=residual,
-                   norm_tail=tail)
-
     # No `apply_silu_out` (SiLU-and-mul in the gate_up GEMV's epilogue, which the FP8 method
     # has): `gemv_w4.w4a16_gemv(silu_out=True)` matched the GEMV + silu_and_mul pair alone on an
     # H100 (13.2 against 14.0 us, benchmarks/exp_silu_out.py), but whole llama-3.2-3b decode

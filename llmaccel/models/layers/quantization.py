@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -115,57 +114,17 @@ def fused_linear(layer: nn.Module, x: torch.Tensor, config, **fusion) -> torch.T
 SILU_EPILOGUE = os.environ.get("LLMACCEL_GEMV_SILU_EPILOGUE", "1") == "1"
 
 
-def gate_up_silu(layer: nn.Module, x: torch.Tensor,
-                 x_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+def gate_up_silu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """silu_and_mul(layer(x)) in one kernel, for a [gate; up] layer whose quantized method has
     a batch-1 GEMV with the activation in its epilogue (`apply_silu_out`); None where it has
     none (more than one row, Triton off, no tuned GEMV for the shape), and the caller runs the
-    two steps. With `x_scale`, x is the row quantized to FP8 already (`NormedRow`)."""
+    two steps."""
     if (not SILU_EPILOGUE or not getattr(layer, "use_triton", False)
             or x.numel() != x.shape[-1] or len(layer.output_sizes) != 2
             or layer.output_sizes[0] != layer.output_sizes[1]):
         return None
     apply_silu_out = getattr(layer.quant_method, "apply_silu_out", None)
-    if apply_silu_out is None:
-        return None
-    if x_scale is None:
-        return apply_silu_out(layer, x, layer.bias)
-    return apply_silu_out(layer, x, layer.bias, x_scale=x_scale)
-
-
-# The next RMSNorm run by the last program of the o and down GEMVs at batch 1
-# (kernels/gemv_common.py, DecoderLayer.forward_tail); LLMACCEL_GEMV_NORM_TAIL=0 turns it off,
-# to measure it.
-NORM_TAIL = os.environ.get("LLMACCEL_GEMV_NORM_TAIL", "1") == "1"
-
-
-@dataclass
-class NormedRow:
-    """A decoder layer's input row already normalized by the GEMV before it (its row-norm
-    tail): `hidden` [1, H] = RMSNorm(residual) * weight, or with `scale` (fp32 [1]) that row's
-    e4m3 values, for an FP8 GEMV that takes the quantized row (`apply_quantized`)."""
-    hidden: torch.Tensor
-    scale: torch.Tensor | None = None
-
-
-def linear_on_row(layer: nn.Module, row: NormedRow) -> torch.Tensor:
-    """layer(row) for a `NormedRow`, quantized or not."""
-    if row.scale is None:
-        return layer(row.hidden)
-    return layer.quant_method.apply_quantized(layer, row.hidden, row.scale, layer.bias)
-
-
-def norm_tail_config(layer: nn.Module):
-    """The GEMV tile with which `layer` (an o or down projection) can run its residual add
-    and the next RMSNorm at batch 1, or None (its method has no such GEMV, or none tuned)."""
-    method_config = getattr(layer.quant_method, "norm_tail_config", None)
-    return None if method_config is None or not NORM_TAIL else method_config(layer)
-
-
-def wants_quantized_input(layer: nn.Module | None) -> bool:
-    """Whether `layer`'s batch-1 GEMV takes its row FP8-quantized (`NormedRow.scale`)."""
-    wants = getattr(getattr(layer, "quant_method", None), "wants_quantized_input", None)
-    return wants is not None and wants(layer)
+    return None if apply_silu_out is None else apply_silu_out(layer, x, layer.bias)
 
 
 class QuantizationConfig(ABC):
