@@ -19,6 +19,7 @@ from llmaccel.kernels.rmsnorm import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
     rms_norm,
+    rms_norm_fp8,
     rms_norm_ref,
 )
 from llmaccel.kernels.rotary import rotary_embedding, rotary_embedding_ref
@@ -77,6 +78,49 @@ def test_rms_norm_small(tokens, hidden):
 @pytest.mark.parametrize("tokens,hidden", [(1, 576), (7, 2048), (1000, 3072), (333, 1536)])
 def test_rms_norm_gpu(dtype, tokens, hidden):
     _check_rms(tokens, hidden, dtype, "cuda")
+
+
+def _check_rms_fp8(tokens, hidden, dtype, device):
+    """rms_norm_fp8 = rms_norm (or fused_add_rms_norm, residual updated the same way) then the
+    per-token FP8 quantization, bit for bit: against the two kernels it replaces (the
+    interpreter rounds bf16 by truncation in both) and against quantize_fp8_per_token of the
+    separate norm's output."""
+    from llmaccel.kernels.gemv_fp8 import quantize_row_fp8
+    from llmaccel.quant.fp8 import quantize_fp8_per_token
+
+    eps = 1e-6
+    x = _randn(tokens, hidden, dtype=dtype, device=device, seed=1) * 3
+    res = _randn(tokens, hidden, dtype=dtype, device=device, seed=2)
+    w = _randn(hidden, dtype=dtype, device=device, seed=3)
+    for residual in (None, res):
+        r_sep = None if residual is None else residual.clone()
+        r_fused = None if residual is None else residual.clone()
+        normed = (rms_norm(x, w, eps) if residual is None
+                  else fused_add_rms_norm(x, r_sep, w, eps)[0])
+        q, scale, r_out = rms_norm_fp8(x, w, eps, r_fused)
+        assert q.dtype == dtype and q.shape == x.shape and scale.shape == (tokens,)
+        if residual is not None:
+            assert r_out is r_fused and torch.equal(r_fused, r_sep)
+        want_q, want_scale = quantize_fp8_per_token(normed)
+        assert torch.equal(q.float(), want_q.float())
+        assert torch.equal(scale, want_scale.reshape(-1).float())
+        if tokens == 1:
+            row_q, row_scale = quantize_row_fp8(normed)
+            assert torch.equal(q, row_q) and torch.equal(scale, row_scale)
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 48), (3, 100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fp8_small(tokens, hidden, dtype):
+    _check_rms_fp8(tokens, hidden, dtype, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,hidden", [(1, 3072), (1, 1536), (5, 2048)])
+def test_rms_norm_fp8_gpu(dtype, tokens, hidden):
+    _check_rms_fp8(tokens, hidden, dtype, "cuda")
 
 
 # --- SiluAndMul ------------------------------------------------------------------------------

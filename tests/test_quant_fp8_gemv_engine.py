@@ -58,20 +58,25 @@ def _spy(monkeypatch) -> list[tuple[str, ...]]:
     return calls
 
 
-@pytest.mark.parametrize("fused,silu_epilogue", [(False, True), (False, False), (True, True)])
-def test_fp8_model_on_the_gemv_matches_the_w8a8_reference(fused, silu_epilogue, fp8_dir,
-                                                          monkeypatch):
+@pytest.mark.parametrize("fused,silu_epilogue,prequant", [
+    (False, True, False), (False, False, False), (True, True, False), (False, True, True),
+    (False, False, True)])
+def test_fp8_model_on_the_gemv_matches_the_w8a8_reference(fused, silu_epilogue, prequant,
+                                                          fp8_dir, monkeypatch):
     """Fused decode layers, or unfused ones with SiLU-and-mul in the gate_up GEMV's epilogue
-    (LLMACCEL_GEMV_SILU_EPILOGUE, on by default) or after it: the W8A8 reference's logits."""
+    (LLMACCEL_GEMV_SILU_EPILOGUE, on by default) or after it; with prequant tiles the
+    RMSNorm kernels hand the qkv and gate_up GEMVs their rows quantized (`rms_norm_fp8`,
+    LLMACCEL_NORM_QUANT): the W8A8 reference's logits."""
     from llmaccel.models.layers import quantization
 
     monkeypatch.setattr(quantization, "SILU_EPILOGUE", silu_epilogue)
+    tile = GemvFp8Config(8, 64, 2, 2, prequant=prequant)
     _, ref = load_model(str(fp8_dir), dtype="float32", device="cpu")
     _, ours = load_model(str(fp8_dir), dtype="float32", device="cpu")
     calls = _spy(monkeypatch)
-    monkeypatch.setattr(gemm_tuning, "gemv_fp8_config", lambda n, k, device=None: TILE)
+    monkeypatch.setattr(gemm_tuning, "gemv_fp8_config", lambda n, k, device=None: tile)
     monkeypatch.setattr(gemm_tuning, "fused_fp8_config",
-                        (lambda kind, n, k, device=None: TILE) if fused else
+                        (lambda kind, n, k, device=None: tile) if fused else
                         (lambda kind, n, k, device=None: None))
     ours.set_fused_kernels(True, fuse_decode=True)
     layers = []
@@ -88,7 +93,10 @@ def test_fp8_model_on_the_gemv_matches_the_w8a8_reference(fused, silu_epilogue, 
                          ("residual", "silu")] * (2 * n)
     else:
         gate_up = ("silu_out",) if silu_epilogue else ()
-        assert not layers and calls == [(), (), gate_up, ()] * (2 * n)
+        # qkv and gate_up get their rows from the norm kernel, quantized (x_scale)
+        qkv, gate_up = (("x_scale",), tuple(sorted(gate_up + ("x_scale",)))) if prequant \
+            else ((), gate_up)
+        assert not layers and calls == [qkv, (), gate_up, ()] * (2 * n)
     qkv = ours.model.layers[0].self_attn.qkv_proj
     desc = qkv.quant_method.describe(qkv)
     assert "gemv_fp8.py" in desc and ("fused decode layers" in desc) == fused

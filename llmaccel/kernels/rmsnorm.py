@@ -3,7 +3,9 @@
 One program per row: the row is loaded once (masked up to the next power of two, so any hidden
 size works), squared and summed in fp32, and the normalized row written back. The fused variant
 also adds the residual first and writes the sum back into `residual` in place, saving a separate
-elementwise add and one round trip of the residual stream through memory.
+elementwise add and one round trip of the residual stream through memory. `rms_norm_fp8` also
+quantizes the normalized row per token to FP8 for a GEMV that takes it so (one kernel fewer
+than norm, then `gemv_fp8.quantize_row_fp8`).
 
 The math matches `llmaccel.models.layers.norm.RMSNorm` step for step (normalize in fp32, round
 to the input dtype, then multiply by the weight and round again), so bf16/fp16 outputs match the
@@ -17,13 +19,16 @@ import triton
 import triton.language as tl
 
 from llmaccel.kernels import pdl
+from llmaccel.kernels.gemv_common import _act_scale, _quantize
 from llmaccel.kernels.pdl import pdl_enter
+from llmaccel.quant.fp8 import MIN_ACT_SCALE
 
 
 @triton.jit
 def _rms_norm_kernel(
-    X, Res, W, Out, stride_x, stride_r, stride_o, n_cols, eps,
+    X, Res, W, Out, Scale, stride_x, stride_r, stride_o, n_cols, eps, min_scale,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_OUT: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -39,7 +44,14 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
     normed = (h * rstd).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+    out = (w * normed).to(Out.dtype.element_ty)
+    if FP8_OUT:
+        # the normalized row quantized per token as quantize_fp8_per_token does it (what
+        # gemv_fp8's quantize_row_fp8 would do next), while the row is in registers
+        scale, rcp = _act_scale(tl.max(tl.abs(out.to(tl.float32)), axis=0), min_scale)
+        out = _quantize(out, scale, rcp).to(Out.dtype.element_ty)
+        tl.store(Scale + row, scale)
+    tl.store(Out + row * stride_o + cols, out, mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +61,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float) -> torch.Tensor:
+            eps: float, fp8_scale: torch.Tensor | None = None) -> torch.Tensor:
     hidden = x.shape[-1]
     assert weight.shape == (hidden,) and weight.is_contiguous()
     x2 = _rows(x)
@@ -61,8 +73,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         return out
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        x2, r2, weight, o2, fp8_scale if fp8_scale is not None else weight,
+        x2.stride(0), r2.stride(0), o2.stride(0), hidden, eps, MIN_ACT_SCALE,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, FP8_OUT=fp8_scale is not None,
         USE_PDL=pdl.enabled(), num_warps=min(max(block // 256, 1), 16), **pdl.launch_kwargs(),
     )
     return out
@@ -83,6 +96,21 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     assert residual.shape == x.shape and residual.dtype == x.dtype
     out = _launch(x, residual, weight, eps)
     return out, residual
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q, scale, residual): the RMSNorm of each row of x (of x + residual, `residual`
+    updated in place as in `fused_add_rms_norm`) quantized per token to e4m3, as
+    `quantize_fp8_per_token` would quantize `rms_norm`'s output: q holds the e4m3 values in
+    the output dtype (exact there), scale fp32 [rows]. For an FP8 GEMV that takes its row
+    quantized (`gemv_fp8.fp8_gemv(x_scale=...)`), one kernel instead of two."""
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    return _launch(x, residual, weight, eps, scale), scale, residual
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

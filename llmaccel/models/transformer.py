@@ -21,10 +21,13 @@ from llmaccel.models.layers.linear import Linear
 from llmaccel.models.layers.norm import RMSNorm
 from llmaccel.models.layers.quantization import (
     QuantizationConfig,
+    QuantizedRow,
     dense_linear,
     fused_gemv_config,
     fused_linear,
     gate_up_silu,
+    linear_on,
+    wants_quantized_row,
 )
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -90,10 +93,14 @@ class MLP(nn.Module):
                                 f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = gate_up_silu(self.gate_up_proj, x)  # a quantized batch-1 GEMV, or None
+    def forward(self, x: torch.Tensor | QuantizedRow) -> torch.Tensor:
+        # a quantized batch-1 GEMV with SiLU-and-mul in its epilogue, or None
+        if isinstance(x, QuantizedRow):
+            act = gate_up_silu(self.gate_up_proj, x.q, x.scale)
+        else:
+            act = gate_up_silu(self.gate_up_proj, x)
         if act is None:
-            act = self.act_fn(self.gate_up_proj(x))
+            act = self.act_fn(linear_on(self.gate_up_proj, x))
         return self.down_proj(act)
 
 
@@ -119,13 +126,24 @@ class DecoderLayer(nn.Module):
                 return self.forward_fused(positions, x, residual, meta, configs)
         if x is None:  # the previous layer ran fused: its output is in the residual
             x, residual = residual, None
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        attn = self.self_attn
+        x, residual = self._norm(self.input_layernorm, x, residual, attn.qkv_proj)
+        x = attn.o_proj(attn.attend(positions, linear_on(attn.qkv_proj, x), meta))
+        x, residual = self._norm(self.post_attention_layernorm, x, residual,
+                                 self.mlp.gate_up_proj)
         return self.mlp(x), residual
+
+    @staticmethod
+    def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, consumer: Linear):
+        """(norm(x + residual), x + residual), or with no residual (norm(x), x). For one row
+        whose consumer's FP8 GEMV takes its row quantized, the norm kernel quantizes it too
+        and returns a QuantizedRow (one kernel fewer)."""
+        if wants_quantized_row(norm, consumer, x):
+            row, new_residual = norm.forward_fp8(x, residual)
+            return row, (x if residual is None else new_residual)
+        if residual is None:
+            return norm(x), x
+        return norm(x, residual)
 
     def _fused_configs(self, rows: int):
         """The four GEMV tiles for `rows` rows, or None; decided once per row count (eager

@@ -227,16 +227,36 @@ class Fp8LinearMethod(LinearMethodBase):
                 return fp8_gemv(x, layer.weight, layer.weight_scale, bias, cfg)
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, x.dtype in self.mm_dtypes)
 
-    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor | None:
+    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       x_scale: torch.Tensor | None = None) -> torch.Tensor | None:
         """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
-        activation in its epilogue), or None where `apply` would not take the GEMV."""
+        activation in its epilogue), or None where `apply` would not take the GEMV. With
+        `x_scale`, x is the row quantized already (as for `apply_quantized`)."""
         cfg = _gemv_config(layer)
         if cfg is None or cfg.block_n < 2:
             return None
         from llmaccel.kernels.gemv_fp8 import fp8_gemv
 
-        return fp8_gemv(x, layer.weight, layer.weight_scale, bias, cfg, silu_out=True)
+        return fp8_gemv(x, layer.weight, layer.weight_scale, bias, cfg, silu_out=True,
+                        x_scale=x_scale)
+
+    def wants_quantized_input(self, layer: nn.Module) -> bool:
+        """Whether a one-row product runs the GEMV on a row quantized first (a prequant tile):
+        then the RMSNorm before it can quantize the row itself (`rmsnorm.rms_norm_fp8`) and
+        hand it to `apply_quantized`, one kernel fewer."""
+        if not getattr(layer, "use_triton", False):
+            return False
+        cfg = _gemv_config(layer)
+        return cfg is not None and cfg.prequant
+
+    def apply_quantized(self, layer: nn.Module, x_q: torch.Tensor, x_scale: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """layer(x) for one row given as its e4m3 values `x_q` (in x's dtype) and fp32 scale
+        [1], as `quantize_fp8_per_token` makes them: the GEMV without its own quantization."""
+        from llmaccel.kernels.gemv_fp8 import fp8_gemv
+
+        return fp8_gemv(x_q, layer.weight, layer.weight_scale, bias, _gemv_config(layer),
+                        x_scale=x_scale)
 
     def fused_decode_config(self, layer: nn.Module, m: int, kind: str):
         """The FP8 GEMV tile for a fused decode layer (norm / SiLU-and-mul / residual folded

@@ -30,3 +30,12 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
+
+    def forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Like forward, but the normalized rows quantized per token to FP8, for a GEMV that
+        takes them so: (QuantizedRow, residual or None). Triton kernels only."""
+        from llmaccel.kernels.rmsnorm import rms_norm_fp8
+        from llmaccel.models.layers.quantization import QuantizedRow
+
+        q, scale, residual = rms_norm_fp8(x, self.weight, self.eps, residual)
+        return QuantizedRow(q, scale), residual

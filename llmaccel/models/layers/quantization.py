@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -114,17 +115,51 @@ def fused_linear(layer: nn.Module, x: torch.Tensor, config, **fusion) -> torch.T
 SILU_EPILOGUE = os.environ.get("LLMACCEL_GEMV_SILU_EPILOGUE", "1") == "1"
 
 
-def gate_up_silu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+def gate_up_silu(layer: nn.Module, x: torch.Tensor,
+                 x_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """silu_and_mul(layer(x)) in one kernel, for a [gate; up] layer whose quantized method has
     a batch-1 GEMV with the activation in its epilogue (`apply_silu_out`); None where it has
     none (more than one row, Triton off, no tuned GEMV for the shape), and the caller runs the
-    two steps."""
+    two steps. With `x_scale` x is the row FP8-quantized already (`QuantizedRow`)."""
     if (not SILU_EPILOGUE or not getattr(layer, "use_triton", False)
             or x.numel() != x.shape[-1] or len(layer.output_sizes) != 2
             or layer.output_sizes[0] != layer.output_sizes[1]):
         return None
     apply_silu_out = getattr(layer.quant_method, "apply_silu_out", None)
-    return None if apply_silu_out is None else apply_silu_out(layer, x, layer.bias)
+    if apply_silu_out is None:
+        return None
+    if x_scale is None:
+        return apply_silu_out(layer, x, layer.bias)
+    return apply_silu_out(layer, x, layer.bias, x_scale=x_scale)
+
+
+# RMSNorm and the FP8 quantization of its row in one kernel, before a batch-1 FP8 GEMV that
+# takes its row quantized; LLMACCEL_NORM_QUANT=0 turns it off, to measure it.
+NORM_QUANT = os.environ.get("LLMACCEL_NORM_QUANT", "1") == "1"
+
+
+@dataclass
+class QuantizedRow:
+    """One normalized row as e4m3 values (in the activation dtype) and its fp32 scale [1]:
+    what `rmsnorm.rms_norm_fp8` hands an FP8 GEMV in place of the normalized row."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def wants_quantized_row(norm: nn.Module, layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `norm` should quantize its output row for `layer` (one row, Triton kernels on,
+    and `layer`'s method runs that product as a GEMV on a quantized row)."""
+    if not NORM_QUANT or x.numel() != x.shape[-1] or not getattr(norm, "use_triton", False):
+        return False
+    wants = getattr(layer.quant_method, "wants_quantized_input", None)
+    return wants is not None and wants(layer)
+
+
+def linear_on(layer: nn.Module, x: torch.Tensor | QuantizedRow) -> torch.Tensor:
+    """layer(x), for a plain input or a `QuantizedRow`."""
+    if isinstance(x, QuantizedRow):
+        return layer.quant_method.apply_quantized(layer, x.q, x.scale, layer.bias)
+    return layer(x)
 
 
 class QuantizationConfig(ABC):
