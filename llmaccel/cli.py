@@ -163,6 +163,8 @@ def quantize(
     sink_weight: Optional[float] = typer.Option(
         None, min=1.0, help="GPTQ: tokens each calibration sequence's first token (the "
         "attention sink) counts as in the Hessian (default seq_len / 64; 1 = plain GPTQ)."),
+    lm_head: bool = typer.Option(False, "--lm-head", help="Quantize the LM head too (rtn or "
+                                 "gptq in the gptq format: GPTQModel's and vLLM's lm_head: true)."),
     out: str = typer.Option(..., "--out", help="Output directory."),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
 ) -> None:
@@ -174,7 +176,7 @@ def quantize(
     report = quantize_model(model, method=method, bits=bits, group_size=group_size, sym=sym,
                             out_dir=out, calib=CalibConfig(calib, n_samples, seq_len, seed),
                             format=fmt, device=device, act_order=act_order,
-                            sink_weight=sink_weight)
+                            sink_weight=sink_weight, lm_head=lm_head)
     errs = report.layer_error
     summary = ""
     if errs and report.layer_error_rtn:

@@ -234,7 +234,7 @@ def test_unsupported_bits_is_a_quantization_error(gptq_dir, tmp_path):
 @pytest.mark.parametrize("qc, key", [
     ({"quant_method": "bitsandbytes"}, "quant_method"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "lm_head"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": "yes"}, "lm_head"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      "checkpoint_format"),
     ({**compressed_tensors_quantization_config(4, 128), "format": "float-quantized"}, "format"),

@@ -277,3 +277,55 @@ def test_transformers_loads_our_pack_quantized_checkpoint(tiny_llama: Path, resu
     ids = torch.tensor([list(range(5, 37))])
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("method,tied", [("gptq", False), ("rtn", True)])
+def test_lm_head_quantized(tiny_llama: Path, tmp_path: Path, method: str, tied: bool) -> None:
+    """--lm-head (GPTQ format): the head is packed as `lm_head.*` with `lm_head: true` and the
+    config untied (the embedding keeps the plain table); our engine serves it with the greedy
+    tokens of HF transformers on the independently unpacked weights, head included."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmaccel.engine import SamplingParams
+    from llmaccel.engine.llm import LLM
+
+    src = tiny_llama
+    if tied:
+        src = tmp_path / "tied"
+        make_tiny_model(LlamaConfig(**{**CONFIG, "tie_word_embeddings": True}), src, seed=1)
+        _tiny_tokenizer(src)
+    d = tmp_path / "q"
+    quantize_model(src, method=method, bits=4, group_size=128, format="gptq", out_dir=d,
+                   calib=CalibConfig("wikitext2", n_samples=4, seq_len=64, seed=0),
+                   device="cpu", show_progress=False, lm_head=True)
+    config = json.loads((d / "config.json").read_text())
+    assert config["quantization_config"]["lm_head"] is True
+    assert config["tie_word_embeddings"] is False
+    t = _tensors(d)
+    assert "lm_head.qweight" in t and "lm_head.weight" not in t
+    assert t["model.embed_tokens.weight"].is_floating_point()
+    state = _dequantized_state(d, "gptq")
+    hf_config = AutoConfig.from_pretrained(src)
+    hf_config.tie_word_embeddings = False
+    deq = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    missing, unexpected = deq.load_state_dict(state, strict=False)
+    assert not unexpected and not [m for m in missing if "rotary" not in m]
+    head = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).lm_head.weight
+    assert not torch.equal(deq.lm_head.weight, head)  # the head really was quantized
+    prompt = list(range(5, 21))
+    with torch.no_grad():
+        ref = deq.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    llm = LLM(str(d), device="cpu", dtype="float32")
+    lm_head = llm.engine.runner.model.lm_head
+    assert type(lm_head.quant_method).__name__ == "GPTQLinearMethod"
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert list(out[0].outputs[0].token_ids) == ref[0, len(prompt):].tolist()
+
+
+def test_lm_head_needs_the_gptq_format(tiny_llama: Path, tmp_path: Path) -> None:
+    from llmaccel.errors import QuantizationError
+
+    with pytest.raises(QuantizationError, match="lm-head"):
+        quantize_model(tiny_llama, method="awq", bits=4, group_size=128, out_dir=tmp_path,
+                       device="cpu", show_progress=False, lm_head=True)

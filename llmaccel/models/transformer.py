@@ -202,7 +202,8 @@ class TransformerModel(nn.Module):
 
 class TransformerForCausalLM(nn.Module):
     """forward(flat input_ids [T], positions [T], AttentionMetadata) -> hidden states [T, h];
-    compute_logits(hidden) -> logits. The LM head stays unquantized, as in vLLM."""
+    compute_logits(hidden) -> logits. The LM head stays unquantized, as in vLLM, unless the
+    checkpoint quantized it (GPTQ `lm_head: true`)."""
 
     def __init__(self, config: PretrainedConfig, max_positions: int,
                  quant_config: QuantizationConfig | None = None,
@@ -213,9 +214,15 @@ class TransformerForCausalLM(nn.Module):
         backend = (attention_backend if isinstance(attention_backend, AttentionBackend)
                    else get_attention_backend(attention_backend))
         self.model = TransformerModel(config, backend, max_positions, quant_config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # A quantized head (GPTQ `lm_head: true`) is its own layer even where the config
+        # ties it: the embedding lookup keeps the plain table, the logits use the codes.
+        quantized_head = quant_config is not None and quant_config.quantizes_lm_head
+        self.tie_word_embeddings = (bool(getattr(config, "tie_word_embeddings", False))
+                                    and not quantized_head)
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, prefix="lm_head")
+            self.lm_head = Linear(config.hidden_size, config.vocab_size,
+                                  quant_config=quant_config if quantized_head else None,
+                                  prefix="lm_head")
         # [KV slots + 1, hidden]: with a draft head (models/draft_head.py), every step's
         # final hidden states are kept by KV slot, where the head reads its input features;
         # the last row takes the writes of rows without a slot (-1: padding, profiling).

@@ -90,7 +90,7 @@ def pack_linear(lq: LinearQuant, fmt: str, spec: QuantSpec) -> dict[str, torch.T
                                    symmetric=qw.sym)
 
 
-def quantization_config(fmt: str, spec: QuantSpec) -> dict[str, Any]:
+def quantization_config(fmt: str, spec: QuantSpec, lm_head: bool = False) -> dict[str, Any]:
     if spec.method == "fp8":
         from llmaccel.quant.formats.fp8 import fp8_quantization_config
 
@@ -99,7 +99,7 @@ def quantization_config(fmt: str, spec: QuantSpec) -> dict[str, Any]:
         return bnb_quantization_config(spec.scale_dtype)
     if fmt == "gptq":
         return gptq_quantization_config(spec.bits, spec.group_size, spec.sym,
-                                        desc_act=spec.act_order)
+                                        desc_act=spec.act_order, lm_head=lm_head)
     if fmt == "awq":
         # Symmetric codes still carry qzeros (all 8), so the zero-point reader is always right.
         return awq_quantization_config(spec.group_size, zero_point=True, bits=spec.bits)
@@ -128,6 +128,10 @@ def write_checkpoint(out_dir: Path, hf: nn.Module, src: Path, packed: dict[str, 
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = qconfig
+    if qconfig.get("lm_head"):
+        # the quantized head is a layer of its own: a loader that tied it to the embedding
+        # would drop the codes (vLLM unties nothing on its own)
+        config["tie_word_embeddings"] = False
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if (src / "generation_config.json").is_file():
         shutil.copy(src / "generation_config.json", out_dir / "generation_config.json")

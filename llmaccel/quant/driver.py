@@ -4,7 +4,8 @@ Layer by layer, so a model larger than the GPU quantizes: the HF model is loaded
 the embeddings compute the calibration inputs of decoder layer 0, and then each layer in turn
 moves to the device, is quantized with its own inputs, and produces the next layer's inputs
 with its QUANTIZED weights (so later layers calibrate against, and compensate, the error that
-really reaches them). lm_head, embeddings and norms stay unquantized.
+really reaches them). Embeddings and norms stay unquantized, and so does lm_head unless asked
+(`lm_head`, GPTQ format only).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from llmaccel.quant.layerwise import (
     quantize_layer,
     run_layer,
 )
+from llmaccel.quant.gptq import HessianAccumulator, gptq_quantize, sink_weight
 from llmaccel.quant.nf4 import check_nf4_settings
-from llmaccel.quant.rtn import check_group_size
+from llmaccel.quant.rtn import check_group_size, quantize_rtn
 
 METHODS = ("rtn", "gptq", "awq", "fp8", "nf4", "hqq")
 DEFAULT_FORMAT = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq",
@@ -160,7 +162,7 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
                    calib: CalibConfig | None = None, format: str | None = None,
                    device: str | None = None, calib_token_ids: torch.Tensor | None = None,
                    act_order: bool = False, damp_percent: float = 0.01,
-                   sink_weight: float | None = None,
+                   sink_weight: float | None = None, lm_head: bool = False,
                    compare_rtn: bool = True, show_progress: bool = True) -> QuantizeReport:
     """Quantize `model` (local HF directory or hub id) and write a checkpoint to `out_dir`.
 
@@ -171,7 +173,10 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
     for nf4 `group_size` is the bitsandbytes blocksize. `group_size` None means 128, or 64 for
     nf4 and hqq. `sink_weight` (GPTQ): how many tokens each calibration sequence's first
     token counts as in the Hessian (None: seq_len / 64; 1: the plain Hessian; see
-    `gptq.sink_weight`). Returns the report that is also saved as quantize_report.json.
+    `gptq.sink_weight`). `lm_head` quantizes the LM head too (rtn or gptq, in the gptq format:
+    `lm_head: true`, untied from the embedding; GPTQ's Hessian comes from the final norm's
+    outputs on the calibration text). Returns the report that is also saved as
+    quantize_report.json.
     """
     start = time.perf_counter()
     if method == "fp8":  # E4M3, one scale per output channel: no bits / group size to choose
@@ -186,6 +191,10 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
         raise QuantizationError("the bitsandbytes format holds NF4 weights: use method nf4")
     bits = 4 if bits is None else bits
     fmt, sym = _settings(method, format, sym, bits, group_size, act_order)
+    if lm_head and (method not in ("rtn", "gptq") or fmt != "gptq"):
+        raise QuantizationError(f"--lm-head needs method rtn or gptq in the gptq format (got "
+                                f"{method}, {fmt}): vLLM reads a quantized LM head only from "
+                                "GPTQ checkpoints (lm_head: true)")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     calib = calib or CalibConfig()
     hf, tokenizer, src = _load(str(model), dev)
@@ -220,11 +229,41 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
             inputs = outputs
             bar.advance(task)
 
-    qconfig = quantization_config(fmt, spec)
+    if lm_head:
+        with Progress(*columns, disable=not show_progress, transient=True) as bar:
+            bar.add_task(f"{method} int{bits} · lm_head", total=None)
+            tensors.update(_quantize_lm_head(hf, inputs, fmt, spec, dev))
+    qconfig = quantization_config(fmt, spec, lm_head=lm_head)
     write_checkpoint(Path(out_dir), hf, src, tensors, qconfig, tokenizer)
     report.seconds = round(time.perf_counter() - start, 3)
     (Path(out_dir) / "quantize_report.json").write_text(json.dumps(report.to_json(), indent=2))
     return report
+
+
+@torch.no_grad()
+def _quantize_lm_head(hf: nn.Module, inputs: list[torch.Tensor], fmt: str, spec: QuantSpec,
+                      dev: torch.device) -> dict[str, torch.Tensor]:
+    """The LM head's packed tensors ("lm_head.*"): RTN, or GPTQ on the Hessian of its inputs
+    (the final norm of the last layer's outputs, as GPTQModel's lm_head option does). The
+    embedding keeps the plain table even where the head was tied to it."""
+    head = hf.get_output_embeddings()
+    weight = head.weight.data.to(dev, torch.float32).clone()
+    if spec.method == "gptq":
+        norm = hf.model.norm.to(dev)
+        hess = HessianAccumulator(weight.shape[1], dev)
+        w0 = sink_weight(inputs[0].shape[-2], spec.sink_weight) if inputs else 1.0
+        for x in inputs:
+            h = norm(x)
+            hess.add(h.reshape(-1, h.shape[-1]), first_row_weight=w0)
+        res = gptq_quantize(weight, hess.hessian, spec.bits, spec.group_size, spec.sym,
+                            spec.damp_percent, act_order=spec.act_order,
+                            scale_dtype=spec.scale_dtype)
+        lq = LinearQuant(res.qweight, res.g_idx if res.act_order else None)
+    else:
+        lq = LinearQuant(quantize_rtn(weight, spec.bits, spec.group_size, spec.sym,
+                                      spec.scale_dtype))
+    return {f"lm_head.{key}": t.detach().cpu().contiguous()
+            for key, t in pack_linear(lq, fmt, spec).items()}
 
 
 def _report_layer(report: QuantizeReport, ref: nn.Module, inputs: list[torch.Tensor],

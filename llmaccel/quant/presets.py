@@ -14,10 +14,10 @@ from typing import Any
 from llmaccel.errors import QuantizationError
 
 
-def _gptq(bits: int, group: int) -> Callable[[], dict[str, Any]]:
+def _gptq(bits: int, group: int, lm_head: bool = False) -> Callable[[], dict[str, Any]]:
     def make() -> dict[str, Any]:
         from llmaccel.quant.formats.gptq import gptq_quantization_config
-        return gptq_quantization_config(bits, group, True)
+        return gptq_quantization_config(bits, group, True, lm_head=lm_head)
     return make
 
 
@@ -47,6 +47,8 @@ PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
     "rtn-int4-g128": _ct(4, 128, True),
     "hqq-int4": _ct(4, 64, False),
     "gptq-int4-g128": _gptq(4, 128),
+    # the LM head in int4 too (`lm_head: true`, GPTQModel's option; vLLM reads it)
+    "gptq-int4-g128-lm-head": _gptq(4, 128, lm_head=True),
     "awq-int4-g128": _awq(128),
     "fp8": _fp8,
 }

@@ -3,7 +3,8 @@
 `quant_config_from_hf` maps GPTQ (v1/v2), AWQ GEMM and compressed-tensors pack-quantized to the
 linear methods in `llmaccel.quant.linear_methods`; anything else is refused with a
 QuantizationError naming the offending key, rather than loading packed words as garbage.
-Layers the format lists as not converted, and lm_head always, stay unquantized.
+Layers the format lists as not converted stay unquantized, and so does lm_head, except in GPTQ
+checkpoints with `lm_head: true` (GPTQModel's option, which vLLM's GPTQ methods read too).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class _PerLayerConfig(QuantizationConfig):
         raise NotImplementedError
 
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
-        method = None if prefix.split(".")[-1] == "lm_head" else self._method_for(prefix)
+        is_head = prefix.split(".")[-1] == "lm_head"
+        method = None if is_head and not self.quantizes_lm_head else self._method_for(prefix)
         return method or UnquantizedLinearMethod()
 
 
@@ -80,9 +82,10 @@ class GPTQConfig(_PerLayerConfig):
     name = "gptq"
 
     def __init__(self, bits: int, group_size: int, sym: bool, desc_act: bool,
-                 checkpoint_format: str) -> None:
+                 checkpoint_format: str, lm_head: bool = False) -> None:
         self.bits, self.group_size, self.sym = bits, group_size, sym
         self.desc_act, self.checkpoint_format = desc_act, checkpoint_format
+        self.quantizes_lm_head = lm_head
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> GPTQConfig:
@@ -92,13 +95,15 @@ class GPTQConfig(_PerLayerConfig):
         fmt = _key(raw, "checkpoint_format", "gptq")
         if fmt not in ZERO_OFFSETS:
             raise _bad("gptq", "checkpoint_format", fmt, f"{sorted(ZERO_OFFSETS)}")
-        if _key(raw, "lm_head", False):
-            raise _bad("gptq", "lm_head", True, "false: the LM head stays unquantized")
+        lm_head = _key(raw, "lm_head", False)
+        if not isinstance(lm_head, bool):
+            raise _bad("gptq", "lm_head", lm_head, "true or false")
         for key in ("dynamic", "modules_in_block_to_quantize"):
             if _key(raw, key):
                 raise _bad("gptq", key, "<per-module overrides>", "absent")
         return cls(bits, _group_size("gptq", _key(raw, "group_size", 128)),
-                   bool(_key(raw, "sym", True)), bool(_key(raw, "desc_act", False)), fmt)
+                   bool(_key(raw, "sym", True)), bool(_key(raw, "desc_act", False)), fmt,
+                   lm_head)
 
     def _method_for(self, prefix: str) -> LinearMethodBase | None:
         return GPTQLinearMethod(self.bits, self.group_size, self.sym, self.checkpoint_format)

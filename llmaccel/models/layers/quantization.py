@@ -166,6 +166,9 @@ class QuantizationConfig(ABC):
     """Names a quantization scheme and hands out a linear method per layer prefix."""
 
     name: str = "none"
+    # whether the checkpoint quantized lm_head too (GPTQ's `lm_head: true`); the model then
+    # builds its head through `get_linear_method("lm_head")`, as a separate (untied) layer
+    quantizes_lm_head: bool = False
 
     @abstractmethod
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
