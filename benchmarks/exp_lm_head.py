@@ -9,18 +9,8 @@ past L2. A diagnostic for deciding whether to quantize the head, not a benchmark
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import torch
-
-
-def _tune_gemm():
-    spec = importlib.util.spec_from_file_location("tune_gemm",
-                                                  Path(__file__).with_name("tune_gemm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> None:
@@ -33,7 +23,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3072)
     args = ap.parse_args()
     n, k, dev = args.n, args.k, torch.device("cuda")
-    tg = _tune_gemm()
+    import tune_gemm as tg  # run as a script, this folder is on sys.path (never imported)
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(2)]
     rows = [("bf16 F.linear (cuBLAS)", tg.time_graph(

@@ -95,10 +95,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedRow) -> torch.Tensor:
         # a quantized batch-1 GEMV with SiLU-and-mul in its epilogue, or None
-        if isinstance(x, QuantizedRow):
-            act = gate_up_silu(self.gate_up_proj, x.q, x.scale)
-        else:
-            act = gate_up_silu(self.gate_up_proj, x)
+        row, scale = (x.q, x.scale) if isinstance(x, QuantizedRow) else (x, None)
+        act = gate_up_silu(self.gate_up_proj, row, scale)
         if act is None:
             act = self.act_fn(linear_on(self.gate_up_proj, x))
         return self.down_proj(act)

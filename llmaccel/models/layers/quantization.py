@@ -126,11 +126,7 @@ def gate_up_silu(layer: nn.Module, x: torch.Tensor,
             or layer.output_sizes[0] != layer.output_sizes[1]):
         return None
     apply_silu_out = getattr(layer.quant_method, "apply_silu_out", None)
-    if apply_silu_out is None:
-        return None
-    if x_scale is None:
-        return apply_silu_out(layer, x, layer.bias)
-    return apply_silu_out(layer, x, layer.bias, x_scale=x_scale)
+    return None if apply_silu_out is None else apply_silu_out(layer, x, layer.bias, x_scale)
 
 
 # RMSNorm and the FP8 quantization of its row in one kernel, before a batch-1 FP8 GEMV that
