@@ -53,7 +53,7 @@ import triton.language as tl
 
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemv_common import _act_scale, _out_rows, _quantize, _silu_mul, _silu_out
-from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
+from llmaccel.kernels.pdl import pdl_enter, pdl_launch_dependents, pdl_wait, prefetch_l2
 from llmaccel.quant.fp8 import FP8_DTYPE, MIN_ACT_SCALE
 
 VEC = 16  # e4m3 weights per vector load: 16 bytes, the widest global load
@@ -113,6 +113,7 @@ def _gemv_fp8_kernel(
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr, SILU_OUT: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr, PF_LINES: tl.constexpr,
 ):
     rows = _out_rows(N, BLOCK_N, SILU_OUT)
     # Split-K: program (n, s) covers columns [s K/S, (s+1) K/S) and stores its fp32 partial
@@ -125,6 +126,11 @@ def _gemv_fp8_kernel(
         # Weights are read-only during a step: start streaming the first tile while the
         # previous kernel (which produces X) finishes.
         w_first = _load_w(W, w_row, k_lo, K, EVEN_K, BLOCK_K)
+        if PREFETCH:
+            # all of this program's weights into L2 before the wait (pdl.py): one 128-byte
+            # line per element, the spare elements repeating the last line
+            cols = tl.minimum(k_lo + tl.arange(0, PF_LINES) * 128, k_end - 1)
+            prefetch_l2(W + w_row[:, None] + cols[None, :])
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     # The passes over the row below sit on the critical path after the wait, and each load
@@ -192,8 +198,7 @@ def _fp8_epilogue(y, Y, Bias, rows, N, HAS_BIAS: tl.constexpr, RESIDUAL: tl.cons
 
 @triton.jit
 def _quantize_row_kernel(X, Q, S, K, min_scale, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
-    pdl_launch_dependents(USE_PDL)
+    pdl_enter(USE_PDL)
     rk = tl.arange(0, BLOCK)
     a = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
     scale, rcp = _act_scale(tl.max(tl.abs(a), axis=0), min_scale)
@@ -355,9 +360,19 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
         BLOCK_R=block_r, EVEN_R=k % block_r == 0, SILU_OUT=silu_out, SPLIT_K=1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
+        **_prefetch_args(k, 1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_kwargs(),
     )
     return y
+
+
+def _prefetch_args(k: int, split_k: int) -> dict:
+    """PREFETCH and PF_LINES for a launch: the L2 prefetch of a program's weights before the
+    PDL wait where PDL is on (`pdl.gemv_prefetch`); PF_LINES covers one row's K slice."""
+    if not pdl.gemv_prefetch():
+        return {"PREFETCH": False, "PF_LINES": 1}  # one compile for every K
+    lines = -(-k // split_k // 128)  # 128 e4m3 weights: one 128-byte line
+    return {"PREFETCH": True, "PF_LINES": triton.next_power_of_2(max(lines, 1))}
 
 
 def fp8_gemv_partials(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -389,7 +404,8 @@ def fp8_gemv_partials(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         RESIDUAL=False, EVEN_K=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(), BLOCK_R=block_r,
         EVEN_R=k % block_r == 0, SILU_OUT=False, SPLIT_K=cfg.split_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
+        **_prefetch_args(k, cfg.split_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_kwargs(),
     )
     return y
 

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemv_common import _out_rows, _silu_mul, _silu_out
-from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
+from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait, prefetch_l2
 
 # The fp32 bit pattern of 2^23, passed as a run-time argument: as a compile-time constant,
 # ptxas re-creates it (and its per-nibble variants) with a MOV before every use.
@@ -163,6 +163,22 @@ def _accumulate(acc, word, x0, x1, x2, x3, x4, x5, x6, x7, s, z, magic,
 
 
 @triton.jit
+def _prefetch_tile(W, Scales, Zeros, w_row, s_row, z_row, k_lo, k_end, GROUP: tl.constexpr,
+                   PER_CH: tl.constexpr, HAS_ZEROS: tl.constexpr, PF_LINES: tl.constexpr):
+    """Before the PDL wait: ask L2 for all of this program's weights (its rows' words in
+    [k_lo, k_end), one 128-byte line of 32 words per element, PF_LINES >= the lines of a row;
+    the spare elements repeat the last line) and its scales and zeros (the first and last
+    group of each row: a row's groups span at most two lines on the shapes served)."""
+    words = tl.minimum(k_lo // 8 + tl.arange(0, PF_LINES) * 32, k_end // 8 - 1)
+    prefetch_l2(W + w_row[:, None] + words[None, :])
+    if not PER_CH:
+        gi = tl.where(tl.arange(0, 2) == 0, k_lo // GROUP, k_end // GROUP - 1)
+        prefetch_l2(Scales + s_row[:, None] + gi[None, :])
+        if HAS_ZEROS:
+            prefetch_l2(Zeros + z_row[:, None] + gi[None, :])
+
+
+@triton.jit
 def _gemv_w4_kernel(
     X, W, Scales, Zeros, Bias, Y, NormW,
     N, K, n_groups, stride_wn, stride_sn, stride_zn, magic, eps,
@@ -170,7 +186,7 @@ def _gemv_w4_kernel(
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PROLOGUE: tl.constexpr,
     RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, SILU_OUT: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, PF_LINES: tl.constexpr,
 ):
     WG: tl.constexpr = (BLOCK_K if PER_CH or BLOCK_K <= GROUP else GROUP) // 8
     GT: tl.constexpr = BLOCK_K // (8 * WG)
@@ -187,6 +203,9 @@ def _gemv_w4_kernel(
         # Weights are read-only during a step: start streaming the first tile while the
         # previous kernel (which produces X) finishes.
         word0 = _load_words(W, w_row, k_lo, K, EVEN_K, GT, WG, VEC)
+        if PREFETCH:
+            _prefetch_tile(W, Scales, Zeros, w_row, s_row, z_row, k_lo, k_end, GROUP, PER_CH,
+                           HAS_ZEROS, PF_LINES)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     rstd = 0.0
@@ -373,9 +392,19 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         RESIDUAL=residual is not None, SILU_OUT=silu_out,
         # the RMSNorm pass loads the row in one go (up to 8192 columns)
         BLOCK_R=min(8192, triton.next_power_of_2(k)) if norm_weight is not None else 1,
-        SPLIT_K=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
+        SPLIT_K=1, **_prefetch_args(k, 1),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y
+
+
+def _prefetch_args(k: int, split_k: int) -> dict:
+    """PREFETCH and PF_LINES for a launch: the L2 prefetch of a program's weights before the
+    PDL wait where PDL is on (`pdl.gemv_prefetch`); PF_LINES covers one row's K slice."""
+    if not pdl.gemv_prefetch():
+        return {"PREFETCH": False, "PF_LINES": 1}  # one compile for every K
+    lines = -(-k // split_k // 256)  # 256 int4 weights = 32 words = one 128-byte line
+    return {"PREFETCH": True, "PF_LINES": triton.next_power_of_2(max(lines, 1))}
 
 
 def valid_split(cfg: GemvW4Config, k: int) -> bool:
@@ -432,7 +461,7 @@ def w4a16_gemv_partials(x: torch.Tensor, weight: torch.Tensor, scales: torch.Ten
         GROUP=0 if group == k else group, PER_CH=group == k, HAS_ZEROS=zeros is not None,
         HAS_BIAS=False, EVEN_K=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=cfg.vec,
         NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(), PROLOGUE=0, RESIDUAL=False,
-        SILU_OUT=False, BLOCK_R=1, SPLIT_K=cfg.split_k,
+        SILU_OUT=False, BLOCK_R=1, SPLIT_K=cfg.split_k, **_prefetch_args(k, cfg.split_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y
