@@ -103,7 +103,8 @@ def test_fp8_model_on_the_gemv_matches_the_w8a8_reference(fused, silu_epilogue, 
 
 
 def test_without_table_tiles_the_reference_path_runs(fp8_dir, monkeypatch):
-    """No tiles (CPU, or a GPU whose table measured _scaled_mm faster): no GEMV call."""
+    """No table tiles off CUDA: no GEMV call (on CUDA an untuned shape takes the default
+    tile, `fp8_linear.untuned_gemv_fp8`)."""
     _, ours = load_model(str(fp8_dir), dtype="float32", device="cpu")
     calls = _spy(monkeypatch)
     monkeypatch.delenv("LLMACCEL_GEMM_CONFIGS", raising=False)

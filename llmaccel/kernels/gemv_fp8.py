@@ -53,7 +53,7 @@ import triton.language as tl
 
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemv_common import _act_scale, _out_rows, _quantize, _silu_mul, _silu_out
-from llmaccel.kernels.pdl import pdl_enter, pdl_launch_dependents, pdl_wait, prefetch_l2
+from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
 from llmaccel.quant.fp8 import FP8_DTYPE, MIN_ACT_SCALE
 
 VEC = 16  # e4m3 weights per vector load: 16 bytes, the widest global load
@@ -112,25 +112,15 @@ def _gemv_fp8_kernel(
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_R: tl.constexpr, SILU_OUT: tl.constexpr, SPLIT_K: tl.constexpr,
-    PREFETCH: tl.constexpr, PF_LINES: tl.constexpr,
+    EVEN_R: tl.constexpr, SILU_OUT: tl.constexpr,
 ):
     rows = _out_rows(N, BLOCK_N, SILU_OUT)
-    # Split-K: program (n, s) covers columns [s K/S, (s+1) K/S) and stores its fp32 partial
-    # in row s of Y [S, N] (see fp8_gemv_partials)
-    k_lo = tl.program_id(1) * (K // SPLIT_K)
-    k_end = k_lo + K // SPLIT_K
     w_row = rows * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K // _VEC), tl.float32)
     if USE_PDL:
         # Weights are read-only during a step: start streaming the first tile while the
         # previous kernel (which produces X) finishes.
-        w_first = _load_w(W, w_row, k_lo, K, EVEN_K, BLOCK_K)
-        if PREFETCH:
-            # all of this program's weights into L2 before the wait (pdl.py): one 128-byte
-            # line per element, the spare elements repeating the last line
-            cols = tl.minimum(k_lo + tl.arange(0, PF_LINES) * 128, k_end - 1)
-            prefetch_l2(W + w_row[:, None] + cols[None, :])
+        w_first = _load_w(W, w_row, 0, K, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     # The passes over the row below sit on the critical path after the wait, and each load
@@ -155,13 +145,13 @@ def _gemv_fp8_kernel(
             a = _act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_R, BLOCK_R)
             amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
         scale, rcp = _act_scale(tl.max(tl.max(amax, axis=1), axis=0), min_scale)
-    k_start = k_lo
+    k_start = 0
     if USE_PDL:
-        a_q = _quantize(_act(X, NormW, k_lo, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp,
+        a_q = _quantize(_act(X, NormW, 0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp,
                         PROLOGUE)
         acc += tl.sum(w_first.to(tl.float32) * a_q[None, :, :], axis=2)
-        k_start = k_lo + BLOCK_K
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        k_start = BLOCK_K
+    for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _load_w(W, w_row, k0, K, EVEN_K, BLOCK_K)
         a_q = _quantize(_act(X, NormW, k0, K, rstd, PROLOGUE, EVEN_K, BLOCK_K), scale, rcp,
                         PROLOGUE)
@@ -169,21 +159,9 @@ def _gemv_fp8_kernel(
         acc += tl.sum(w.to(tl.float32) * a_q[None, :, :], axis=2)
     # (sum * s_a) * s_w, rounded to x's dtype: _reference_product's order
     y = tl.sum(acc, axis=1) * scale * tl.load(WScale + rows)
-    if SPLIT_K > 1:  # this K slice's fp32 partial, unrounded
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(Y + tl.program_id(1) * N + rn, y, mask=rn < N)
-    else:
-        _fp8_epilogue(y, Y, Bias, rows, N, HAS_BIAS, RESIDUAL, SILU_OUT, BLOCK_N)
-
-
-@triton.jit
-def _fp8_epilogue(y, Y, Bias, rows, N, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                  SILU_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The whole product y [BLOCK_N] (fp32) stored in Y's dtype: bias after the cast, in x's
-    dtype, as fp8_linear adds it; then silu_and_mul, or the residual add, or plain."""
     dt = Y.dtype.element_ty
     y = y.to(dt)
-    if HAS_BIAS:
+    if HAS_BIAS:  # added after the cast, in x's dtype, as fp8_linear does
         y = (y.to(tl.float32) + tl.load(Bias + rows).to(tl.float32)).to(dt)
     if SILU_OUT:
         _silu_out(y, Y, N, BLOCK_N)
@@ -198,7 +176,8 @@ def _fp8_epilogue(y, Y, Bias, rows, N, HAS_BIAS: tl.constexpr, RESIDUAL: tl.cons
 
 @triton.jit
 def _quantize_row_kernel(X, Q, S, K, min_scale, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     rk = tl.arange(0, BLOCK)
     a = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
     scale, rcp = _act_scale(tl.max(tl.abs(a), axis=0), min_scale)
@@ -232,14 +211,10 @@ class GemvFp8Config:
     # quantize the row once in its own kernel (`quantize_row_fp8`) and run the GEMV on it,
     # instead of every program deriving the scale and codes itself (not with a prologue)
     prequant: bool = False
-    # K split over this many programs per row block, each writing an fp32 partial sum
-    # (`fp8_gemv_partials`); 1: one program per row block covers all of K
-    split_k: int = 1
 
     def describe(self) -> str:
         return (f"n{self.block_n}k{self.block_k}-w{self.num_warps}s{self.num_stages}"
-                + ("-q" if self.prequant else "")
-                + (f"-x{self.split_k}" if self.split_k > 1 else ""))
+                + ("-q" if self.prequant else ""))
 
 
 def _pow2(v: int) -> bool:
@@ -249,12 +224,7 @@ def _pow2(v: int) -> bool:
 def valid_config(cfg: GemvFp8Config) -> bool:
     """Powers of two, BLOCK_K whole 16-byte vectors, at least one pipeline stage."""
     return (_pow2(cfg.block_n) and _pow2(cfg.block_k) and cfg.block_k >= VEC
-            and _pow2(cfg.num_warps) and cfg.num_stages >= 1 and cfg.split_k >= 1)
-
-
-def valid_split(cfg: GemvFp8Config, k: int) -> bool:
-    """A split-K tile cuts K into equal slices of whole tiles (no K tail)."""
-    return valid_config(cfg) and k % (cfg.split_k * cfg.block_k) == 0
+            and _pow2(cfg.num_warps) and cfg.num_stages >= 1)
 
 
 def default_gemv_fp8_config(n: int, k: int) -> GemvFp8Config:
@@ -315,19 +285,6 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     (fp32 [1]) x is the quantized row already (`quantize_row_fp8`; no prologue then). Rounds
     as `fp8_gemv_ref` (module docstring)."""
     n, k = _check(x, weight, weight_scale, bias, norm_weight, silu, residual, silu_out)
-    if config is not None and config.split_k > 1:
-        # a split tile outside a consumer that adds the partials: add them here
-        if silu or norm_weight is not None or silu_out:
-            raise ValueError(f"split-K tile {config.describe()} takes no prologue or silu_out")
-        y = fp8_gemv_partials(x, weight, weight_scale, config, x_scale=x_scale).sum(0)
-        y = y.to(x.dtype)
-        if bias is not None:  # after the cast, as fp8_linear adds it
-            y = y + bias
-        y = y.reshape(*x.shape[:-1], n)
-        if residual is not None:
-            residual.copy_(y + residual)
-            return residual
-        return y
     if (config is not None and config.prequant and x_scale is None and not silu
             and norm_weight is None and n and k):
         x, x_scale = quantize_row_fp8(x)
@@ -359,53 +316,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(),
-        BLOCK_R=block_r, EVEN_R=k % block_r == 0, SILU_OUT=silu_out, SPLIT_K=1,
-        **_prefetch_args(k, 1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.launch_kwargs(),
-    )
-    return y
-
-
-def _prefetch_args(k: int, split_k: int) -> dict:
-    """PREFETCH and PF_LINES for a launch: the L2 prefetch of a program's weights before the
-    PDL wait where PDL is on (`pdl.gemv_prefetch`); PF_LINES covers one row's K slice."""
-    if not pdl.gemv_prefetch():
-        return {"PREFETCH": False, "PF_LINES": 1}  # one compile for every K
-    lines = -(-k // split_k // 128)  # 128 e4m3 weights: one 128-byte line
-    return {"PREFETCH": True, "PF_LINES": triton.next_power_of_2(max(lines, 1))}
-
-
-def fp8_gemv_partials(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      config: GemvFp8Config, *, x_scale: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-    """The batch-1 product split over K: fp32 [S, N] (S = config.split_k) whose rows add up to
-    the unrounded `fp8_gemv` product (no bias): row s is the sum over the s-th K slice times
-    the activation and weight scales. The next kernel adds the rows (`rmsnorm` with
-    `partials`), as for `gemv_w4.w4a16_gemv_partials`: more programs for narrow layers.
-    With `x_scale` x is the quantized row already; a `prequant` tile quantizes it first."""
-    n, k = _check(x, weight, weight_scale, None, None, False, None)
-    cfg = config
-    if not valid_split(cfg, k):
-        raise ValueError(f"config {cfg.describe()} does not fit K={k}: powers of two, K a "
-                         "multiple of split_k * block_k")
-    if cfg.prequant and x_scale is None:
-        x, x_scale = quantize_row_fp8(x)
-    if x_scale is not None and (x_scale.numel() != 1 or x_scale.dtype != torch.float32):
-        raise ValueError("x_scale must be fp32, one value")
-    y = torch.empty(cfg.split_k, n, dtype=torch.float32, device=x.device)
-    if n == 0:
-        return y
-    block_r = max(VEC, min(8192, triton.next_power_of_2(k)))
-    dummy = weight
-    _gemv_fp8_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        x.reshape(-1).contiguous(), weight, weight_scale.reshape(n).contiguous(), dummy,
-        x_scale if x_scale is not None else dummy, y, n, k, weight.stride(0), 0.0,
-        MIN_ACT_SCALE, PROLOGUE=3 if x_scale is not None else 0, HAS_BIAS=False,
-        RESIDUAL=False, EVEN_K=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(), BLOCK_R=block_r,
-        EVEN_R=k % block_r == 0, SILU_OUT=False, SPLIT_K=cfg.split_k,
-        **_prefetch_args(k, cfg.split_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.launch_kwargs(),
+        BLOCK_R=block_r, EVEN_R=k % block_r == 0, SILU_OUT=silu_out,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y
 
@@ -433,5 +345,5 @@ def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     return residual
 
 
-__all__ = ["GemvFp8Config", "default_gemv_fp8_config", "fp8_gemv", "fp8_gemv_partials",
-           "fp8_gemv_ref", "quantize_row_fp8", "valid_config", "valid_split"]
+__all__ = ["GemvFp8Config", "default_gemv_fp8_config", "fp8_gemv", "fp8_gemv_ref",
+           "quantize_row_fp8", "valid_config"]

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemv_common import _out_rows, _silu_mul, _silu_out
-from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait, prefetch_l2
+from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
 
 # The fp32 bit pattern of 2^23, passed as a run-time argument: as a compile-time constant,
 # ptxas re-creates it (and its per-nibble variants) with a MOV before every use.
@@ -122,12 +122,11 @@ def _load_side(X, NormW, rstd, Scales, Zeros, s_row, z_row, k0, K, n_groups,
 
 
 @triton.jit
-def _next(k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Where to prefetch after the tile at k0: the next tile; after the last one of this
-    program's K range (ending at k_end) the last again (unused, but in bounds without masks)
-    or, with a K tail, past the end (masked)."""
+def _next(k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Where to prefetch after the tile at k0: the next tile; after the last one the last
+    again (unused, but in bounds without masks) or, with a K tail, past the end (masked)."""
     if EVEN_K:
-        k1 = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
+        k1 = tl.minimum(k0 + BLOCK_K, K - BLOCK_K)
     else:
         k1 = k0 + BLOCK_K
     return k1
@@ -163,22 +162,6 @@ def _accumulate(acc, word, x0, x1, x2, x3, x4, x5, x6, x7, s, z, magic,
 
 
 @triton.jit
-def _prefetch_tile(W, Scales, Zeros, w_row, s_row, z_row, k_lo, k_end, GROUP: tl.constexpr,
-                   PER_CH: tl.constexpr, HAS_ZEROS: tl.constexpr, PF_LINES: tl.constexpr):
-    """Before the PDL wait: ask L2 for all of this program's weights (its rows' words in
-    [k_lo, k_end), one 128-byte line of 32 words per element, PF_LINES >= the lines of a row;
-    the spare elements repeat the last line) and its scales and zeros (the first and last
-    group of each row: a row's groups span at most two lines on the shapes served)."""
-    words = tl.minimum(k_lo // 8 + tl.arange(0, PF_LINES) * 32, k_end // 8 - 1)
-    prefetch_l2(W + w_row[:, None] + words[None, :])
-    if not PER_CH:
-        gi = tl.where(tl.arange(0, 2) == 0, k_lo // GROUP, k_end // GROUP - 1)
-        prefetch_l2(Scales + s_row[:, None] + gi[None, :])
-        if HAS_ZEROS:
-            prefetch_l2(Zeros + z_row[:, None] + gi[None, :])
-
-
-@triton.jit
 def _gemv_w4_kernel(
     X, W, Scales, Zeros, Bias, Y, NormW,
     N, K, n_groups, stride_wn, stride_sn, stride_zn, magic, eps,
@@ -186,14 +169,9 @@ def _gemv_w4_kernel(
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PROLOGUE: tl.constexpr,
     RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, SILU_OUT: tl.constexpr,
-    SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, PF_LINES: tl.constexpr,
 ):
     WG: tl.constexpr = (BLOCK_K if PER_CH or BLOCK_K <= GROUP else GROUP) // 8
     GT: tl.constexpr = BLOCK_K // (8 * WG)
-    # Split-K: program (n, s) covers columns [s K/S, (s+1) K/S) and stores its fp32 partial
-    # sum in row s of Y [S, N] (the consumer adds the S rows; see w4a16_gemv_partials).
-    k_lo = tl.program_id(1) * (K // SPLIT_K)
-    k_end = k_lo + K // SPLIT_K
     # Rows past N re-read a valid row (their results are not stored): no mask on weight
     # loads. SILU_OUT interleaves gate and up rows (gemv_common._out_rows).
     rows = _out_rows(N, BLOCK_N, SILU_OUT)
@@ -202,10 +180,7 @@ def _gemv_w4_kernel(
     if USE_PDL:
         # Weights are read-only during a step: start streaming the first tile while the
         # previous kernel (which produces X) finishes.
-        word0 = _load_words(W, w_row, k_lo, K, EVEN_K, GT, WG, VEC)
-        if PREFETCH:
-            _prefetch_tile(W, Scales, Zeros, w_row, s_row, z_row, k_lo, k_end, GROUP, PER_CH,
-                           HAS_ZEROS, PF_LINES)
+        word0 = _load_words(W, w_row, 0, K, EVEN_K, GT, WG, VEC)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     rstd = 0.0
@@ -221,21 +196,21 @@ def _gemv_w4_kernel(
         rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     z_ch = tl.load(Zeros + z_row)[:, None] if PER_CH and HAS_ZEROS else 0
     x0, x1, x2, x3, x4, x5, x6, x7, s, z = _load_side(
-        X, NormW, rstd, Scales, Zeros, s_row, z_row, k_lo, K, n_groups, GROUP, PER_CH,
-        HAS_ZEROS, EVEN_K, GT, WG, PROLOGUE)
-    k_start = k_lo
+        X, NormW, rstd, Scales, Zeros, s_row, z_row, 0, K, n_groups, GROUP, PER_CH, HAS_ZEROS,
+        EVEN_K, GT, WG, PROLOGUE)
+    k_start = 0
     if USE_PDL:
-        k_start = k_lo + BLOCK_K
+        k_start = BLOCK_K
         y0, y1, y2, y3, y4, y5, y6, y7, s1, z1 = _load_side(
-            X, NormW, rstd, Scales, Zeros, s_row, z_row, _next(k_lo, k_end, BLOCK_K, EVEN_K),
-            K, n_groups, GROUP, PER_CH, HAS_ZEROS, EVEN_K, GT, WG, PROLOGUE)
+            X, NormW, rstd, Scales, Zeros, s_row, z_row, _next(0, K, BLOCK_K, EVEN_K), K,
+            n_groups, GROUP, PER_CH, HAS_ZEROS, EVEN_K, GT, WG, PROLOGUE)
         acc = _accumulate(acc, word0, x0, x1, x2, x3, x4, x5, x6, x7,
                           s, z_ch if PER_CH else z, magic, PER_CH, HAS_ZEROS)
         x0, x1, x2, x3, x4, x5, x6, x7, s, z = y0, y1, y2, y3, y4, y5, y6, y7, s1, z1
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         word = _load_words(W, w_row, k0, K, EVEN_K, GT, WG, VEC)
         y0, y1, y2, y3, y4, y5, y6, y7, s1, z1 = _load_side(
-            X, NormW, rstd, Scales, Zeros, s_row, z_row, _next(k0, k_end, BLOCK_K, EVEN_K), K,
+            X, NormW, rstd, Scales, Zeros, s_row, z_row, _next(k0, K, BLOCK_K, EVEN_K), K,
             n_groups, GROUP, PER_CH, HAS_ZEROS, EVEN_K, GT, WG, PROLOGUE)
         acc = _accumulate(acc, word, x0, x1, x2, x3, x4, x5, x6, x7,
                           s, z_ch if PER_CH else z, magic, PER_CH, HAS_ZEROS)
@@ -245,10 +220,7 @@ def _gemv_w4_kernel(
         y = y * tl.load(Scales + s_row).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(Bias + rows).to(tl.float32)
-    if SPLIT_K > 1:  # this K slice's fp32 partial, unrounded
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(Y + tl.program_id(1) * N + rn, y, mask=rn < N)
-    elif SILU_OUT:  # the layer's output rounded as it would be stored, then silu_and_mul
+    if SILU_OUT:  # the layer's output rounded as it would be stored, then silu_and_mul
         _silu_out(y.to(Y.dtype.element_ty), Y, N, BLOCK_N)
     else:
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -267,14 +239,9 @@ class GemvW4Config:
     num_warps: int = 2
     num_stages: int = 3
     vec: int = 2  # at most this many consecutive words a thread loads (powers of two)
-    # K split over this many programs per row block, each writing an fp32 partial sum
-    # (`w4a16_gemv_partials`); 1: one program per row block covers all of K
-    split_k: int = 1
 
     def describe(self) -> str:
-        split = f"-x{self.split_k}" if self.split_k > 1 else ""
-        return (f"n{self.block_n}k{self.block_k}v{self.vec}-w{self.num_warps}s{self.num_stages}"
-                + split)
+        return f"n{self.block_n}k{self.block_k}v{self.vec}-w{self.num_warps}s{self.num_stages}"
 
 
 def default_gemv_w4_config(n: int, k: int, group: int) -> GemvW4Config:
@@ -350,20 +317,6 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             and (cfg.block_n >= 2 or not silu_out)):
         raise ValueError(f"config {cfg.describe()} does not fit K={k}, group {group}: "
                          "powers of two, block_k within one group or whole groups")
-    if cfg.split_k > 1:
-        # a split tile outside a consumer that adds the partials: add them here (an extra
-        # kernel or two; the engine calls w4a16_gemv_partials where the next kernel adds them)
-        if silu or norm_weight is not None or silu_out:
-            raise ValueError(f"split-K tile {cfg.describe()} takes no prologue or silu_out")
-        parts = w4a16_gemv_partials(x, weight, scales, zeros, group_size, cfg)
-        y = parts.sum(0)
-        if bias is not None:
-            y = y + bias.float()
-        y = y.to(x.dtype).reshape(*x.shape[:-1], n)
-        if residual is not None:
-            residual.copy_(y + residual)
-            return residual
-        return y
     if residual is not None:
         if (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype
                 or not residual.is_contiguous()):
@@ -392,76 +345,6 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         RESIDUAL=residual is not None, SILU_OUT=silu_out,
         # the RMSNorm pass loads the row in one go (up to 8192 columns)
         BLOCK_R=min(8192, triton.next_power_of_2(k)) if norm_weight is not None else 1,
-        SPLIT_K=1, **_prefetch_args(k, 1),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
-    )
-    return y
-
-
-def _prefetch_args(k: int, split_k: int) -> dict:
-    """PREFETCH and PF_LINES for a launch: the L2 prefetch of a program's weights before the
-    PDL wait where PDL is on (`pdl.gemv_prefetch`); PF_LINES covers one row's K slice."""
-    if not pdl.gemv_prefetch():
-        return {"PREFETCH": False, "PF_LINES": 1}  # one compile for every K
-    lines = -(-k // split_k // 256)  # 256 int4 weights = 32 words = one 128-byte line
-    return {"PREFETCH": True, "PF_LINES": triton.next_power_of_2(max(lines, 1))}
-
-
-def valid_split(cfg: GemvW4Config, k: int) -> bool:
-    """A split-K tile must cut K into equal slices of whole tiles (no K tail: the weight loads
-    stay unmasked)."""
-    return cfg.split_k >= 1 and k % (cfg.split_k * cfg.block_k) == 0
-
-
-def w4a16_gemv_partials(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                        zeros: torch.Tensor | None, group_size: int,
-                        config: GemvW4Config) -> torch.Tensor:
-    """The batch-1 product split over K: fp32 [S, N] whose rows add up to x @ W^T (no bias;
-    S = config.split_k). Row s is the sum over the s-th K slice, scales applied, unrounded.
-
-    Why: a GEMV of a narrow layer (N = hidden size, 3072 on llama-3.2-3b) has only N / BLOCK_N
-    programs, too few to keep every SM's loads in flight, and they split unevenly over the SMs;
-    S programs per row block fix both. The S rows are added by the kernel that reads the
-    product next (`rmsnorm` with `partials`: the residual add after o_proj and down_proj), so
-    the split costs no kernel of its own."""
-    k = x.shape[-1]
-    if x.numel() != k or k == 0:
-        raise ValueError(f"w4a16_gemv_partials takes exactly one row of x, got {tuple(x.shape)}")
-    n = weight.shape[0]
-    if (weight.dtype != torch.int32 or weight.dim() != 2 or k % 8 or weight.shape[1] != k // 8
-            or weight.stride(-1) != 1):
-        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} is not int32 [N, K/8] "
-                         f"for K={k}")
-    group = k if group_size == -1 else group_size
-    if group <= 0 or group % 8 or k % group:
-        raise ValueError(f"group_size {group_size} must be -1 or a multiple of 8 dividing K={k}")
-    cfg = config
-    if not (_pow2(cfg.block_n) and _pow2(cfg.vec) and _valid_block_k(cfg.block_k, k, group)
-            and valid_split(cfg, k)):
-        raise ValueError(f"config {cfg.describe()} does not fit K={k}, group {group}: "
-                         "powers of two, block_k within one group or whole groups, K a "
-                         "multiple of split_k * block_k")
-    scales = scales.contiguous()
-    if scales.shape != (n, k // group):
-        raise ValueError(f"scales {tuple(scales.shape)} must be [N, K // group] = "
-                         f"{(n, k // group)}")
-    if zeros is not None:
-        zeros = zeros.contiguous()
-        if zeros.shape != scales.shape or zeros.dtype != torch.uint8:
-            raise ValueError("zeros must be uint8 with the shape of scales")
-    y = torch.empty(cfg.split_k, n, dtype=torch.float32, device=x.device)
-    if n == 0:
-        return y
-    x1 = x.reshape(k).contiguous()
-    dummy = weight
-    _gemv_w4_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        x1, weight, scales, zeros if zeros is not None else dummy, dummy, y, dummy,
-        n, k, k // group, weight.stride(0), scales.stride(0),
-        0 if zeros is None else zeros.stride(0), MAGIC_2_23, 0.0,
-        GROUP=0 if group == k else group, PER_CH=group == k, HAS_ZEROS=zeros is not None,
-        HAS_BIAS=False, EVEN_K=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=cfg.vec,
-        NUM_STAGES=cfg.num_stages, USE_PDL=pdl.enabled(), PROLOGUE=0, RESIDUAL=False,
-        SILU_OUT=False, BLOCK_R=1, SPLIT_K=cfg.split_k, **_prefetch_args(k, cfg.split_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y

@@ -9,19 +9,9 @@ waits at `griddepcontrol.wait` until the predecessor has finished and its writes
 
 The rule every PDL kernel here keeps (and the reason it is safe to chain them): it calls
 `gdc_wait()` before it reads anything another kernel of the step writes, and before it writes
-anything at all. `gdc_wait()` returns once the previous grid has completed, and that grid
-completed only after its own wait returned, so waiting on the previous kernel transitively
-waits on all earlier ones, wherever a kernel calls `gdc_launch_dependents()`. Kernels launched
-without PDL (torch's) serialize as usual.
-
-Where `gdc_launch_dependents()` goes sets how far ahead kernels run. The GEMVs call it after
-their wait; the small kernels between them (norms, rope + cache write, attention, SiLU-and-mul)
-call it on entry (`EARLY_TRIGGER`, LLMACCEL_PDL_EARLY=0 for after the wait). So a GEMV is
-launched while the small kernels before it (and the tail of the GEMV before them) still run,
-and pulls its weights into L2 (`prefetch_l2`) at a time when HBM would otherwise sit idle, and
-the next GEMV is not launched before this one's wait returned, which keeps at most about two
-layers' weight matrices in flight in L2. (A launched grid's programs are all resident before
-its dependent can launch, so early launches cannot starve the kernel they follow.)
+anything at all; it calls `gdc_launch_dependents()` only after that wait. A kernel can therefore
+run at most one kernel ahead, and waiting on the previous kernel transitively waits on all
+earlier ones. Kernels launched without PDL (torch's) serialize as usual.
 
 Never on below compute capability 9.0 or in Triton's interpreter (CPU): there the plain launch
 is the path, so nothing on the default path needs Hopper. On 9.0+ `configure` turns it on by
@@ -62,39 +52,11 @@ def pdl_launch_dependents(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-# Small kernels release their dependent on entry (module docstring); read at import.
-EARLY_TRIGGER = tl.constexpr(os.environ.get("LLMACCEL_PDL_EARLY", "1") == "1")
-
-
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    """The prologue of a kernel with nothing to prefetch: release the next kernel (on entry
-    with EARLY_TRIGGER, else after the wait) and wait for the previous one."""
-    if EARLY_TRIGGER:
-        pdl_launch_dependents(USE_PDL)
-        pdl_wait(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)
-        pdl_launch_dependents(USE_PDL)
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines holding `ptrs` (a tensor of pointers), without waiting
-    for them or holding registers: `prefetch.global.L2`. GPU only (inline PTX)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-# GEMVs launched early pull their weights into L2 before their wait (module docstring);
-# LLMACCEL_GEMV_PREFETCH=0 turns it off, to measure it.
-GEMV_PREFETCH = os.environ.get("LLMACCEL_GEMV_PREFETCH", "1") == "1"
-
-
-def gemv_prefetch() -> bool:
-    """Whether a GEMV launched now should prefetch its weights into L2 (needs PDL on: without
-    an early launch there is nothing to overlap)."""
-    return _enabled and GEMV_PREFETCH and os.environ.get("TRITON_INTERPRET") != "1"
+    """The prologue of a kernel with nothing to prefetch: wait, then release the next one."""
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
 
 
 def enabled() -> bool:
@@ -157,5 +119,5 @@ def configure(device: torch.device | str, requested: bool | None = None) -> bool
     return use
 
 
-__all__ = ["configure", "enabled", "gemv_prefetch", "launch_kwargs", "pdl_enter",
-           "pdl_launch_dependents", "pdl_wait", "prefetch_l2", "set_enabled", "supported"]
+__all__ = ["configure", "enabled", "launch_kwargs", "pdl_enter", "pdl_launch_dependents",
+           "pdl_wait", "set_enabled", "supported"]

@@ -106,6 +106,17 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
 
 
 @cache
+def untuned_gemv_fp8():
+    """The batch-1 FP8 GEMV tile for a shape the GPU's table does not hold."""
+    from llmaccel.kernels.gemv_fp8 import GemvFp8Config
+
+    # The H100 table's most frequent tile for the llama-3.2 / qwen2.5 shapes (4 rows by 1024
+    # columns on 2 warps, the row quantized first by the norm or quantize_row_fp8): a guess
+    # for another GPU, good on every H100 shape it was timed on.
+    return GemvFp8Config(block_n=4, block_k=1024, num_warps=2, num_stages=3, prequant=True)
+
+
+@cache
 def _triton_fp8(device: torch.device) -> bool:
     """Triton is installed and compiles e4m3 on this device (asked once per device: `apply`
     checks it on every one-row call)."""
@@ -115,14 +126,18 @@ def _triton_fp8(device: torch.device) -> bool:
 
 
 def _gemv_config(layer: nn.Module):
-    """The tuned batch-1 FP8 GEMV tile for this layer's shape, or None: only tables that
-    measured the GEMV faster than `torch._scaled_mm` hold entries (benchmarks/bench_fp8_gemv.py;
-    the lookup is cached)."""
+    """The batch-1 FP8 GEMV tile for this layer's shape: the GPU table's (benchmarks/
+    bench_fp8_gemv.py; the lookup is cached), else on CUDA `untuned_gemv_fp8()`; None where
+    Triton cannot run e4m3 here, and off CUDA without a table (the interpreter is no fast path). The GEMV beat `torch._scaled_mm` on all 12 shapes measured on an H100
+    (1.2-5x, 2026-11-25-fp8gemv-prequant-*.jsonl), so a shape or a GPU without an entry takes it
+    too: before, an untuned H200 ran FP8 decode steps 1.7x slower than bf16
+    (2026-11-26-decode-overlap-h100.md)."""
     if not Fp8LinearMethod._gemv_ok(layer):
         return None
     from llmaccel.kernels.gemm_tuning import gemv_fp8_config
 
-    return gemv_fp8_config(layer.output_size, layer.input_size, layer.weight.device)
+    tuned = gemv_fp8_config(layer.output_size, layer.input_size, layer.weight.device)
+    return tuned or (untuned_gemv_fp8() if layer.weight.is_cuda else None)
 
 
 def _aligned(w_fp8: torch.Tensor) -> bool:
@@ -221,7 +236,7 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(self, layer, x, bias=None):
         if getattr(layer, "use_triton", False) and x.numel() == x.shape[-1]:
             cfg = _gemv_config(layer)
-            if cfg is not None:  # batch-1 decode: the GEMV, where measured faster
+            if cfg is not None:  # batch-1 decode: the GEMV
                 from llmaccel.kernels.gemv_fp8 import fp8_gemv
 
                 return fp8_gemv(x, layer.weight, layer.weight_scale, bias, cfg)
@@ -283,7 +298,11 @@ class Fp8LinearMethod(LinearMethodBase):
         gemv = ""
         if layer is not None and getattr(layer, "use_triton", False):
             if _gemv_config(layer) is not None:
-                gemv = "; batch 1: Triton FP8 GEMV (kernels/gemv_fp8.py)"
+                from llmaccel.kernels.gemm_tuning import gemv_fp8_config
+
+                tuned = gemv_fp8_config(layer.output_size, layer.input_size, layer.weight.device)
+                tile = "default" if tuned is None else "tuned"
+                gemv = f"; batch 1: Triton FP8 GEMV (kernels/gemv_fp8.py, {tile} tile)"
             if self.fused_decode_config(layer, 1, "norm") is not None:
                 gemv += ("; fused decode layers at batch 1: the GEMV with the norm, "
                          "SiLU-and-mul and residual add folded in")

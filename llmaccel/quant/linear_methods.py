@@ -76,14 +76,26 @@ def _dequant_rows(codes, scales, zeros, g_idx) -> torch.Tensor:
 
 
 def _gemv_w4_config(layer: nn.Module, k: int, device: torch.device):
-    """The tuned batch-1 GEMV tile for this layer's shape, or None (no measured entry: the
-    general kernel runs). Only tables that measured the GEMV faster hold entries
-    (benchmarks/bench_w4_gemv.py)."""
+    """The batch-1 GEMV tile for this layer's shape: the GPU table's (benchmarks/
+    bench_w4_gemv.py), else the default tile; None off CUDA. The GEMV beat the general kernel
+    on every shape measured (1.05-2.8x on an H100, 2026-11-23-w4gemv-*.jsonl), so a shape or a
+    GPU without an entry takes it too: before, they took the general kernel, and an untuned
+    H200 ran int4 decode steps 3.5x slower than bf16 (2026-11-26-decode-overlap-h100.md)."""
     if not layer.kernel_weight.is_cuda:
         return None
     from llmaccel.kernels.gemm_tuning import gemv_w4_config
+    from llmaccel.kernels.gemv_w4 import default_gemv_w4_config
 
-    return gemv_w4_config(layer.output_size, k, layer.kernel_group_size, device)
+    return (gemv_w4_config(layer.output_size, k, layer.kernel_group_size, device)
+            or default_gemv_w4_config(layer.output_size, k, layer.kernel_group_size))
+
+
+def _tuned_w4(layer: nn.Module) -> bool:
+    """Whether the GPU's table holds a batch-1 GEMV tile for this layer (for the log)."""
+    from llmaccel.kernels.gemm_tuning import gemv_w4_config
+
+    return gemv_w4_config(layer.output_size, layer.input_size, layer.kernel_group_size,
+                          layer.kernel_weight.device) is not None
 
 
 class PackedLinearMethod(LinearMethodBase):
@@ -102,7 +114,9 @@ class PackedLinearMethod(LinearMethodBase):
             kernel = f"Triton W{self.bits}A16 (kernels/gemm.py{order})"
             if self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
                                                   layer.kernel_weight.device) is not None:
-                kernel += "; batch 1: Triton W4A16 GEMV (kernels/gemv_w4.py)"
+                tuned = _tuned_w4(layer)
+                kernel += (f"; batch 1: Triton W4A16 GEMV (kernels/gemv_w4.py, "
+                           f"{'tuned' if tuned else 'default'} tile)")
             if self.fused_decode_config(layer, 1, "norm") is not None:
                 kernel += ("; fused decode layers at batch 1: the GEMV with the norm, "
                            "SiLU-and-mul and residual add folded in")
@@ -229,7 +243,7 @@ class PackedLinearMethod(LinearMethodBase):
         group = x.shape[-1] if layer.kernel_group_size == -1 else layer.kernel_group_size
         if self.bits == 4 and x2.shape[0] == 1:
             gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
-            if gemv is not None:  # batch-1 decode: the dedicated GEMV, where measured faster
+            if gemv is not None:  # batch-1 decode: the dedicated GEMV
                 from llmaccel.kernels.gemv_w4 import w4a16_gemv
 
                 return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales,
