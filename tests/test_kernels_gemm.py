@@ -90,6 +90,8 @@ CASES = [  # (m, n, k, bits, group, zeros, config)
     (17, 20, 64, 8, -1, False, DOT),
     (2, 24, 64, 8, 16, True, DOT_WIDE_K),
     (4, 16, 64, 4, 32, True, None),  # pick_config's own choice
+    (1, 20, 192, 8, 192, False, None),  # its W8A16 decode tile: 4 rows, K in one 128 tile
+    (2, 20, 96, 8, 32, True, None),  # ... grouped, a tile per group
 ]
 
 
