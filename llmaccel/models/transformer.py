@@ -119,12 +119,9 @@ class DecoderLayer(nn.Module):
         """(x, residual) -> (x, residual): the sub-layer output and the residual stream it is
         still to be added to. The fused path returns x None: already added."""
         if self.fuse_decode:
-            fused = self._fused_configs((x if x is not None else residual).shape[0])
-            if fused is not None:
-                kind, configs = fused
-                forward = self.forward_fused_silu_out if kind == "silu_out" else \
-                    self.forward_fused
-                return forward(positions, x, residual, meta, configs)
+            configs = self._fused_configs((x if x is not None else residual).shape[0])
+            if configs is not None:
+                return self.forward_fused(positions, x, residual, meta, configs)
         if x is None:  # the previous layer ran fused: its output is in the residual
             x, residual = residual, None
         attn = self.self_attn
@@ -147,36 +144,14 @@ class DecoderLayer(nn.Module):
         return norm(x, residual)
 
     def _fused_configs(self, rows: int):
-        """("fused", the four GEMV tiles of `forward_fused`) or ("silu_out", those of
-        `forward_fused_silu_out`) for `rows` rows, or None (unfused); decided once per row
-        count (eager decode steps would otherwise redo the table lookups in every layer, every
-        step)."""
+        """The four GEMV tiles for `rows` rows, or None; decided once per row count (eager
+        decode steps would otherwise redo the table lookups in every layer, every step)."""
         if rows not in self._fused_by_rows:
             linears = ((self.self_attn.qkv_proj, "norm"), (self.self_attn.o_proj, "res"),
                        (self.mlp.gate_up_proj, "norm"), (self.mlp.down_proj, "silu"))
             configs = [fused_gemv_config(lin, rows, kind) for lin, kind in linears]
-            if None not in configs:
-                self._fused_by_rows[rows] = ("fused", configs)
-            else:
-                tiles = self._silu_out_configs(rows)
-                self._fused_by_rows[rows] = None if tiles is None else ("silu_out", tiles)
+            self._fused_by_rows[rows] = None if None in configs else configs
         return self._fused_by_rows[rows]
-
-    def _silu_out_configs(self, rows: int):
-        """The fused layer with SiLU-and-mul in gate_up's epilogue instead of down's prologue
-        (`forward_fused_silu_out`), where every linear's method offers it: the four tiles, or
-        None."""
-        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
-                   self.mlp.down_proj)
-        tiles = []
-        for lin in linears:
-            pick = getattr(lin.quant_method, "fused_silu_out_config", None)
-            tile = pick(lin, rows) if pick is not None and getattr(lin, "use_triton",
-                                                                   False) else None
-            if tile is None:
-                return None
-            tiles.append(tile)
-        return tiles
 
     def forward_fused(self, positions, x, residual, meta, configs):
         """A decode-size step in four Triton GEMVs (plus rope + cache write and attention;
@@ -197,27 +172,6 @@ class DecoderLayer(nn.Module):
         gate_up = fused_linear(mlp.gate_up_proj, residual, configs[2], norm_weight=ln2.weight,
                                eps=ln2.eps)
         fused_linear(mlp.down_proj, gate_up, configs[3], silu=True, residual=residual)
-        return None, residual
-
-
-    def forward_fused_silu_out(self, positions, x, residual, meta, tiles):
-        """`forward_fused` with SiLU-and-mul in the gate_up GEMV's epilogue (`silu_out`) and
-        none in down's prologue: the quantized batch-1 GEMVs, whose per-input prologue work
-        costs more than a SiLU per output. Four GEMVs plus rope + cache write and attention,
-        seven kernels a layer (ten unfused)."""
-        if residual is None:
-            residual = x
-        elif x is not None:
-            residual = residual + x
-        attn, mlp = self.self_attn, self.mlp
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = fused_linear(attn.qkv_proj, residual, tiles[0], norm_weight=ln1.weight,
-                           eps=ln1.eps)
-        out = attn.attend(positions, qkv, meta)
-        fused_linear(attn.o_proj, out, tiles[1], residual=residual)
-        act = fused_linear(mlp.gate_up_proj, residual, tiles[2], norm_weight=ln2.weight,
-                           eps=ln2.eps, silu_out=True)
-        fused_linear(mlp.down_proj, act, tiles[3], residual=residual)
         return None, residual
 
 

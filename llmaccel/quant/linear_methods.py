@@ -79,8 +79,6 @@ def _dequant_rows(codes, scales, zeros, g_idx) -> torch.Tensor:
 
 # SiLU-and-mul in the int4 gate_up GEMV's epilogue at batch 1 (`apply_silu_out`); read at import
 W4_SILU_EPILOGUE = os.environ.get("LLMACCEL_W4_SILU_EPILOGUE", "0") == "1"
-# int4 decode layers fused with SiLU in gate_up's epilogue (`fused_silu_out_config`)
-W4_FUSED_DECODE = os.environ.get("LLMACCEL_W4_FUSED_DECODE", "0") == "1"
 
 
 def _gemv_w4_config(layer: nn.Module, k: int, device: torch.device):
@@ -213,15 +211,6 @@ class PackedLinearMethod(LinearMethodBase):
 
         return fused_w4_config(kind, layer.output_size, layer.input_size,
                                layer.kernel_group_size, layer.kernel_weight.device)
-
-    def fused_silu_out_config(self, layer: nn.Module, m: int):
-        """The W4A16 GEMV tile for `DecoderLayer.forward_fused_silu_out` (norm prologues,
-        residual epilogues, SiLU-and-mul in gate_up's epilogue), or None: one row, 4-bit kernel
-        layout without act-order, and LLMACCEL_W4_FUSED_DECODE=1. The plain GEMV's tile."""
-        if (not W4_FUSED_DECODE or self.bits != 4 or m != 1
-                or not hasattr(layer, "kernel_weight") or layer.kernel_perm is not None):
-            return None
-        return _gemv_w4_config(layer, layer.input_size, layer.kernel_weight.device)
 
     def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                     config, **fusion) -> torch.Tensor:
