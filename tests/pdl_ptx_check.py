@@ -20,7 +20,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from llmaccel.kernels import activation, cache, gemm, greedy, paged_attention, rmsnorm, rotary  # noqa: E402,E501
-from llmaccel.kernels import gemv_w4  # noqa: E402
 
 FLOAT_SCALARS = {"eps", "k_inv_scale", "v_inv_scale", "qk_scale", "v_scale"}
 POINTER_TYPES = {"Slots": "*i64", "Positions": "*i64", "BlockTables": "*i32", "SeqLens": "*i32",
@@ -41,12 +40,6 @@ CASES = [
         BITS=4, GROUP=128, HAS_ZEROS=True, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=32,
         BLOCK_K=128, USE_DOT=True, IEEE=False, PROLOGUE=0, RESIDUAL=False), True,
      {**LINEAR_SIZES, "W": "*i32", "Zeros": "*u8"}),
-    # the int4 GEMV releases its dependent after its main loop (pdl.int4_gemv_releases_at_end)
-    ("gemv-w4-release-at-end", gemv_w4._gemv_w4_kernel, dict(
-        GROUP=128, PER_CH=False, HAS_ZEROS=True, HAS_BIAS=False, EVEN_K=True, BLOCK_N=16,
-        BLOCK_K=512, VEC=2, NUM_STAGES=3, PROLOGUE=0, RESIDUAL=False, BLOCK_R=1,
-        SILU_OUT=True, RELEASE_AT_END=True), True,
-     {"W": "*i32", "Zeros": "*u8", **{n: "i32" for n in ("N", "K", "magic")}}),
     ("rotary", rotary._rotary_kernel, dict(Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=32), False),
     ("rotary_and_cache", rotary._rotary_and_cache_kernel, dict(
         Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=32, FP8=False, SOFT_ROUND=False), False),

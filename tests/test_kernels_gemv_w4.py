@@ -326,50 +326,6 @@ def test_int4_model_decodes_through_fused_layers(case, tmp_path, monkeypatch):
         assert "fused decode layers" in desc
 
 
-@pytest.mark.parametrize("case", ["gptq-w4-sym", "awq-w4-zp"])
-def test_int4_gate_up_runs_silu_and_mul_in_its_epilogue(case, tmp_path, monkeypatch):
-    """Unfused batch-1 int4 layers: gate_up's GEMV applies SiLU-and-mul in its epilogue
-    (`apply_silu_out`, one kernel fewer; interpreted on CPU) and the model gives the plain
-    dequantized checkpoint's logits. Act-order layers keep the two steps (no call)."""
-    from test_quant_loading import CASES as QCASES
-    from test_quant_loading import write_checkpoints
-
-    from llmaccel.kernels import gemv_w4
-    from llmaccel.models.attention import AttentionMetadata
-    from llmaccel.models.layers.linear import Linear
-    from llmaccel.models.loader import load_model
-    from llmaccel.quant import linear_methods
-
-    calls = []
-    real = gemv_w4.w4a16_gemv
-
-    def spy(*a, **kw):
-        calls.append(bool(kw.get("silu_out")))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(gemv_w4, "w4a16_gemv", spy)
-    # the GEMV's tile (None off CUDA): one is forced here
-    monkeypatch.setattr(linear_methods, "_gemv_w4_config",
-                        lambda layer, k, device: GemvW4Config(8, 64, 2, 2))
-    packed_dir, plain_dir = write_checkpoints(QCASES[case], tmp_path, family="llama")
-    _, ours = load_model(str(packed_dir), dtype="float32", device="cpu")
-    _, ref = load_model(str(plain_dir), dtype="float32", device="cpu")
-    for module in ours.modules():
-        if isinstance(module, Linear) and hasattr(module, "codes"):
-            module.quant_method._prepare_kernel(module)
-    ours.set_fused_kernels(True, fuse_decode=False)
-
-    def logits(model, token):
-        meta = AttentionMetadata.for_prefill([1], "cpu")
-        with torch.no_grad():
-            return model.compute_logits(model(torch.tensor([token]), torch.tensor([0]), meta))
-
-    for token in (7, 31):
-        torch.testing.assert_close(logits(ours, token), logits(ref, token), atol=1e-4, rtol=0)
-    # per layer: qkv, o, gate_up (SiLU in the epilogue), down
-    assert calls == [False, False, True, False] * (2 * ours.config.num_hidden_layers)
-
-
 # ------------------------------------------------------------------------------------- GPU
 
 LLAMA_3B = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemv_common import _out_rows, _silu_mul, _silu_out
-from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
+from llmaccel.kernels.pdl import gemv_release_after_wait, gemv_release_at_end, pdl_wait
 
 # The fp32 bit pattern of 2^23, passed as a run-time argument: as a compile-time constant,
 # ptxas re-creates it (and its per-nibble variants) with a MOV before every use.
@@ -169,7 +169,6 @@ def _gemv_w4_kernel(
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PROLOGUE: tl.constexpr,
     RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, SILU_OUT: tl.constexpr,
-    RELEASE_AT_END: tl.constexpr,
 ):
     WG: tl.constexpr = (BLOCK_K if PER_CH or BLOCK_K <= GROUP else GROUP) // 8
     GT: tl.constexpr = BLOCK_K // (8 * WG)
@@ -183,8 +182,7 @@ def _gemv_w4_kernel(
         # previous kernel (which produces X) finishes.
         word0 = _load_words(W, w_row, 0, K, EVEN_K, GT, WG, VEC)
     pdl_wait(USE_PDL)
-    if not RELEASE_AT_END:
-        pdl_launch_dependents(USE_PDL)
+    gemv_release_after_wait(USE_PDL)
     rstd = 0.0
     if PROLOGUE == 1:
         # RMSNorm needs the whole row's mean square before the first tile: a pass over x (a
@@ -217,8 +215,7 @@ def _gemv_w4_kernel(
         acc = _accumulate(acc, word, x0, x1, x2, x3, x4, x5, x6, x7,
                           s, z_ch if PER_CH else z, magic, PER_CH, HAS_ZEROS)
         x0, x1, x2, x3, x4, x5, x6, x7, s, z = y0, y1, y2, y3, y4, y5, y6, y7, s1, z1
-    if RELEASE_AT_END:  # the next kernel launches while this one drains (pdl.py)
-        pdl_launch_dependents(USE_PDL)
+    gemv_release_at_end(USE_PDL)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if PER_CH:
         y = y * tl.load(Scales + s_row).to(tl.float32)
@@ -349,7 +346,6 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         RESIDUAL=residual is not None, SILU_OUT=silu_out,
         # the RMSNorm pass loads the row in one go (up to 8192 columns)
         BLOCK_R=min(8192, triton.next_power_of_2(k)) if norm_weight is not None else 1,
-        RELEASE_AT_END=pdl.int4_gemv_releases_at_end(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y

@@ -9,8 +9,7 @@ waits at `griddepcontrol.wait` until the predecessor has finished and its writes
 
 The rule every PDL kernel here keeps (and the reason it is safe to chain them): it calls
 `gdc_wait()` before it reads anything another kernel of the step writes, and before it writes
-anything at all; it calls `gdc_launch_dependents()` only after that wait (right after it,
-except the int4 GEMV, which does after its main loop: `int4_gemv_releases_at_end`). A kernel can therefore
+anything at all; it calls `gdc_launch_dependents()` only after that wait. A kernel can therefore
 run at most one kernel ahead, and waiting on the previous kernel transitively waits on all
 earlier ones. Kernels launched without PDL (torch's) serialize as usual.
 
@@ -60,16 +59,24 @@ def pdl_enter(USE_PDL: tl.constexpr):
     pdl_launch_dependents(USE_PDL)
 
 
-def int4_gemv_releases_at_end() -> bool:
-    """Where the batch-1 int4 GEMV (`gemv_w4.py`) lets the next kernel launch: after its main
-    loop (True), or right after its wait like every other kernel here (False). At the end by
-    default: a kernel launched early sits resident through the GEMV, and when that is the
-    next GEMV (down after gate_up with SiLU-and-mul in gate_up's epilogue) the int4 GEMV, which
-    has few issue slots to spare, ran whole llama-3.2-3b steps 14% slower on an H100; released
-    at the end, the pair beat gate_up + silu_and_mul + down by 2.1%. The FP8 and bf16 GEMVs
-    measured 0.3-0.5% slower released at the end, so they keep the early release
-    (2026-11-26-quant-decode-s21.md). LLMACCEL_GEMV_TRIGGER=wait|end overrides, to measure."""
-    return os.environ.get("LLMACCEL_GEMV_TRIGGER", "end") == "end"
+# Where a GEMV releases its dependent: right after its wait ("wait", the next kernel then sits
+# resident through the whole GEMV) or after its main loop ("end": the next kernel launches
+# while the GEMV drains). LLMACCEL_GEMV_TRIGGER, read at import.
+GEMV_TRIGGER_END = tl.constexpr(os.environ.get("LLMACCEL_GEMV_TRIGGER", "wait") == "end")
+
+
+@triton.jit
+def gemv_release_after_wait(USE_PDL: tl.constexpr):
+    """A GEMV's release point right after its wait (unless GEMV_TRIGGER_END)."""
+    if not GEMV_TRIGGER_END:
+        pdl_launch_dependents(USE_PDL)
+
+
+@triton.jit
+def gemv_release_at_end(USE_PDL: tl.constexpr):
+    """A GEMV's release point after its main loop (with GEMV_TRIGGER_END)."""
+    if GEMV_TRIGGER_END:
+        pdl_launch_dependents(USE_PDL)
 
 
 def enabled() -> bool:
@@ -132,5 +139,5 @@ def configure(device: torch.device | str, requested: bool | None = None) -> bool
     return use
 
 
-__all__ = ["configure", "enabled", "int4_gemv_releases_at_end", "launch_kwargs", "pdl_enter",
-           "pdl_launch_dependents", "pdl_wait", "set_enabled", "supported"]
+__all__ = ["configure", "enabled", "launch_kwargs", "pdl_enter", "pdl_launch_dependents",
+           "pdl_wait", "set_enabled", "supported"]
