@@ -296,8 +296,6 @@ def test_pdl_branch(monkeypatch):
 
     monkeypatch.setattr(gemv_fp8, "pdl_wait", _noop)
     monkeypatch.setattr(gemv_fp8, "pdl_launch_dependents", _noop)
-    monkeypatch.setattr(gemv_fp8, "gemv_release_after_wait", _noop)
-    monkeypatch.setattr(gemv_fp8, "gemv_release_at_end", _noop)
     monkeypatch.setattr(pdl, "launch_kwargs", dict)
     monkeypatch.setattr(pdl, "_enabled", True)
     for cfg in (GemvFp8Config(8, 64, 1, 2), GemvFp8Config(16, 256, 2, 3)):  # loop; one step

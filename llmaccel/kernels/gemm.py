@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from llmaccel.kernels import pdl
-from llmaccel.kernels.pdl import gemv_release_after_wait, gemv_release_at_end, pdl_wait
+from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -153,7 +153,7 @@ def _linear_kernel(
         w_first = _weight_tile(W, Scales, Zeros, rn64, mask_n, 0, K, stride_wn, stride_sn,
                                stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
     pdl_wait(USE_PDL)
-    gemv_release_after_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if PROLOGUE == 1:
         # RMSNorm of whole rows before the first tile: one pass over each row of X (it is a
@@ -175,7 +175,6 @@ def _linear_kernel(
                          stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
         x = _input_tile(X, NormW, rm64, mask_m, k0, K, stride_xm, rstd, PROLOGUE, BLOCK_K)
         acc = _tile_product(acc, x, w, USE_DOT, IEEE)
-    gemv_release_at_end(USE_PDL)
     if HAS_BIAS:
         acc += tl.load(Bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out_ptr = Y + rm64[:, None] * stride_ym + rn[None, :]

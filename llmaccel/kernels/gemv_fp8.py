@@ -53,8 +53,7 @@ import triton.language as tl
 
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemv_common import _act_scale, _out_rows, _quantize, _silu_mul, _silu_out
-from llmaccel.kernels.pdl import (gemv_release_after_wait, gemv_release_at_end,
-                                  pdl_launch_dependents, pdl_wait)
+from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
 from llmaccel.quant.fp8 import FP8_DTYPE, MIN_ACT_SCALE
 
 VEC = 16  # e4m3 weights per vector load: 16 bytes, the widest global load
@@ -123,7 +122,7 @@ def _gemv_fp8_kernel(
         # previous kernel (which produces X) finishes.
         w_first = _load_w(W, w_row, 0, K, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
-    gemv_release_after_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     # The passes over the row below sit on the critical path after the wait, and each load
     # is an L2 round trip: they take the row in chunks of BLOCK_R (usually all of it at once).
     rstd = 0.0
@@ -159,7 +158,6 @@ def _gemv_fp8_kernel(
         # the 16 products of a vector sum in-thread (FFMAs); one accumulator per vector
         acc += tl.sum(w.to(tl.float32) * a_q[None, :, :], axis=2)
     # (sum * s_a) * s_w, rounded to x's dtype: _reference_product's order
-    gemv_release_at_end(USE_PDL)
     y = tl.sum(acc, axis=1) * scale * tl.load(WScale + rows)
     dt = Y.dtype.element_ty
     y = y.to(dt)

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemv_common import _out_rows, _silu_mul, _silu_out
-from llmaccel.kernels.pdl import gemv_release_after_wait, gemv_release_at_end, pdl_wait
+from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
 
 # The fp32 bit pattern of 2^23, passed as a run-time argument: as a compile-time constant,
 # ptxas re-creates it (and its per-nibble variants) with a MOV before every use.
@@ -182,7 +182,7 @@ def _gemv_w4_kernel(
         # previous kernel (which produces X) finishes.
         word0 = _load_words(W, w_row, 0, K, EVEN_K, GT, WG, VEC)
     pdl_wait(USE_PDL)
-    gemv_release_after_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     rstd = 0.0
     if PROLOGUE == 1:
         # RMSNorm needs the whole row's mean square before the first tile: a pass over x (a
@@ -215,7 +215,6 @@ def _gemv_w4_kernel(
         acc = _accumulate(acc, word, x0, x1, x2, x3, x4, x5, x6, x7,
                           s, z_ch if PER_CH else z, magic, PER_CH, HAS_ZEROS)
         x0, x1, x2, x3, x4, x5, x6, x7, s, z = y0, y1, y2, y3, y4, y5, y6, y7, s1, z1
-    gemv_release_at_end(USE_PDL)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if PER_CH:
         y = y * tl.load(Scales + s_row).to(tl.float32)

@@ -59,26 +59,6 @@ def pdl_enter(USE_PDL: tl.constexpr):
     pdl_launch_dependents(USE_PDL)
 
 
-# Where a GEMV releases its dependent: right after its wait ("wait", the next kernel then sits
-# resident through the whole GEMV) or after its main loop ("end": the next kernel launches
-# while the GEMV drains). LLMACCEL_GEMV_TRIGGER, read at import.
-GEMV_TRIGGER_END = tl.constexpr(os.environ.get("LLMACCEL_GEMV_TRIGGER", "wait") == "end")
-
-
-@triton.jit
-def gemv_release_after_wait(USE_PDL: tl.constexpr):
-    """A GEMV's release point right after its wait (unless GEMV_TRIGGER_END)."""
-    if not GEMV_TRIGGER_END:
-        pdl_launch_dependents(USE_PDL)
-
-
-@triton.jit
-def gemv_release_at_end(USE_PDL: tl.constexpr):
-    """A GEMV's release point after its main loop (with GEMV_TRIGGER_END)."""
-    if GEMV_TRIGGER_END:
-        pdl_launch_dependents(USE_PDL)
-
-
 def enabled() -> bool:
     return _enabled
 

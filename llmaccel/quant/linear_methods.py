@@ -21,8 +21,6 @@ for checking the kernel. The engine logs which of the two each layer uses.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,10 +73,6 @@ def dequantize_unpacked(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.
 def _dequant_rows(codes, scales, zeros, g_idx) -> torch.Tensor:
     q = codes.to(torch.int32) - zeros[:, g_idx]
     return q.to(torch.float32) * scales[:, g_idx]
-
-
-# SiLU-and-mul in the int4 gate_up GEMV's epilogue at batch 1 (`apply_silu_out`); read at import
-W4_SILU_EPILOGUE = os.environ.get("LLMACCEL_W4_SILU_EPILOGUE", "0") == "1"
 
 
 def _gemv_w4_config(layer: nn.Module, k: int, device: torch.device):
@@ -219,25 +213,13 @@ class PackedLinearMethod(LinearMethodBase):
         return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
                           layer.kernel_group_size, bias, config, **fusion)
 
-    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       x_scale: torch.Tensor | None = None) -> torch.Tensor | None:
-        """silu_and_mul(layer(x)) for one row of a [gate; up] int4 layer in the batch-1 GEMV
-        (the activation in its epilogue), or None (the caller runs the two steps). Off unless
-        LLMACCEL_W4_SILU_EPILOGUE=1: alone it matched the GEMV + silu_and_mul pair on an H100
-        (13.2 against 14.0 us, benchmarks/exp_silu_out.py), but whole llama-3.2-3b decode steps
-        ran slower with it (1,977-1,985 against 1,745-1,749 us of graph replay,
-        2026-11-25-quant-decode-s19-h100.md), with the GEMVs releasing their PDL dependent
-        right after their wait: the down GEMV then launched while gate_up still streamed."""
-        if (not W4_SILU_EPILOGUE or self.bits != 4 or x_scale is not None
-                or not hasattr(layer, "kernel_weight") or layer.kernel_perm is not None):
-            return None
-        cfg = _gemv_w4_config(layer, layer.input_size, layer.kernel_weight.device)
-        if cfg is None or cfg.block_n < 2:
-            return None
-        from llmaccel.kernels.gemv_w4 import w4a16_gemv
-
-        return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                          layer.kernel_group_size, bias, cfg, silu_out=True)
+    # No `apply_silu_out` (SiLU-and-mul in the gate_up GEMV's epilogue, which the FP8 method
+    # has): `gemv_w4.w4a16_gemv(silu_out=True)` matched the GEMV + silu_and_mul pair alone on an
+    # H100 (13.2 against 14.0 us, benchmarks/exp_silu_out.py), but whole llama-3.2-3b decode
+    # steps ran 14% slower with it (graph replay, 2026-11-25-quant-decode-s19-h100.md and
+    # 2026-11-26-quant-decode-s21.md): the down GEMV, launched early by PDL, sits resident
+    # through gate_up. With the int4 GEMV releasing its dependent after its main loop instead,
+    # graph replay was 2.1% faster but W1 decode 1.6% slower than the unfused pair (s21).
 
     def _unpack(self, layer: nn.Module) -> None:
         """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""
