@@ -6,8 +6,11 @@ read at import: run once per setting, naming it with --label, then `--compare A 
     LLMACCEL_NORM_QUANT=0 python benchmarks/exp_decode_ab.py --quantization fp8 --out off.json
     python benchmarks/exp_decode_ab.py --compare on.json off.json
 
-Random (dummy) weights: the tokens check that both paths compute the same thing, not quality.
-A diagnostic; whole-run numbers of record come from gpu_speed.py.
+Random (dummy) weights: the tokens check that both paths compute the same thing, not quality
+(random logits have near-ties, so a change of summation order alone can flip a token).
+A diagnostic; whole-run numbers of record come from gpu_speed.py. For changes to launch order
+(PDL release points) it misled once: graph replay had a change 2.1% faster that W1 measured
+1.6% slower (benchmarks/results/2026-11-26-quant-decode-s21.md), so decide those in W1.
 """
 
 from __future__ import annotations
