@@ -16,9 +16,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import triton.language as tl  # noqa: E402
-
-from llmaccel.kernels import gemm_tuning, gemv_w4
+from llmaccel.kernels import gemm_tuning
 from llmaccel.kernels.gemm import linear_ref, pack_int4_rows
 from llmaccel.kernels.gemv_w4 import (
     GemvW4Config,
@@ -326,33 +324,6 @@ def test_int4_model_decodes_through_fused_layers(case, tmp_path, monkeypatch):
         desc = ours.model.layers[0].mlp.down_proj.quant_method.describe(
             ours.model.layers[0].mlp.down_proj)
         assert "fused decode layers" in desc
-
-
-@pytest.mark.parametrize("preload", [1, 2, 3])
-def test_pdl_branch_with_tiles_loaded_before_the_wait(preload, monkeypatch):
-    """With PDL on, the first `preload` weight tiles are loaded before the wait and consumed
-    before the loop (LLMACCEL_W4_PRELOAD). The interpreter has no griddepcontrol, so the two
-    PDL calls become no-ops here; the rest of that branch runs as on the GPU."""
-    from llmaccel.kernels import pdl
-
-    @triton.jit
-    def _noop(USE_PDL: tl.constexpr):
-        pass
-
-    monkeypatch.setattr(gemv_w4, "pdl_wait", _noop)
-    monkeypatch.setattr(gemv_w4, "pdl_launch_dependents", _noop)
-    monkeypatch.setattr(pdl, "launch_kwargs", dict)
-    monkeypatch.setattr(pdl, "_enabled", True)
-    monkeypatch.setattr(gemv_w4, "PRELOAD_TILES", preload)
-    n, k, group = 24, 512, 64
-    w, scales, zeros, x, _ = _case(n, k, group, True, seed=preload)
-    for cfg in (GemvW4Config(8, 64, 1, 2), GemvW4Config(8, 128, 2, 2), GemvW4Config(8, 256, 2, 2)):
-        # 8, 4 and 2 tiles: every preload depth, and one clamped by K (2 tiles)
-        assert gemv_w4._preload(k, cfg.block_k) == min(preload, k // cfg.block_k)
-        want = linear_ref(x, w, 4, scales, zeros, group)
-        got = w4a16_gemv(x, w, scales, zeros, group, config=cfg)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert gemv_w4._preload(520, 64) == 1  # a K tail: only the first tile
 
 
 # ------------------------------------------------------------------------------------- GPU

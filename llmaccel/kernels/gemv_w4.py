@@ -34,7 +34,6 @@ tiles got up to 1.8x faster with it, a few others slower: the tuner picks).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -170,7 +169,6 @@ def _gemv_w4_kernel(
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PROLOGUE: tl.constexpr,
     RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, SILU_OUT: tl.constexpr,
-    PRELOAD: tl.constexpr,
 ):
     WG: tl.constexpr = (BLOCK_K if PER_CH or BLOCK_K <= GROUP else GROUP) // 8
     GT: tl.constexpr = BLOCK_K // (8 * WG)
@@ -180,13 +178,9 @@ def _gemv_w4_kernel(
     w_row, s_row, z_row = rows * stride_wn, rows * stride_sn, rows * stride_zn
     acc = tl.zeros((BLOCK_N, GT, WG), tl.float32)
     if USE_PDL:
-        # Weights are read-only during a step: start streaming the first PRELOAD tiles while
-        # the previous kernel (which produces X) finishes.
+        # Weights are read-only during a step: start streaming the first tile while the
+        # previous kernel (which produces X) finishes.
         word0 = _load_words(W, w_row, 0, K, EVEN_K, GT, WG, VEC)
-        if PRELOAD >= 2:
-            word1 = _load_words(W, w_row, BLOCK_K, K, EVEN_K, GT, WG, VEC)
-        if PRELOAD >= 3:
-            word2 = _load_words(W, w_row, 2 * BLOCK_K, K, EVEN_K, GT, WG, VEC)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     rstd = 0.0
@@ -213,23 +207,6 @@ def _gemv_w4_kernel(
         acc = _accumulate(acc, word0, x0, x1, x2, x3, x4, x5, x6, x7,
                           s, z_ch if PER_CH else z, magic, PER_CH, HAS_ZEROS)
         x0, x1, x2, x3, x4, x5, x6, x7, s, z = y0, y1, y2, y3, y4, y5, y6, y7, s1, z1
-        if PRELOAD >= 2:
-            k_start = 2 * BLOCK_K
-            y0, y1, y2, y3, y4, y5, y6, y7, s1, z1 = _load_side(
-                X, NormW, rstd, Scales, Zeros, s_row, z_row, _next(BLOCK_K, K, BLOCK_K, EVEN_K),
-                K, n_groups, GROUP, PER_CH, HAS_ZEROS, EVEN_K, GT, WG, PROLOGUE)
-            acc = _accumulate(acc, word1, x0, x1, x2, x3, x4, x5, x6, x7,
-                              s, z_ch if PER_CH else z, magic, PER_CH, HAS_ZEROS)
-            x0, x1, x2, x3, x4, x5, x6, x7, s, z = y0, y1, y2, y3, y4, y5, y6, y7, s1, z1
-        if PRELOAD >= 3:
-            k_start = 3 * BLOCK_K
-            y0, y1, y2, y3, y4, y5, y6, y7, s1, z1 = _load_side(
-                X, NormW, rstd, Scales, Zeros, s_row, z_row,
-                _next(2 * BLOCK_K, K, BLOCK_K, EVEN_K), K, n_groups, GROUP, PER_CH, HAS_ZEROS,
-                EVEN_K, GT, WG, PROLOGUE)
-            acc = _accumulate(acc, word2, x0, x1, x2, x3, x4, x5, x6, x7,
-                              s, z_ch if PER_CH else z, magic, PER_CH, HAS_ZEROS)
-            x0, x1, x2, x3, x4, x5, x6, x7, s, z = y0, y1, y2, y3, y4, y5, y6, y7, s1, z1
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         word = _load_words(W, w_row, k0, K, EVEN_K, GT, WG, VEC)
         y0, y1, y2, y3, y4, y5, y6, y7, s1, z1 = _load_side(
@@ -253,18 +230,6 @@ def _gemv_w4_kernel(
             res = tl.load(Y + rn, mask=rn < N, other=0.0).to(tl.float32)
             y = y.to(Y.dtype.element_ty).to(tl.float32) + res
         tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
-
-
-# Weight tiles a program loads before its PDL wait (LLMACCEL_W4_PRELOAD, 1-3; read at import)
-PRELOAD_TILES = int(os.environ.get("LLMACCEL_W4_PRELOAD", "1"))
-
-
-def _preload(k: int, block_k: int) -> int:
-    """The tiles to load before the wait: PRELOAD_TILES, as far as K holds whole tiles (with a
-    K tail only the first: the later ones would need masks)."""
-    if k % block_k:
-        return 1
-    return max(1, min(PRELOAD_TILES, 3, k // block_k))
 
 
 @dataclass(frozen=True)
@@ -380,7 +345,6 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         RESIDUAL=residual is not None, SILU_OUT=silu_out,
         # the RMSNorm pass loads the row in one go (up to 8192 columns)
         BLOCK_R=min(8192, triton.next_power_of_2(k)) if norm_weight is not None else 1,
-        PRELOAD=_preload(k, cfg.block_k) if pdl.enabled() else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y
