@@ -3,8 +3,8 @@
 # benchmarks/exp_decode_ab.py once per setting (graph replay per batch-1 step, greedy tokens),
 # then compares every setting with the first.
 #   bash benchmarks/exp_env_ab.sh OUT_DIR QUANT NAME=VAR=VALUE[,VAR=VALUE...] ...
-# e.g. bash benchmarks/exp_env_ab.sh out rtn-int4-g128 base=LLMACCEL_GEMV_TRIGGER=wait \
-#        end=LLMACCEL_GEMV_TRIGGER=end
+# e.g. bash benchmarks/exp_env_ab.sh out fp8 on=LLMACCEL_NORM_QUANT=1 off=LLMACCEL_NORM_QUANT=0
+# (graph replay can mislead for launch-order changes: decide those in W1, see exp_decode_ab.py)
 set -euo pipefail
 out=$1; q=$2; shift 2
 mkdir -p "$out"
