@@ -6,9 +6,10 @@ persistent kernel (every program resident, an atomic arrival counter, a volatile
 
 Each stage does almost nothing (every program reads and rewrites one value), so the time per
 stage is the cost of the dependency itself. A persistent per-layer kernel only pays if its
-barrier costs clearly less than a PDL kernel boundary (about 2-3.8 us on an H100 inside a
-decode step, 2026-11-26-quant-decode-s21.md). An experiment: it prints a table, it changes
-nothing in the engine.
+barrier costs clearly less than a PDL kernel boundary. (On an H100 it did not: 0.86-0.95 us
+per boundary against 1.3-3.3 us per barrier, 2026-11-26-grid-barrier-vs-pdl-boundary-h100.txt;
+the 2-3.8 us a decode kernel costs beyond its bytes is spent inside it.) An experiment: it
+prints a table, it changes nothing in the engine.
 """
 
 from __future__ import annotations

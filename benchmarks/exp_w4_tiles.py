@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from llmaccel.kernels.gemm_tuning import CONFIG_DIR
+from llmaccel.kernels.gemm_tuning import CONFIG_DIR, device_file_name
 
 SHAPES = {"qkv": "5120:3072", "o": "3072:3072", "gate_up": "16384:3072", "down": "3072:8192"}
 # (block_n, block_k, num_warps, num_stages, vec) per layer; a block_k >= K is a whole row
@@ -27,7 +27,7 @@ VARIANTS = {
 
 
 def main(out: str, variant: str, device: str = "NVIDIA H100 80GB HBM3") -> None:
-    table = json.loads((CONFIG_DIR / (device.replace(" ", "_") + ".json")).read_text())
+    table = json.loads((CONFIG_DIR / device_file_name(device)).read_text())
     for layer, (bn, bk, nw, ns, vec) in VARIANTS[variant].items():
         key = f"w4gemv:1:{SHAPES[layer]}"
         table["entries"][key] = {"backend": "triton", "model": f"llama-3.2-3b:{layer}",
