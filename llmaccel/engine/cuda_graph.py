@@ -245,26 +245,58 @@ class CUDAGraphRunner:
                 st.copied = torch.cuda.Event()
             st.copied.record()
 
-    def run_chain(self, starts: list[int], counts: list[int], tables: list[list[int]],
-                  first_ids: torch.Tensor, steps: int) -> torch.Tensor:
-        """`steps` chained greedy decode steps (see `_chain_forward`) of len(starts) rows: row
-        r feeds first_ids[r] (on the device) at position starts[r], and its tokens at the next
+    def run_chain(self, starts: list[int] | torch.Tensor, counts: list[int],
+                  tables: list[list[int]], first_ids: torch.Tensor, steps: int) -> torch.Tensor:
+        """`steps` chained greedy decode steps (see `_chain_forward`) of len(counts) rows: row
+        r feeds first_ids[r] (on the device) at position starts[r] (a list, or a tensor on
+        the device: positions the host does not know yet), and its tokens at the next
         positions, writing KV for counts[r] <= steps of them -> tokens [steps, rows] (a view of
         the graph's output, valid until its next replay)."""
-        n = len(starts)
+        n = len(counts)
         bs = self.chain_sizes[bisect.bisect_left(self.chain_sizes, n)]
         st = self._next_staging()
         inp = st.np_inputs
-        inp[6, :n], inp[7, :n] = starts, counts
+        on_device = isinstance(starts, torch.Tensor)
+        inp[6, :n], inp[7, :n] = 1 if on_device else starts, counts
         inp[6, n:bs], inp[7, n:bs], inp[0, n:bs] = 1, 0, 0  # padding rows write nothing
         self._stage_tables(st, tables)
         self._copy_in(st, bs)
+        if on_device:
+            self.inputs[6, :n].copy_(starts)
         self.inputs[0, :n].copy_(first_ids)
         graph = self.chain_graphs.get((bs, steps))
         if graph is None:  # CPU: the same steps, eagerly
             return self._chain_forward(bs, steps)[:, :n]
         graph.replay()
         return self.chain_outputs[bs, steps][:, :n]
+
+    def run_on_device(self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
+                      tables: list[list[int]], rows: torch.Tensor) -> torch.Tensor:
+        """One decode step over len(tables) rows whose ids and positions are on the device
+        (computed from a step the host has not seen: spec/overlap.py) -> greedy [2, m] of the
+        m `rows` asked for. A row writes its KV only where `write` is true; its slot and
+        context length follow from its position and block table, on the device."""
+        n = len(tables)
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        st = self._next_staging()
+        inp = st.np_inputs
+        inp[0, n:bs], inp[1, n:bs], inp[2, n:bs] = 0, 0, -1  # padding rows: no cache writes
+        st.np_seq_lens[n:bs] = 1
+        self._stage_tables(st, tables)
+        self._copy_in(st, bs)
+        pos = positions.long()
+        self.inputs[0, :n].copy_(ids)  # float64 ids -> int64, exact
+        self.inputs[1, :n].copy_(pos)
+        self.seq_lens[:n].copy_(pos + 1)
+        block = self.block_size
+        blocks = self.block_tables[self._row_index[:n], pos // block].long()
+        self.inputs[2, :n].copy_(torch.where(write, blocks * block + pos % block, -1))
+        graph = self.graphs.get(bs)
+        if graph is None:  # CPU (tests): the captured step's work, eagerly
+            self.outputs[bs] = self._forward(bs)
+        else:
+            graph.replay()
+        return self.outputs[bs][1].index_select(1, rows)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             seq_lens: list[int], tables: list[list[int]],

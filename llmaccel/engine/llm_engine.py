@@ -224,6 +224,11 @@ class LLMEngine:
                     raise RuntimeError("the scheduler could not admit the next waiting request")
                 return outputs
             launched = self._launch(sched)
+            if self.spec is not None and self.spec.pending is not None:
+                # the next round's drafts, from this verify step on the device (spec/overlap.py)
+                self.spec.overlap(launched.sampling, launched.logits, launched.greedy,
+                                  launched.rows_per_seq, self.scheduler.running,
+                                  len(self.scheduler.waiting))
         outputs = self._process_outputs()  # overlaps the GPU
         if self.spec is not None:
             # so does n-gram indexing

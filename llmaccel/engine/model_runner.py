@@ -99,14 +99,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_chain(self, seqs: list, counts: list[int], first_ids: torch.Tensor,
-                      steps: int) -> torch.Tensor:
+                      steps: int, starts: torch.Tensor | None = None) -> torch.Tensor:
         """`steps` greedy single-token steps of each of `seqs` in one launch (no host work in
-        between): seqs[i] feeds first_ids[i] (on the device) at its num_computed_tokens, then
-        its own argmaxes, writing KV for counts[i] <= steps positions (allocated by the
-        caller) -> the argmaxes [steps, len(seqs)] (float64). The caller advances
-        num_computed_tokens."""
-        return self.graphs.run_chain([s.num_computed_tokens for s in seqs], counts,
-                                     [s.block_table for s in seqs], first_ids, steps)
+        between): seqs[i] feeds first_ids[i] (on the device) at its num_computed_tokens (or
+        at starts[i], positions on the device), then its own argmaxes, writing KV for
+        counts[i] <= steps positions (allocated by the caller) -> the argmaxes [steps,
+        len(seqs)] (float64). The caller advances num_computed_tokens."""
+        if starts is None:
+            starts = [s.num_computed_tokens for s in seqs]
+        return self.graphs.run_chain(starts, counts, [s.block_table for s in seqs], first_ids,
+                                     steps)
+
+    def can_run_on_device(self, num_rows: int) -> bool:
+        """Whether `execute_on_device` serves a step of `num_rows` rows."""
+        return self.graphs is not None and self.graphs.can_run(num_rows)
+
+    @torch.inference_mode()
+    def execute_on_device(self, seqs: list, ids: torch.Tensor, positions: torch.Tensor,
+                          write: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """A decode-rows step whose ids and positions are on the device (one row per entry of
+        `seqs`, a sequence may repeat; KV written where `write`), in the graph runner's
+        static buffers -> greedy [2, len(rows)] of the asked rows (spec/overlap.py)."""
+        self.ran_graph = True
+        return self.graphs.run_on_device(ids, positions, write,
+                                         [s.block_table for s in seqs], rows)
 
     def _small_step_as_rows(self, step: SchedulerOutput) -> bool:
         """Whether a step with a longer run (a prefill chunk) still runs as decode rows in a

@@ -30,9 +30,10 @@ from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.adaptive import AcceptanceTracker, best_k
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError
 from llmaccel.spec.costs import StepCosts, constant_cost_fn
-from llmaccel.spec.draft_model import DeviceDrafts
+from llmaccel.spec.draft_model import PENDING_DRAFT, DeviceDrafts
 from llmaccel.spec.metrics import SpecDecodeStats
 from llmaccel.spec.ngram import NgramIndex
+from llmaccel.spec.overlap import Lookahead, launch_lookahead, overlap_enabled
 from llmaccel.spec.switch import ShadowAcceptance, SpecSwitch, StepKind
 from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
 
@@ -83,6 +84,10 @@ class SpecDecoder:
         # This round's draft-model proposals still on the device (spec/draft_model.py): the
         # verify step reads them there; `complete` brings them to the host.
         self.pending: DeviceDrafts | None = None
+        # The next round's drafts, launched with this round's verify step (spec/overlap.py).
+        self.lookahead: Lookahead | None = None
+        self.num_overlapped = 0  # rounds whose drafts were launched during the previous one
+        self.num_overlap_dropped = 0  # such drafts dropped (the running set changed, ...)
         self._index_cursor = 0  # index_running: where the next share of sequences starts
         self.stats = SpecDecodeStats()
 
@@ -174,10 +179,19 @@ class SpecDecoder:
         return (not seq.is_finished and seq.num_uncomputed_tokens == 1
                 and seq.params.logprobs is None and not self.stop_checker.banned_tokens(seq))
 
-    def _k(self, seq: Sequence, cost, memo: dict[float, int] | None = None) -> int:
-        """The sequence's k this round. `memo`: the round's answers by acceptance (to three
-        decimals) for its one cost function: best_k per sequence was ~6 us of a ~20 us
-        proposal per sequence on a CPU, at batch 64 a spec round's host time."""
+    def _room(self, seq: Sequence, ahead: int = 0) -> int:
+        """How many drafts fit before the context or max_tokens ends (one token is emitted
+        besides the drafts), `ahead` tokens from now."""
+        room = self.max_model_len - seq.num_tokens - ahead - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - ahead - 1)
+        return room
+
+    def _wanted_k(self, seq: Sequence, cost, memo: dict[float, int] | None = None) -> int:
+        """The k the sequence's recent acceptance asks for (the configured k without adaptive
+        speculation). `memo`: the round's answers by acceptance (to three decimals) for its
+        one cost function: best_k per sequence was ~6 us of a ~20 us proposal per sequence
+        on a CPU, at batch 64 a spec round's host time."""
         k = self.config.num_speculative_tokens
         if self.config.adaptive:
             if seq.spec_tracker is None:
@@ -188,12 +202,13 @@ class SpecDecoder:
             if best is None:  # as AcceptanceTracker.next_k: at least 1, to keep probing
                 best = memo[alpha] = max(1, best_k(alpha, cost, k))
             k = best
-        # Never draft past the context or max_tokens: one token is emitted besides the drafts.
-        room = self.max_model_len - seq.num_tokens - 1
-        if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        return k
+
+    def _k(self, seq: Sequence, cost, memo: dict[float, int] | None = None) -> int:
+        """The sequence's k this round: as wanted, never past the context or max_tokens."""
+        room = self._room(seq)
         self._capped = self._capped or room < self.config.num_speculative_tokens
-        return max(0, min(k, room))
+        return max(0, min(self._wanted_k(seq, cost, memo), room))
 
     def propose(self, running: list[Sequence], waiting: int = 0) -> None:
         """Set each running sequence's drafts for the next step (empty where it does not
@@ -202,6 +217,7 @@ class SpecDecoder:
         start = time.perf_counter()
         self.pending = None
         self._capped = False
+        lookahead, self.lookahead = self.lookahead, None
         batch = len(running)
         # at or above disable_by_batch_size: no switch round, and its steps are not measured
         self._limited = not self.config.speculate_at(batch + waiting)
@@ -216,6 +232,20 @@ class SpecDecoder:
             on = self.speculate_at(batch)
         self.off = not on
         self.stats.num_off_steps += bool(running) and not on
+        if lookahead is not None:
+            if on and running == lookahead.seqs and all(map(self._eligible, running)):
+                # drafted during the last round (spec/overlap.py): nothing to launch now
+                for seq in running:
+                    k = lookahead.next_k[seq]
+                    seq.spec_token_ids, seq.spec_draft_probs = [PENDING_DRAFT] * k, None
+                    self._capped = (self._capped
+                                    or self._room(seq) < self.config.num_speculative_tokens)
+                self.pending = lookahead.drafts
+                self.num_overlapped += 1
+                self.stats.draft_time_s += time.perf_counter() - start
+                return
+            lookahead.revert(self.draft)
+            self.num_overlap_dropped += 1
         cost = self._cost(batch)
         memo: dict[float, int] = {}
         drafting, ks = [], []
@@ -279,6 +309,45 @@ class SpecDecoder:
                 if sample is not None:
                     shadow.observe(*sample, n)
         self._index_cursor = end
+
+    def overlap(self, sampling: list[Sequence], logits: torch.Tensor,
+                greedy: torch.Tensor | None, rows_per_seq: list[int],
+                running: list[Sequence], waiting: int = 0) -> None:
+        """Called right after a verify step is launched: launch the next round's drafts now,
+        from the verify step's argmax on the device (spec/overlap.py), where the next round
+        is sure to be a speculative round of the same greedy sequences: a draft model that
+        supports it, this round's drafts on the device, every running sequence drafting in
+        this step, no request waiting, no confidence threshold, the next round speculating
+        at this batch size, and no request near its end. The next round's k (adaptive) is
+        chosen from the acceptance before this round's."""
+        self.lookahead = None
+        drafts = self.pending
+        if (drafts is None or not overlap_enabled() or waiting
+                or not getattr(self.draft, "supports_overlap", False)
+                or self.config.draft_confidence_threshold > 0.0
+                or sampling != running
+                or any(seq not in drafts.columns or not seq.spec_token_ids
+                       or not seq.params.greedy for seq in sampling)
+                or not self.speculate_at(len(running))):
+            return
+        start = time.perf_counter()
+        cost = self._cost(len(running))
+        memo: dict[float, int] = {}
+        ks = [len(seq.spec_token_ids) for seq in sampling]
+        next_ks = [self._wanted_k(seq, cost, memo) for seq in sampling]
+        # Near a request's end (max_tokens, the context) the next round's k depends on how
+        # many tokens this one emits: those rounds draft as usual, after verification.
+        full = self.config.num_speculative_tokens
+        if all(self._room(seq, k + 1) >= full for seq, k in zip(sampling, ks)):
+            offsets = [0]
+            for n in rows_per_seq[:-1]:
+                offsets.append(offsets[-1] + n)
+            if greedy is None:  # an eager verify step: its argmax, on the device
+                greedy = greedy_with_logprobs(logits)
+            ahead = launch_lookahead(self.draft, sampling, ks, next_ks, greedy, offsets, drafts)
+            if ahead is not None:
+                self.lookahead = Lookahead(list(sampling), dict(zip(sampling, next_ks)), ahead)
+        self.stats.draft_time_s += time.perf_counter() - start
 
     def device_drafts(self) -> tuple[torch.Tensor, dict[Sequence, int]] | None:
         """For ModelRunner.execute: the drafts the verify step reads on the device."""
@@ -345,7 +414,11 @@ class SpecDecoder:
         if self.draft is not None:
             # called before the emitted tokens are appended: num_tokens is still the count
             # the drafts were proposed after
-            self.draft.rollback(seq, seq.num_tokens, k, num_accepted)
+            la = self.lookahead
+            ahead = 0 if la is None else la.next_k.get(seq, 0)
+            kept = self.draft.rollback(seq, seq.num_tokens, k, num_accepted, ahead)
+            if ahead and kept is not None:
+                la.kept[seq] = kept
         seq.spec_token_ids, seq.spec_draft_probs = [], None
         self.stats.observe(k, num_accepted)
         self.batch_tracker.observe(k, num_accepted)

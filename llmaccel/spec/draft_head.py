@@ -47,6 +47,8 @@ class HeadView(DraftView):
 
 class HeadProposer(DraftModelProposer):
     view_class = HeadView
+    # the head's catch-up reads the target's features of the verified tokens: not overlapped
+    supports_overlap = False
 
     def __init__(self, head: DraftHeadForCausalLM, target: TransformerForCausalLM,
                  num_blocks: int, block_size: int, max_model_len: int,
@@ -111,7 +113,7 @@ class HeadProposer(DraftModelProposer):
         return out.index_select(0, self._last_rows[:n])
 
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
-                 num_accepted: int) -> None:
+                 num_accepted: int, ahead: int = 0) -> int | None:
         """After verification: the head's KV holds valid entries only where its input was the
         target's feature, i.e. positions before the last real token of the step."""
         view = seq.draft_view
@@ -119,9 +121,8 @@ class HeadProposer(DraftModelProposer):
             return
         view.num_computed_tokens = min(view.num_computed_tokens, real_tokens_before - 1)
         view.drafts = []
-        keep = -(-(view.num_computed_tokens + 1) // self.block_manager.block_size)
-        if len(view.block_table) > keep:
-            self.block_manager.truncate(view, keep)
+        self.trim(view)
+        return view.num_computed_tokens
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

@@ -117,9 +117,14 @@ class DraftModelProposer:
                                                             kv_cache_dtype, device),
                                   block_size, max_model_len, cudagraph_capture_sizes,
                                   chain_steps=max(0, num_speculative_tokens - 1))
-        self._host_ids: torch.Tensor | None = None  # pinned, for DeviceDrafts.host
+        # pinned, for DeviceDrafts.host; two, used in turn: with overlapped drafting the next
+        # round's drafts are copied out before this round's are read (spec/overlap.py)
+        self._host_ids: list[torch.Tensor | None] = [None, None]
+        self._host_flip = 0
 
     view_class = DraftView  # how a sequence looks to the proposer's model
+    # whether the next round's drafts may be launched before verification (spec/overlap.py)
+    supports_overlap = True
 
     def _view(self, seq: Sequence) -> DraftView:
         if seq.draft_view is None:
@@ -238,10 +243,11 @@ class DraftModelProposer:
         the next round's drafts are copied there)."""
         if not ids.is_cuda:
             return DeviceDrafts(ids, columns, ids.clone(), None)
-        buf = self._host_ids
+        flip, self._host_flip = self._host_flip, self._host_flip ^ 1
+        buf = self._host_ids[flip]
         if buf is None or buf.numel() < ids.numel():
-            buf = self._host_ids = torch.empty(max(ids.numel(), 1024), dtype=ids.dtype,
-                                               pin_memory=True)
+            buf = self._host_ids[flip] = torch.empty(max(ids.numel(), 1024), dtype=ids.dtype,
+                                                     pin_memory=True)
         host = buf[:ids.numel()].view(ids.shape)
         host.copy_(ids, non_blocking=True)
         event = torch.cuda.Event()
@@ -269,15 +275,30 @@ class DraftModelProposer:
         return tokens, probs, confidence
 
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
-                 num_accepted: int) -> None:
+                 num_accepted: int, ahead: int = 0) -> int | None:
         """After verification: the draft's KV holds the real tokens and drafts 1..k-1; it stays
-        valid for the accepted ones (they equal what the target emitted)."""
+        valid for the accepted ones (they equal what the target emitted). Returns the draft
+        KV count kept (None without a view). `ahead`: the next round's k', already launched
+        (spec/overlap.py): its catch-up computed the rest of the accepted tokens and the
+        target's token, and its chain k' - 1 drafts, so the view is booked as after a
+        proposal of k' drafts."""
         view = seq.draft_view
         if view is None:
-            return
-        view.num_computed_tokens = min(view.num_computed_tokens,
-                                       real_tokens_before + min(num_accepted, num_drafts - 1))
-        view.drafts = []
+            return None
+        kept = min(view.num_computed_tokens,
+                   real_tokens_before + min(num_accepted, num_drafts - 1))
+        if ahead:
+            # real_tokens_before + num_accepted + 1 tokens after this step, plus k' - 1 drafts
+            view.num_computed_tokens = real_tokens_before + num_accepted + ahead
+            view.drafts = [0] * ahead  # stand for the drafts still on the device
+        else:
+            view.num_computed_tokens = kept
+            view.drafts = []
+        self.trim(view)
+        return kept
+
+    def trim(self, view: DraftView) -> None:
+        """Return the view's blocks past its computed tokens and the next one's slot."""
         keep = -(-(view.num_computed_tokens + 1) // self.block_manager.block_size)
         if len(view.block_table) > keep:
             self.block_manager.truncate(view, keep)

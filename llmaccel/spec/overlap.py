@@ -1,0 +1,125 @@
+"""Overlapped drafting: a draft model's next round launched before the host has seen this
+round's verification (greedy rows; vLLM and SGLang call this overlap or async scheduling).
+
+A speculative round is the draft's catch-up step and k - 1 chained steps, then the target's
+verify step; then the host learns how many drafts were accepted, books them, and launches the
+next round. Plain decoding hides that host time by launching the next step before sampling
+(async scheduling). A speculative round could not: its inputs depend on the acceptance. On an
+H100 (the 0.5B drafting for the 1.5B shape, batch 1) the GPU waited ~0.26 ms before each
+catch-up, and the catch-up took ~0.17 ms longer than a chained step of the same size, the host
+preparing its inputs while the GPU idled: ~8% of a round
+(2026-11-24-chain-gaps-draft-qwen2.5-shapes-h100-s12.log).
+
+Here, right after the verify step is launched, the next round's drafts are launched too, with
+their inputs computed on the device from the verify step's argmax. For a sequence whose last
+real token t0 sits at position p and whose drafts d1..dk follow it:
+
+- a = the number of leading drafts equal to the target's argmax at their rows; the bonus token
+  is the argmax after them, at position p + a + 1;
+- the catch-up runs two rows: the token at p + a (t0 when a = 0, else d_a), which writes its KV
+  only when a = k (the draft never computed d_k; below k that KV exists already), and the
+  bonus token, whose argmax is the next round's first draft;
+- the chain (engine/cuda_graph.py) continues from p + a + 2 for the next round's k' - 1 steps.
+
+The next round's k' is chosen before the acceptance is known: from the acceptance tracked so
+far, and cut by max_tokens and the context as if all k drafts were accepted (the most this
+round can emit). The draft blocks are allocated for that case too.
+
+After verification the host books the draft KV as the overlapped round left it
+(DraftModelProposer.rollback with `ahead`). The next round uses the drafts when the running
+set is the same and still speculates; otherwise they are dropped (`Lookahead.revert`): the KV
+written past the accepted tokens is stale and is overwritten later, as after any rejection.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from llmaccel.engine.sequence import Sequence
+
+
+def overlap_enabled() -> bool:
+    """LLMACCEL_DRAFT_OVERLAP=0 turns overlapped drafting off (to measure both:
+    benchmarks/spec_bench.py --draft-overlap on,off); read every round."""
+    return os.environ.get("LLMACCEL_DRAFT_OVERLAP", "1") == "1"
+
+
+@dataclass(eq=False)
+class Lookahead:
+    """The next round's drafts, launched during this round: its sequences (this round's
+    drafting sequences, in order), each one's k', the drafts on the device, and, once booked
+    after verification, the draft KV count a round without overlap would have kept (to
+    revert to)."""
+
+    seqs: list[Sequence]
+    next_k: dict[Sequence, int]
+    drafts: object  # spec/draft_model.DeviceDrafts
+    kept: dict[Sequence, int] = field(default_factory=dict)
+
+    def revert(self, proposer) -> None:
+        """Drop the overlapped drafts: each booked sequence's draft KV back to what a round
+        without overlap keeps, its blocks past that returned."""
+        for seq, kept in self.kept.items():
+            view = seq.draft_view
+            if view is None:  # released meanwhile (finished, aborted, preempted)
+                continue
+            view.num_computed_tokens = kept
+            view.drafts = []
+            proposer.trim(view)
+
+
+@torch.inference_mode()
+def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: list[int],
+                     greedy: torch.Tensor, offsets: list[int], drafts) -> object | None:
+    """Launch the next round's drafts for `seqs` (drafting ks[i] tokens this round, their
+    verify rows starting at offsets[i] of the target's greedy [2, rows]; this round's drafts
+    on the device in `drafts`, a DeviceDrafts) -> the next round's DeviceDrafts, next_ks[i]
+    per sequence; None where it cannot run (no graphs, no draft blocks), with nothing
+    launched."""
+    runner = proposer.runner
+    n, kmax, kn = len(seqs), max(ks), max(next_ks)
+    if not runner.can_run_on_device(2 * n) or (kn > 1 and not runner.can_chain(n, kn - 1)):
+        return None
+    views = [seq.draft_view for seq in seqs]
+    if any(v is None for v in views):
+        return None
+    # the catch-up's two rows and the chain's k' - 1 positions, if all k drafts are accepted
+    if not all(proposer.block_manager.allocate_slots(v, k2 + 1)
+               for v, k2 in zip(views, next_ks)):
+        return None  # blocks allocated so far are returned when the round is booked
+    device = greedy.device
+    width = drafts.ids.shape[1]
+    # one host-to-device transfer: per sequence its argmax rows (o + min(j, k), j <= kmax),
+    # its draft indexes in drafts.ids (min(j, k - 1) * width + column, j < kmax), whether
+    # draft j exists, then p (t0's position), t0 and k
+    host = []
+    for seq, k, o in zip(seqs, ks, offsets):
+        col = drafts.columns[seq]
+        p = seq.num_tokens - 1
+        host.append([o + min(j, k) for j in range(kmax + 1)]
+                    + [min(j, k - 1) * width + col for j in range(kmax)]
+                    + [int(j < k) for j in range(kmax)] + [p, seq.token_at(p), k])
+    meta = torch.tensor(host, dtype=torch.long).to(device, non_blocking=True)
+    trow, drow = meta[:, :kmax + 1], meta[:, kmax + 1:2 * kmax + 1]
+    valid = meta[:, 2 * kmax + 1:3 * kmax + 1].bool()
+    p, t0, k = meta[:, -3], meta[:, -2], meta[:, -1]
+    target = greedy[0].index_select(0, trow.flatten()).view(n, kmax + 1).long()
+    mine = drafts.ids.reshape(-1).index_select(0, drow.flatten()).view(n, kmax).long()
+    a = ((mine == target[:, :kmax]) & valid).long().cumprod(1).sum(1)
+    bonus = target.gather(1, a[:, None])[:, 0]
+    x1 = torch.cat([t0[:, None], mine], 1).gather(1, a[:, None])[:, 0]
+    ids = torch.stack([x1, bonus], 1).flatten()
+    positions = torch.stack([p + a, p + a + 1], 1).flatten()
+    write = torch.stack([a == k, torch.ones_like(a, dtype=torch.bool)], 1).flatten()
+    rows = torch.arange(1, 2 * n, 2, device=device)
+    first = runner.execute_on_device([v for v in views for _ in range(2)], ids, positions,
+                                     write, rows)[0]
+    out = first.new_empty(kn, n)
+    out[0] = first
+    if kn > 1:
+        out[1:] = runner.execute_chain(views, [k2 - 1 for k2 in next_ks], first, kn - 1,
+                                       starts=p + a + 2)
+    return proposer._to_host(out, {seq: r for r, seq in enumerate(seqs)})
