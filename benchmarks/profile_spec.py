@@ -39,6 +39,7 @@ def _phase_wrappers():
     from llmaccel.spec.draft_model import DraftModelProposer
 
     return [(SpecDecoder, "propose", "propose"),
+            (SpecDecoder, "overlap", "overlap (next round's drafts)"),
             (DraftModelProposer, "propose", "propose/draft"),
             (Scheduler, "schedule", "schedule"),
             (LLMEngine, "_launch", "launch"),
@@ -88,9 +89,19 @@ def gaps(llm, prompts, params) -> None:
         marks.append((f"draft chain x{steps}", start, end))
         return out
 
+    def execute_on_device(self, *a, __fn=ModelRunner.execute_on_device, **kw):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = __fn(self, *a, **kw)
+        end.record()
+        marks.append(("draft catch-up (overlapped)", start, end))
+        return out
+
     originals.append((ModelRunner, "execute_chain", ModelRunner.execute_chain))
+    originals.append((ModelRunner, "execute_on_device", ModelRunner.execute_on_device))
     ModelRunner.execute = execute
     ModelRunner.execute_chain = execute_chain
+    ModelRunner.execute_on_device = execute_on_device
     for cls, name, label in _phase_wrappers():
         fn = getattr(cls, name)
         originals.append((cls, name, fn))
@@ -102,6 +113,7 @@ def gaps(llm, prompts, params) -> None:
             finally:
                 totals[__label] += time.perf_counter() - t0
         setattr(cls, name, functools.wraps(fn)(wrapped))
+    overlapped = 0 if engine.spec is None else engine.spec.num_overlapped
     try:
         before = llm.get_stats().spec_decode
         start = time.perf_counter()
@@ -125,7 +137,9 @@ def gaps(llm, prompts, params) -> None:
     off = after["num_off_steps"] - before["num_off_steps"]
     print(f"\ngaps: wall {wall * 1e3:.1f} ms; GPU from first to last pass {span:.1f} ms: "
           f"busy {total_busy:.1f} ms, idle between passes {total_idle:.1f} ms; "
-          f"{steps} request-steps with drafts, {off} off")
+          f"{steps} request-steps with drafts, {off} off, "
+          f"{0 if engine.spec is None else engine.spec.num_overlapped - overlapped} engine "
+          "rounds overlapped")
     print(f"{'pass':20s} {'count':>6s} {'GPU ms (mean)':>14s} {'idle before (mean)':>19s} "
           f"{'idle total ms':>14s}")
     for label in sorted(busy, key=lambda k: -sum(idle[k])):
@@ -147,6 +161,8 @@ def main() -> None:
                          "a round costs, whatever the acceptance)")
     ap.add_argument("--chain", default="on",
                     help="comma-separated on,off: chained draft steps (LLMACCEL_DRAFT_CHAIN)")
+    ap.add_argument("--overlap", default="on",
+                    help="comma-separated on,off: overlapped drafting (LLMACCEL_DRAFT_OVERLAP)")
     ap.add_argument("--batches", default="4", help="comma-separated batch sizes")
     ap.add_argument("--kinds", default="prose", help="comma-separated: code, prose")
     ap.add_argument("--k", type=int, default=4)
@@ -166,10 +182,13 @@ def main() -> None:
         os.environ["LLMACCEL_DRAFT_CHAIN"] = "1" if chain == "on" else "0"
         llm = LLM(args.target, dtype="bfloat16", max_model_len=2048,
                   enable_prefix_caching=False, speculative_config=spec)
-        for kind in args.kinds.split(","):
-            for batch in map(int, args.batches.split(",")):
-                print(f"\n=== {spec['method']}, chain {chain}, {kind} prompts, batch {batch}")
-                profile_one(llm, _prompts(llm, kind, batch), params, args)
+        for overlap in args.overlap.split(","):
+            os.environ["LLMACCEL_DRAFT_OVERLAP"] = "1" if overlap == "on" else "0"
+            for kind in args.kinds.split(","):
+                for batch in map(int, args.batches.split(",")):
+                    print(f"\n=== {spec['method']}, chain {chain}, overlap {overlap}, {kind} "
+                          f"prompts, batch {batch}")
+                    profile_one(llm, _prompts(llm, kind, batch), params, args)
         del llm
         gc.collect()
         torch.cuda.empty_cache()

@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="draft/head: comma-separated on,off -- the k - 1 draft steps after the "
                          "catch-up as one chained CUDA graph (on, the default) or one launch "
                          "each (off: LLMACCEL_DRAFT_CHAIN=0), one engine each")
+    ap.add_argument("--draft-overlap", default="on",
+                    help="draft: comma-separated on,off -- the next round's drafts launched "
+                         "with this round's verify step (on, the default; spec/overlap.py) or "
+                         "after verification (off: LLMACCEL_DRAFT_OVERLAP=0), one engine each")
     ap.add_argument("--switch", default="auto",
                     help="comma-separated: auto (the engine's off switch decides per step), on "
                          "(speculate at every step: what the switch chooses against)")
@@ -222,14 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     vocab_sizes = [None if v == "auto" else int(v)
                    for v in (args.draft_vocab_sizes or "auto").split(",")]
     chains = args.draft_chain.split(",")
-    runs = [(m, s, v, c) for m in args.methods.split(",") for s in args.switch.split(",")
+    overlaps = args.draft_overlap.split(",")
+    runs = [(m, s, v, c, o) for m in args.methods.split(",") for s in args.switch.split(",")
             for v in (vocab_sizes if m == "head" else [None])
-            for c in (chains if m != "ngram" else ["on"])]
+            for c in (chains if m != "ngram" else ["on"])
+            for o in (overlaps if m == "draft" else ["on"])]
     limits = _limits(args.disable_by_batch_size, args.methods.split(","))
-    for method, switch, vocab, chain in runs:
+    for method, switch, vocab, chain, overlap in runs:
         spec = {"method": method, "num_speculative_tokens": args.k}
         # read when the draft's runner is made (engine/model_runner.py)
         os.environ["LLMACCEL_DRAFT_CHAIN"] = "1" if chain == "on" else "0"
+        # read every round (spec/overlap.py)
+        os.environ["LLMACCEL_DRAFT_OVERLAP"] = "1" if overlap == "on" else "0"
         if method == "draft":
             spec["model"] = args.draft
         elif method == "head":
@@ -244,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             for b in batches:
                 prompts = _requests(tok, kind, b)
                 before = llm.get_stats().spec_decode
+                overlapped = llm.engine.spec.num_overlapped
                 sw = llm.engine.spec.switch
                 switches = 0 if sw is None else sw.num_switches
                 # the plain engine stays loaded: its runs alternate with the speculative
@@ -273,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "draft": spec.get("model"),
                                   "draft_vocab_size": _vocab_size(llm),
                                   "draft_chain": None if method == "ngram" else chain,
+                                  "draft_overlap": overlap if method == "draft" else None,
                                   "identical_to_plain": tokens == base_tokens,
                                   "plain_out_tok_s": round(n_out / base_wall, 2),
                                   "spec_out_tok_s": round(n_out / wall, 2)},
@@ -287,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                 rec["config"]["mean_k"] = round(mean_k, 3)
                 rec["config"]["off_steps"] = off  # engine steps that ran without speculation
                 rec["config"]["spec_steps"] = steps
+                # engine rounds whose drafts were launched during the previous round, all runs
+                # of the cell (warm-up included)
+                rec["config"]["overlapped_rounds"] = llm.engine.spec.num_overlapped - overlapped
                 # the timed runs' engine steps by class, summed over the repeats: where a
                 # speculative run's time went against the plain engine's (step_trace.py)
                 rec["config"]["steps_plain"] = steps_plain
@@ -320,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                 label = method if dv is None else f"{method} (vocab {dv})"
                 if method != "ngram" and len(chains) > 1:
                     label += f" (chain {chain})"
+                if method == "draft" and len(overlaps) > 1:
+                    label += f" (overlap {overlap})"
                 rows.append(f"| {label} | {switch} | {kind} | {b} | "
                             f"{rec['config']['plain_out_tok_s']} | "
                             f"{rec['config']['spec_out_tok_s']} | {rec['value']} | {acc:.2f} | "
