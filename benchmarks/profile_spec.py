@@ -81,10 +81,11 @@ def gaps(llm, prompts, params) -> None:
         marks.append((f"{kind} {shape}", start, end))
         return out
 
-    def execute_chain(self, seqs, counts, first_ids, steps, __fn=ModelRunner.execute_chain):
+    def execute_chain(self, seqs, counts, first_ids, steps, *a,
+                      __fn=ModelRunner.execute_chain, **kw):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = __fn(self, seqs, counts, first_ids, steps)
+        out = __fn(self, seqs, counts, first_ids, steps, *a, **kw)
         end.record()
         marks.append((f"draft chain x{steps}", start, end))
         return out

@@ -45,6 +45,9 @@ class _Launched:
     greedy: torch.Tensor | None       # [2, rows] argmax ids and logprobs, on the device
     plain: bool = False               # every row greedy, no logprobs, nothing banned (async)
     greedy_host: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # copied early
+    # a verify step's greedy [2, rows], copied out before the next round's drafts were
+    # launched behind it (spec/overlap.py): reading the device tensor would wait for them
+    verify_host: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
     # logits rows of each sampling sequence (1 + its drafts), fixed at launch: a sequence
     # that finishes before the step completes (a stop string) loses its drafts meanwhile
     rows_per_seq: list[int] = field(default_factory=list)
@@ -226,9 +229,9 @@ class LLMEngine:
             launched = self._launch(sched)
             if self.spec is not None and self.spec.pending is not None:
                 # the next round's drafts, from this verify step on the device (spec/overlap.py)
-                self.spec.overlap(launched.sampling, launched.logits, launched.greedy,
-                                  launched.rows_per_seq, self.scheduler.running,
-                                  len(self.scheduler.waiting))
+                launched.verify_host = self.spec.overlap(
+                    launched.sampling, launched.logits, launched.greedy, launched.rows_per_seq,
+                    self.scheduler.running, len(self.scheduler.waiting), self._copy_to_host)
         outputs = self._process_outputs()  # overlaps the GPU
         if self.spec is not None:
             # so does n-gram indexing
@@ -372,7 +375,8 @@ class LLMEngine:
         emitted = len(seqs)
         if spec_seqs:
             emitted += self.spec.complete(spec_seqs, launched.logits, spec_offsets, now,
-                                          self.scheduler, self.block_manager, launched.greedy)
+                                          self.scheduler, self.block_manager, launched.greedy,
+                                          launched.verify_host)
         self.stats.record_step(sched.num_tokens, emitted, len(sched.preempted))
         self._deferred = seqs + spec_seqs
         return emitted

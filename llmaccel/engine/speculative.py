@@ -312,14 +312,19 @@ class SpecDecoder:
 
     def overlap(self, sampling: list[Sequence], logits: torch.Tensor,
                 greedy: torch.Tensor | None, rows_per_seq: list[int],
-                running: list[Sequence], waiting: int = 0) -> None:
+                running: list[Sequence], waiting: int = 0, copy_to_host=None):
         """Called right after a verify step is launched: launch the next round's drafts now,
         from the verify step's argmax on the device (spec/overlap.py), where the next round
         is sure to be a speculative round of the same greedy sequences: a draft model that
         supports it, this round's drafts on the device, every running sequence drafting in
         this step, no request waiting, no confidence threshold, the next round speculating
         at this batch size, and no request near its end. The next round's k (adaptive) is
-        chosen from the acceptance before this round's."""
+        chosen from the acceptance before this round's.
+
+        Returns the verify step's greedy [2, rows] copied to the host (`copy_to_host`: (host
+        tensor, event)), queued before the drafts: `complete` reads it from there, since a
+        read of the device tensor would wait for the drafts queued behind the step; None
+        where nothing was launched."""
         self.lookahead = None
         drafts = self.pending
         if (drafts is None or not overlap_enabled() or waiting
@@ -329,7 +334,7 @@ class SpecDecoder:
                 or any(seq not in drafts.columns or not seq.spec_token_ids
                        or not seq.params.greedy for seq in sampling)
                 or not self.speculate_at(len(running))):
-            return
+            return None
         start = time.perf_counter()
         cost = self._cost(len(running))
         memo: dict[float, int] = {}
@@ -344,10 +349,14 @@ class SpecDecoder:
                 offsets.append(offsets[-1] + n)
             if greedy is None:  # an eager verify step: its argmax, on the device
                 greedy = greedy_with_logprobs(logits)
+            host = None if copy_to_host is None else copy_to_host(greedy)
             ahead = launch_lookahead(self.draft, sampling, ks, next_ks, greedy, offsets, drafts)
             if ahead is not None:
                 self.lookahead = Lookahead(list(sampling), dict(zip(sampling, next_ks)), ahead)
+            self.stats.draft_time_s += time.perf_counter() - start
+            return host
         self.stats.draft_time_s += time.perf_counter() - start
+        return None
 
     def device_drafts(self) -> tuple[torch.Tensor, dict[Sequence, int]] | None:
         """For ModelRunner.execute: the drafts the verify step reads on the device."""
@@ -355,19 +364,26 @@ class SpecDecoder:
 
     # -- after the step ------------------------------------------------------------------------
     def verify(self, seqs: list[Sequence], logits: torch.Tensor, offsets: list[int],
-               greedy: torch.Tensor | None = None
+               greedy: torch.Tensor | None = None, greedy_host=None
                ) -> tuple[list[list[int]], list[int], list[list[float]]]:
         """Verify each sequence's drafts against its k + 1 logits rows starting at offsets[i];
         returns per sequence the emitted tokens, how many drafts were accepted, and the
         emitted tokens' logprobs under the model's distribution. `greedy` [2, rows]: the
-        argmax and its logprob per row where the step computed them (a CUDA graph does)."""
+        argmax and its logprob per row where the step computed them (a CUDA graph does);
+        `greedy_host`: (the same on the host, the event of its copy), where copied early."""
         start = time.perf_counter()
         if all(s.params.greedy for s in seqs):
             # Every emitted token is the target's argmax at its row: the argmax and its
             # logprob per row are all the verification needs (one small transfer).
-            if greedy is None:
-                greedy = greedy_with_logprobs(logits)
-            argmax, lps = greedy.tolist()
+            if greedy_host is not None:
+                host, event = greedy_host
+                if event is not None:
+                    event.synchronize()
+                argmax, lps = host.tolist()
+            else:
+                if greedy is None:
+                    greedy = greedy_with_logprobs(logits)
+                argmax, lps = greedy.tolist()
             tokens, accepted = greedy_verify_rows([s.spec_token_ids for s in seqs], argmax,
                                                   offsets)
             logprobs = [lps[o:o + len(t)] for o, t in zip(offsets, tokens)]
@@ -428,14 +444,15 @@ class SpecDecoder:
 
     def complete(self, seqs: list[Sequence], logits: torch.Tensor, offsets: list[int],
                  now: float, scheduler, block_manager: BlockManager,
-                 greedy: torch.Tensor | None = None) -> int:
+                 greedy: torch.Tensor | None = None, greedy_host=None) -> int:
         """Verify the drafts and emit each sequence's accepted tokens plus one, checking stops
         token by token (a stop inside an accepted run ends the output there); returns how many
         tokens were emitted."""
         if self.pending is not None:  # the drafts' copy was queued before the verify step
             self.pending.resolve()
             self.pending = None
-        all_tokens, all_accepted, logprobs = self.verify(seqs, logits, offsets, greedy)
+        all_tokens, all_accepted, logprobs = self.verify(seqs, logits, offsets, greedy,
+                                                         greedy_host)
         emitted = 0
         for seq, tokens, lps, accepted in zip(seqs, all_tokens, logprobs, all_accepted):
             self.accept(seq, accepted)

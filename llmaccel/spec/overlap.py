@@ -102,7 +102,10 @@ def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: lis
         host.append([o + min(j, k) for j in range(kmax + 1)]
                     + [min(j, k - 1) * width + col for j in range(kmax)]
                     + [int(j < k) for j in range(kmax)] + [p, seq.token_at(p), k])
-    meta = torch.tensor(host, dtype=torch.long).to(device, non_blocking=True)
+    meta = torch.tensor(host, dtype=torch.long)
+    if device.type == "cuda":  # pinned: the copy is queued, the host does not wait for it
+        meta = meta.pin_memory()
+    meta = meta.to(device, non_blocking=True)
     trow, drow = meta[:, :kmax + 1], meta[:, kmax + 1:2 * kmax + 1]
     valid = meta[:, 2 * kmax + 1:3 * kmax + 1].bool()
     p, t0, k = meta[:, -3], meta[:, -2], meta[:, -1]
