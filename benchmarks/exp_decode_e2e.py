@@ -1,0 +1,47 @@
+"""Experiment: plain greedy decoding at batch 1, end to end, ms per output token, for named
+shapes (random weights) -- run with different llmaccel trees on PYTHONPATH to compare commits
+(a draft model's decode step got slower between two W5 runs: issue 6's c).
+
+    PYTHONPATH=old_tree python benchmarks/exp_decode_e2e.py --models qwen2.5-0.5b,qwen2.5-1.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+import llmaccel
+from llmaccel import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
+    ap.add_argument("--tokens", type=int, default=192)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    ids = torch.randint(1000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    for name in args.models.split(","):
+        llm = LLM(name, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=False)
+        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        walls = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t)
+        ms = sorted(walls)[len(walls) // 2] * 1e3 / args.tokens
+        print(f"RESULT {args.label} {name} {ms:.4f} ms/token ({llmaccel.__file__})", flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
