@@ -6,6 +6,10 @@ is drawn hollow.
     python benchmarks/plot_w5.py benchmarks/results/2026-11-24-W5-s9c-ngram-h100.jsonl \\
         benchmarks/results/2026-11-24-W5-s9c-draft-h100.jsonl \\
         --out benchmarks/results/2026-11-24-W5-s9c-h100.png
+    python benchmarks/plot_w5.py benchmarks/results/2026-11-26-W5-overlap-h100.jsonl --bound \\
+        --out benchmarks/results/2026-11-26-W5-overlap-h100.png
+
+`--bound`: the draft model's measured speedup beside issue 6's bound, per cell.
 """
 
 from __future__ import annotations
@@ -63,16 +67,60 @@ def plot(records: list[dict], out: Path, title: str | None = None) -> Path:
     return out
 
 
+def plot_bound(records: list[dict], out: Path, title: str | None = None) -> Path:
+    """Issue 6's bound: for each draft-model record with a bound (spec_bench's
+    `speedup_bound`), the measured speedup beside E[tokens per step] / (1 + k c), labelled by
+    prompt kind, batch and the configuration that differs (overlap, chain), with the share."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r.get("speedup_bound")]
+    if not rows:
+        raise ValueError("no records with a speedup bound (draft model, draft timed alone)")
+    labels = []
+    for r in rows:
+        c = r["config"]
+        extra = [f"{key.removeprefix('draft_')} {c[key]}" for key in ("draft_overlap",
+                                                                       "draft_chain")
+                 if len({x["config"].get(key) for x in rows}) > 1]
+        labels.append("\n".join([f"{c['kind']}, batch {c['batch']}", *extra]))
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(rows)), 4.5))
+    ax.bar([x - 0.2 for x in xs], [r["value"] for r in rows], 0.4, label="measured speedup")
+    ax.bar([x + 0.2 for x in xs], [r["speedup_bound"] for r in rows], 0.4,
+           label="bound E[tokens/step] / (1 + k c)", alpha=0.6)
+    for x, r in zip(xs, rows):
+        ax.text(x, max(r["value"], r["speedup_bound"]) + 0.02,
+                f"{r['value'] / r['speedup_bound']:.1%}", ha="center", fontsize=8)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("speedup over plain decoding")
+    device = rows[0].get("device", "")
+    ax.set_title(title or f"W5: draft model against its bound (share above bars)\n{device}",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="spec_bench JSON-lines files")
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--bound", action="store_true",
+                    help="bars of the draft model's speedup against its bound instead")
     args = ap.parse_args(argv)
     records = load(args.files)
     if not records:
         raise SystemExit("no W5 speedup records in " + ", ".join(args.files))
-    print(plot(records, Path(args.out), args.title))
+    draw = plot_bound if args.bound else plot
+    print(draw(records, Path(args.out), args.title))
     return 0
 
 

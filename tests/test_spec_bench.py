@@ -138,3 +138,13 @@ def test_plot_w5_writes_a_png(tmp_path):
     other.write_text(json.dumps(recs[-1]) + "\n")
     with pytest.raises(SystemExit, match="no W5"):
         plot_w5.main([str(other), "--out", str(tmp_path / "x.png")])
+    # --bound: draft records with a bound as bars; records without one are an error
+    with pytest.raises(ValueError, match="no records with a speedup bound"):
+        plot_w5.main([str(src), "--bound", "--out", str(tmp_path / "b.png")])
+    drafts = [{"workload": "W5", "metric": "speedup", "value": v, "speedup_bound": 1.4,
+               "device": "cpu", "config": {"method": "draft", "kind": "code", "batch": 1,
+                                           "draft_overlap": o, "draft_chain": "on"}}
+              for v, o in ((1.2, "off"), (1.3, "on"))]
+    src.write_text("".join(json.dumps(r) + "\n" for r in drafts))
+    assert plot_w5.main([str(src), "--bound", "--out", str(tmp_path / "b.png")]) == 0
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -205,3 +205,33 @@ def test_overlap_under_cuda_graphs(pair, monkeypatch):
     # graphs of other row counts may round differently: near-ties can flip a draft's argmax
     same = sum(a == b for a, b in zip(rounds, plain_rounds))
     assert same >= 0.9 * max(len(rounds), len(plain_rounds)), same
+
+
+def test_aborts_while_drafts_are_launched_return_every_block(pair, monkeypatch):
+    """Requests aborted while the next round's drafts are in flight (between steps, as a
+    server does): the others finish with plain decoding's tokens, and both pools get every
+    block back."""
+    target, draft, prompts, _, _ = pair
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True)
+    want = _generate(plain, prompts[:3], params)
+    llm = _engine(target, draft, True, monkeypatch)
+    engine = llm.engine
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(str(i), p, params)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 6:
+            assert engine.spec.lookahead is not None  # drafts in flight
+            engine.abort_request("1")
+        if steps == 9:
+            engine.abort_request("2")
+    assert done["0"] == want[0]
+    assert "1" not in done and "2" not in done
+    assert engine.spec.num_overlapped > 0 and engine.spec.num_overlap_dropped > 0
+    _all_back(llm)

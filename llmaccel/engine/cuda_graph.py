@@ -117,6 +117,7 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
         self._row_index = torch.arange(n, device=device)
         # chained decode: graphs and their draft ids [steps, rows] per (rows, steps)
         self.chain_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -170,8 +171,12 @@ class CUDAGraphRunner:
 
     def _capture_one(self, fn):
         """One warm-up run of `fn` (Triton compiles, cuBLAS picks its kernels), then its
-        graph in the shared pool -> (graph, fn's outputs as captured)."""
-        stream = torch.cuda.Stream(self.device)
+        graph in the shared pool -> (graph, fn's outputs as captured). Every graph is captured
+        on the same side stream (LLMACCEL_CAPTURE_STREAM=each: a new one per graph, to
+        measure both)."""
+        if self._capture_stream is None or os.environ.get("LLMACCEL_CAPTURE_STREAM") == "each":
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             fn()
