@@ -67,6 +67,17 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int, warmup: int = 1) -> float
     return start.elapsed_time(end) / iters
 
 
+_PROCESS_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _process_capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One capture stream per device for every runner (LLMACCEL_CAPTURE_STREAM=process)."""
+    stream = _PROCESS_CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _PROCESS_CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 # Rows of the static int64 inputs: ids, positions, slots, sampled rows, patch sources, patch
 # targets, and for chained decode each row's first position and step count.
 INPUT_ROWS = 8
@@ -171,10 +182,17 @@ class CUDAGraphRunner:
 
     def _capture_one(self, fn):
         """One warm-up run of `fn` (Triton compiles, cuBLAS picks its kernels), then its
-        graph in the shared pool -> (graph, fn's outputs as captured). Every graph is captured
-        on the same side stream (LLMACCEL_CAPTURE_STREAM=each: a new one per graph, to
-        measure both)."""
-        if self._capture_stream is None or os.environ.get("LLMACCEL_CAPTURE_STREAM") == "each":
+        graph in the shared pool -> (graph, fn's outputs as captured). Every graph of this
+        runner is captured on the same side stream: a new stream per graph made a 0.5B
+        model's batch-1 decode graph 10% slower on an H100
+        (benchmarks/results/2026-11-26-draft-decode-capture-stream-h100.md). To measure the
+        alternatives, LLMACCEL_CAPTURE_STREAM=each takes a new stream per graph, and
+        `process` one stream per device for every runner of the process (the speculative
+        engine's draft runner stayed slow with its own stream; cause not established)."""
+        mode = os.environ.get("LLMACCEL_CAPTURE_STREAM", "same")
+        if mode == "process":
+            self._capture_stream = _process_capture_stream(self.device)
+        elif self._capture_stream is None or mode == "each":
             self._capture_stream = torch.cuda.Stream(self.device)
         stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -30,10 +30,10 @@ from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.adaptive import AcceptanceTracker, best_k
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError
 from llmaccel.spec.costs import StepCosts, constant_cost_fn
-from llmaccel.spec.draft_model import PENDING_DRAFT, DeviceDrafts
+from llmaccel.spec.draft_model import DeviceDrafts
 from llmaccel.spec.metrics import SpecDecodeStats
 from llmaccel.spec.ngram import NgramIndex
-from llmaccel.spec.overlap import Lookahead, launch_lookahead, overlap_enabled
+from llmaccel.spec.overlap import Lookahead, launch_next_round, use_lookahead
 from llmaccel.spec.switch import ShadowAcceptance, SpecSwitch, StepKind
 from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
 
@@ -232,20 +232,9 @@ class SpecDecoder:
             on = self.speculate_at(batch)
         self.off = not on
         self.stats.num_off_steps += bool(running) and not on
-        if lookahead is not None:
-            if on and running == lookahead.seqs and all(map(self._eligible, running)):
-                # drafted during the last round (spec/overlap.py): nothing to launch now
-                for seq in running:
-                    k = lookahead.next_k[seq]
-                    seq.spec_token_ids, seq.spec_draft_probs = [PENDING_DRAFT] * k, None
-                    self._capped = (self._capped
-                                    or self._room(seq) < self.config.num_speculative_tokens)
-                self.pending = lookahead.drafts
-                self.num_overlapped += 1
-                self.stats.draft_time_s += time.perf_counter() - start
-                return
-            lookahead.revert(self.draft)
-            self.num_overlap_dropped += 1
+        if lookahead is not None and use_lookahead(self, lookahead, running, on):
+            self.stats.draft_time_s += time.perf_counter() - start
+            return  # drafted during the last round (spec/overlap.py)
         cost = self._cost(batch)
         memo: dict[float, int] = {}
         drafting, ks = [], []
@@ -313,50 +302,16 @@ class SpecDecoder:
     def overlap(self, sampling: list[Sequence], logits: torch.Tensor,
                 greedy: torch.Tensor | None, rows_per_seq: list[int],
                 running: list[Sequence], waiting: int = 0, copy_to_host=None):
-        """Called right after a verify step is launched: launch the next round's drafts now,
-        from the verify step's argmax on the device (spec/overlap.py), where the next round
-        is sure to be a speculative round of the same greedy sequences: a draft model that
-        supports it, this round's drafts on the device, every running sequence drafting in
-        this step, no request waiting, no confidence threshold, the next round speculating
-        at this batch size, and no request near its end. The next round's k (adaptive) is
-        chosen from the acceptance before this round's.
-
-        Returns the verify step's greedy [2, rows] copied to the host (`copy_to_host`: (host
-        tensor, event)), queued before the drafts: `complete` reads it from there, since a
-        read of the device tensor would wait for the drafts queued behind the step; None
-        where nothing was launched."""
+        """Called right after a verify step is launched: launch the next round's drafts now
+        (spec/overlap.py `launch_next_round`, which says where it does); returns the verify
+        step's greedy rows copied to the host where it did (`complete` reads them there),
+        else None."""
         self.lookahead = None
-        drafts = self.pending
-        if (drafts is None or not overlap_enabled() or waiting
-                or not getattr(self.draft, "supports_overlap", False)
-                or self.config.draft_confidence_threshold > 0.0
-                or sampling != running
-                or any(seq not in drafts.columns or not seq.spec_token_ids
-                       or not seq.params.greedy for seq in sampling)
-                or not self.speculate_at(len(running))):
-            return None
         start = time.perf_counter()
-        cost = self._cost(len(running))
-        memo: dict[float, int] = {}
-        ks = [len(seq.spec_token_ids) for seq in sampling]
-        next_ks = [self._wanted_k(seq, cost, memo) for seq in sampling]
-        # Near a request's end (max_tokens, the context) the next round's k depends on how
-        # many tokens this one emits: those rounds draft as usual, after verification.
-        full = self.config.num_speculative_tokens
-        if all(self._room(seq, k + 1) >= full for seq, k in zip(sampling, ks)):
-            offsets = [0]
-            for n in rows_per_seq[:-1]:
-                offsets.append(offsets[-1] + n)
-            if greedy is None:  # an eager verify step: its argmax, on the device
-                greedy = greedy_with_logprobs(logits)
-            host = None if copy_to_host is None else copy_to_host(greedy)
-            ahead = launch_lookahead(self.draft, sampling, ks, next_ks, greedy, offsets, drafts)
-            if ahead is not None:
-                self.lookahead = Lookahead(list(sampling), dict(zip(sampling, next_ks)), ahead)
-            self.stats.draft_time_s += time.perf_counter() - start
-            return host
+        self.lookahead, host = launch_next_round(self, sampling, logits, greedy, rows_per_seq,
+                                                 running, waiting, copy_to_host)
         self.stats.draft_time_s += time.perf_counter() - start
-        return None
+        return host
 
     def device_drafts(self) -> tuple[torch.Tensor, dict[Sequence, int]] | None:
         """For ModelRunner.execute: the drafts the verify step reads on the device."""

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmaccel.engine.sampler import greedy_with_logprobs
 from llmaccel.engine.sequence import Sequence
+from llmaccel.spec.draft_model import PENDING_DRAFT
 
 
 def overlap_enabled() -> bool:
@@ -126,3 +128,66 @@ def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: lis
         out[1:] = runner.execute_chain(views, [k2 - 1 for k2 in next_ks], first, kn - 1,
                                        starts=p + a + 2)
     return proposer._to_host(out, {seq: r for r, seq in enumerate(seqs)})
+
+
+def launch_next_round(spec, sampling: list[Sequence], logits: torch.Tensor,
+                      greedy: torch.Tensor | None, rows_per_seq: list[int],
+                      running: list[Sequence], waiting: int, copy_to_host
+                      ) -> tuple[Lookahead | None, object | None]:
+    """For SpecDecoder.overlap (`spec`), right after a verify step of `sampling` was launched:
+    launch the next round's drafts where that round is sure to be a speculative round of the
+    same greedy sequences -- a draft model that supports it, this round's drafts on the
+    device, every running sequence drafting in this step, no request waiting, no confidence
+    threshold, the next round speculating at this batch size, no request near its end. The
+    next round's k (adaptive) is chosen from the acceptance before this round's.
+
+    Returns the Lookahead (or None) and the verify step's greedy [2, rows] copied to the
+    host (`copy_to_host` -> (host tensor, event)), queued before the drafts: a read of the
+    device tensor would wait for the drafts queued behind the step."""
+    drafts = spec.pending
+    if (drafts is None or not overlap_enabled() or waiting
+            or not getattr(spec.draft, "supports_overlap", False)
+            or spec.config.draft_confidence_threshold > 0.0
+            or sampling != running
+            or any(seq not in drafts.columns or not seq.spec_token_ids
+                   or not seq.params.greedy for seq in sampling)
+            or not spec.speculate_at(len(running))):
+        return None, None
+    ks = [len(seq.spec_token_ids) for seq in sampling]
+    # Near a request's end (max_tokens, the context) the next round's k depends on how many
+    # tokens this one emits: those rounds draft as usual, after verification.
+    full = spec.config.num_speculative_tokens
+    if not all(spec._room(seq, k + 1) >= full for seq, k in zip(sampling, ks)):
+        return None, None
+    cost = spec._cost(len(running))
+    memo: dict[float, int] = {}
+    next_ks = [spec._wanted_k(seq, cost, memo) for seq in sampling]
+    offsets = [0]
+    for n in rows_per_seq[:-1]:
+        offsets.append(offsets[-1] + n)
+    if greedy is None:  # an eager verify step: its argmax, on the device
+        greedy = greedy_with_logprobs(logits)
+    host = None if copy_to_host is None else copy_to_host(greedy)
+    ahead = launch_lookahead(spec.draft, sampling, ks, next_ks, greedy, offsets, drafts)
+    if ahead is None:
+        return None, host
+    return Lookahead(list(sampling), dict(zip(sampling, next_ks)), ahead), host
+
+
+def use_lookahead(spec, lookahead: Lookahead, running: list[Sequence], on: bool) -> bool:
+    """For SpecDecoder.propose (`spec`): take the drafts launched during the last round if
+    this round speculates for the same sequences (their placeholders and the pending
+    DeviceDrafts set, as a proposal would); else drop them (`revert`). Returns whether they
+    were taken."""
+    if on and running == lookahead.seqs and all(map(spec._eligible, running)):
+        full = spec.config.num_speculative_tokens
+        for seq in running:
+            k = lookahead.next_k[seq]
+            seq.spec_token_ids, seq.spec_draft_probs = [PENDING_DRAFT] * k, None
+            spec._capped = spec._capped or spec._room(seq) < full
+        spec.pending = lookahead.drafts
+        spec.num_overlapped += 1
+        return True
+    lookahead.revert(spec.draft)
+    spec.num_overlap_dropped += 1
+    return False
