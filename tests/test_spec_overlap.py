@@ -5,9 +5,10 @@ eagerly (tests/cpu_graphs.py), which is what these tests use:
 - every round drafts exactly the tokens a round drafted after verification drafts (fixed k),
   outputs stay the target's greedy tokens, and every block of both pools comes back, also with
   prefix caching, chunked prefill and preemption on;
-- stops inside accepted drafts, requests of different lengths (drafts dropped when the running
-  set changes) and adaptive k stay lossless;
-- LLMACCEL_DRAFT_OVERLAP=0 turns it off."""
+- stops inside accepted drafts (drafts dropped when the running set changes), aborts while
+  drafts are in flight and adaptive k stay lossless, and every block comes back;
+- the device-side inputs of one launch against a hand computation;
+- LLMACCEL_DRAFT_OVERLAP=0 turns it off; a GPU variant runs under CUDA graphs."""
 
 from __future__ import annotations
 
@@ -235,3 +236,76 @@ def test_aborts_while_drafts_are_launched_return_every_block(pair, monkeypatch):
     assert "1" not in done and "2" not in done
     assert engine.spec.num_overlapped > 0 and engine.spec.num_overlap_dropped > 0
     _all_back(llm)
+
+
+class _RecordingRunner:
+    """Stands in for a draft's ModelRunner: records what launch_lookahead hands it."""
+
+    def __init__(self):
+        self.rows = self.chain = None
+
+    def can_run_on_device(self, n):
+        return True
+
+    def can_chain(self, n, steps):
+        return True
+
+    def execute_on_device(self, seqs, ids, positions, write, rows):
+        self.rows = (seqs, ids.tolist(), positions.tolist(), write.tolist(), rows.tolist())
+        first = torch.tensor([500.0 + r for r in range(len(rows))], dtype=torch.float64)
+        return torch.stack([first, torch.zeros_like(first)])
+
+    def execute_chain(self, seqs, counts, first_ids, steps, starts=None):
+        self.chain = (counts, first_ids.tolist(), steps, starts.tolist())
+        return torch.arange(steps * len(seqs), dtype=torch.float64).view(steps, len(seqs))
+
+
+def test_lookahead_inputs_follow_each_rows_acceptance():
+    """launch_lookahead's device-side inputs against a hand computation: per sequence the
+    accepted count a, the two catch-up rows (the token at p + a writing KV only when all k
+    were accepted, then the bonus token), and the chain from p + a + 2 for k' - 1 steps."""
+    from types import SimpleNamespace
+
+    from llmaccel.engine.sequence import Sequence
+    from llmaccel.engine.sampling_params import SamplingParams as SP
+    from llmaccel.spec.draft_model import DeviceDrafts
+    from llmaccel.spec.overlap import launch_lookahead
+
+    class _Blocks:
+        def allocate_slots(self, view, n):
+            return True
+
+    seqs = []
+    for i, prompt in enumerate(([1, 2, 3], [4, 5], [6, 7, 8, 9])):
+        s = Sequence(str(i), 0, list(prompt), SP(temperature=0))
+        s.draft_view = SimpleNamespace(seq=s)
+        seqs.append(s)
+    ks = [3, 2, 3]  # drafts this round; verify rows: k + 1 each, in order
+    # drafts [steps, columns]: the columns are 2, 0, 1 for the sequences
+    drafts = {0: [11, 12, 13], 1: [21, 22], 2: [31, 32, 33]}
+    cols = {seqs[0]: 2, seqs[1]: 0, seqs[2]: 1}
+    ids = torch.zeros(3, 3, dtype=torch.float64)
+    for i, s in enumerate(seqs):
+        for j, d in enumerate(drafts[i]):
+            ids[j, cols[s]] = d
+    # the target's argmax per verify row: seq 0 accepts 1 (then 99), seq 1 accepts both
+    # (bonus 77), seq 2 accepts none (bonus 55)
+    argmax = [11, 99, 0, 0] + [21, 22, 77] + [55, 0, 0, 0]
+    greedy = torch.tensor([argmax, [0.0] * len(argmax)], dtype=torch.float64)
+    runner = _RecordingRunner()
+    proposer = SimpleNamespace(runner=runner, block_manager=_Blocks(),
+                               _to_host=lambda out, columns: (out.clone(), columns))
+    out, columns = launch_lookahead(proposer, seqs, ks, [4, 2, 1], greedy, [0, 4, 7],
+                                    DeviceDrafts(ids, cols, ids, None))
+    _, row_ids, positions, write, rows = runner.rows
+    p = [s.num_tokens - 1 for s in seqs]  # 2, 1, 3
+    a = [1, 2, 0]
+    assert row_ids == [11, 99, 22, 77, 9, 55]  # [token at p + a, bonus] per sequence
+    assert positions == [p[0] + 1, p[0] + 2, p[1] + 2, p[1] + 3, p[2], p[2] + 1]
+    assert write == [False, True, True, True, False, True]  # only seq 1 accepted all k
+    assert rows == [1, 3, 5]
+    counts, first, steps, starts = runner.chain
+    assert counts == [3, 1, 0] and steps == 3 and first == [500.0, 501.0, 502.0]
+    assert starts == [p[i] + a[i] + 2 for i in range(3)]
+    assert out.shape == (4, 3) and out[0].tolist() == [500.0, 501.0, 502.0]
+    assert columns == {seqs[0]: 0, seqs[1]: 1, seqs[2]: 2}
