@@ -10,8 +10,11 @@ which kernels differ (e.g. other cuBLAS GEMMs):
 
 - plain-same: a plain engine, graphs captured on one stream (the default);
 - plain-each: a plain engine, a new stream per graph (LLMACCEL_CAPTURE_STREAM=each);
+- plain-chains: a plain engine, then chained-decode graphs (k - 1 = 3 steps, up to 64 rows)
+  captured into its pool as a draft's runner does, the 1-row graph timed again;
 - spec-draft: the draft runner of a speculative engine (target `--target`), each runner
   with its own capture stream (the default);
+- spec-draft-nochain: the same without chained graphs (LLMACCEL_DRAFT_CHAIN=0);
 - spec-draft-process: the same, one capture stream for every runner of the process
   (LLMACCEL_CAPTURE_STREAM=process).
 
@@ -68,7 +71,8 @@ def main() -> None:
     ap.add_argument("--target", default="qwen2.5-1.5b")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--cases", default="plain-same,plain-each,spec-draft,spec-draft-process")
+    ap.add_argument("--cases", default="plain-same,plain-each,plain-chains,spec-draft,"
+                                       "spec-draft-nochain,spec-draft-process")
     args = ap.parse_args()
     kw = {"dtype": "bfloat16", "max_model_len": 2048, "enable_prefix_caching": False}
     for case in args.cases.split(","):
@@ -78,7 +82,11 @@ def main() -> None:
         if case.startswith("plain"):
             llm = LLM(args.model, **kw)
             runner = llm.engine.runner
+            if case == "plain-chains":
+                _report("plain-chains, before the chains", runner, args.context, args.top)
+                runner.graphs.capture_chains(3, 64)
         else:
+            os.environ["LLMACCEL_DRAFT_CHAIN"] = "0" if case == "spec-draft-nochain" else "1"
             llm = LLM(args.target, speculative_config={
                 "method": "draft", "model": args.model, "num_speculative_tokens": 4}, **kw)
             runner = llm.engine.spec.draft.runner
