@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_step_cost import _time_graph  # noqa: E402
+from exp_graph_replay import one_row_replay_ms  # noqa: E402
 
 from llmaccel import LLM  # noqa: E402
 
@@ -59,7 +59,7 @@ def _kernels(graph: torch.cuda.CUDAGraph, replays: int = 10) -> list[tuple[str, 
 
 
 def _report(label: str, runner, context: int, top: int) -> None:
-    ms = min(_time_graph(runner, 1, context, 1, 1, 200)[0] for _ in range(3))
+    ms = one_row_replay_ms(runner, context)
     print(f"\n== {label}: 1-row decode graph {ms:.4f} ms per replay")
     for name, n, us in _kernels(runner.graphs.graphs[1])[:top]:
         print(f"  {us:9.1f} us  x{n:<4d} {name[:110]}")

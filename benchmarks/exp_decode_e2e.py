@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-import llmaccel
-from llmaccel import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).parent))
+from exp_draft_step import e2e_ms_per_token  # noqa: E402
+
+import llmaccel  # noqa: E402
+from llmaccel import LLM  # noqa: E402
 
 
 def main() -> None:
@@ -24,19 +28,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--label", default="")
     args = ap.parse_args()
-    ids = torch.randint(1000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     for name in args.models.split(","):
         llm = LLM(name, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=False)
-        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        walls = []
-        for _ in range(args.repeats):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-            torch.cuda.synchronize()
-            walls.append(time.perf_counter() - t)
-        ms = sorted(walls)[len(walls) // 2] * 1e3 / args.tokens
+        ms = e2e_ms_per_token(llm, args.tokens, args.repeats)
         print(f"RESULT {args.label} {name} {ms:.4f} ms/token ({llmaccel.__file__})", flush=True)
         del llm
         gc.collect()

@@ -154,15 +154,11 @@ class CUDAGraphRunner:
         tokens [steps, bs] (float64, exact ids). Row r starts at position inputs[6, r] with
         input id inputs[0, r] and writes KV for its first inputs[7, r] steps only."""
         start, count = self.inputs[6, :bs], self.inputs[7, :bs]
-        block, rows = self.block_size, self._row_index[:bs]
         out = torch.empty(steps, bs, dtype=torch.float64, device=self.device)
         for s in range(steps):
             # a row past its count stays on its last written position (valid KV to attend)
             pos = start - 1 + count.clamp(max=s + 1)
-            self.inputs[1, :bs].copy_(pos)
-            self.seq_lens[:bs].copy_(pos + 1)
-            blocks = self.block_tables[rows, pos // block].long()
-            self.inputs[2, :bs].copy_(torch.where(count > s, blocks * block + pos % block, -1))
+            self._place_rows(bs, pos, count > s)
             hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
             tokens = greedy_with_logprobs(self.model.compute_logits(hidden),
                                           use_kernel=USE_GREEDY_KERNEL)[0]
@@ -170,6 +166,16 @@ class CUDAGraphRunner:
             self.inputs[0, :bs].copy_(tokens)  # float64 ids -> int64, exact
             self.model.prepare_chained_step(bs)
         return out
+
+    def _place_rows(self, n: int, pos: torch.Tensor, write: torch.Tensor) -> None:
+        """Rows 0..n-1 at positions `pos` (on the device): their positions, context lengths
+        and KV slots (block_table[pos // block_size] * block_size + pos % block_size where
+        `write`, else -1: no cache write) into the static inputs, on the device."""
+        block = self.block_size
+        self.inputs[1, :n].copy_(pos)
+        self.seq_lens[:n].copy_(pos + 1)
+        blocks = self.block_tables[self._row_index[:n], pos // block].long()
+        self.inputs[2, :n].copy_(torch.where(write, blocks * block + pos % block, -1))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -307,13 +313,8 @@ class CUDAGraphRunner:
         st.np_seq_lens[n:bs] = 1
         self._stage_tables(st, tables)
         self._copy_in(st, bs)
-        pos = positions.long()
         self.inputs[0, :n].copy_(ids)  # float64 ids -> int64, exact
-        self.inputs[1, :n].copy_(pos)
-        self.seq_lens[:n].copy_(pos + 1)
-        block = self.block_size
-        blocks = self.block_tables[self._row_index[:n], pos // block].long()
-        self.inputs[2, :n].copy_(torch.where(write, blocks * block + pos % block, -1))
+        self._place_rows(n, positions.long(), write)
         graph = self.graphs.get(bs)
         if graph is None:  # CPU (tests): the captured step's work, eagerly
             self.outputs[bs] = self._forward(bs)

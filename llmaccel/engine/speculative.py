@@ -306,7 +306,6 @@ class SpecDecoder:
         (spec/overlap.py `launch_next_round`, which says where it does); returns the verify
         step's greedy rows copied to the host where it did (`complete` reads them there),
         else None."""
-        self.lookahead = None
         start = time.perf_counter()
         self.lookahead, host = launch_next_round(self, sampling, logits, greedy, rows_per_seq,
                                                  running, waiting, copy_to_host)
@@ -330,15 +329,13 @@ class SpecDecoder:
         if all(s.params.greedy for s in seqs):
             # Every emitted token is the target's argmax at its row: the argmax and its
             # logprob per row are all the verification needs (one small transfer).
-            if greedy_host is not None:
-                host, event = greedy_host
-                if event is not None:
-                    event.synchronize()
-                argmax, lps = host.tolist()
-            else:
-                if greedy is None:
-                    greedy = greedy_with_logprobs(logits)
-                argmax, lps = greedy.tolist()
+            if greedy_host is None:
+                greedy_host = (greedy_with_logprobs(logits) if greedy is None else greedy,
+                               None)
+            host, event = greedy_host
+            if event is not None:
+                event.synchronize()
+            argmax, lps = host.tolist()
             tokens, accepted = greedy_verify_rows([s.spec_token_ids for s in seqs], argmax,
                                                   offsets)
             logprobs = [lps[o:o + len(t)] for o, t in zip(offsets, tokens)]

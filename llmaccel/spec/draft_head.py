@@ -119,9 +119,7 @@ class HeadProposer(DraftModelProposer):
         view = seq.draft_view
         if view is None:
             return
-        view.num_computed_tokens = min(view.num_computed_tokens, real_tokens_before - 1)
-        view.drafts = []
-        self.trim(view)
+        self.keep(view, min(view.num_computed_tokens, real_tokens_before - 1))
         return view.num_computed_tokens
 
 

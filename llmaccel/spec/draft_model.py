@@ -291,11 +291,17 @@ class DraftModelProposer:
             # real_tokens_before + num_accepted + 1 tokens after this step, plus k' - 1 drafts
             view.num_computed_tokens = real_tokens_before + num_accepted + ahead
             view.drafts = [0] * ahead  # stand for the drafts still on the device
+            self.trim(view)
         else:
-            view.num_computed_tokens = kept
-            view.drafts = []
-        self.trim(view)
+            self.keep(view, kept)
         return kept
+
+    def keep(self, view: DraftView, num_computed: int) -> None:
+        """Keep the view's KV for its first `num_computed` tokens only, without drafts (the
+        rest is stale: later steps overwrite it); blocks past that returned."""
+        view.num_computed_tokens = num_computed
+        view.drafts = []
+        self.trim(view)
 
     def trim(self, view: DraftView) -> None:
         """Return the view's blocks past its computed tokens and the next one's slot."""

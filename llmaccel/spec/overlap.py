@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -66,11 +67,8 @@ class Lookahead:
         without overlap keeps, its blocks past that returned."""
         for seq, kept in self.kept.items():
             view = seq.draft_view
-            if view is None:  # released meanwhile (finished, aborted, preempted)
-                continue
-            view.num_computed_tokens = kept
-            view.drafts = []
-            proposer.trim(view)
+            if view is not None:  # else released meanwhile (finished, aborted, preempted)
+                proposer.keep(view, kept)
 
 
 @torch.inference_mode()
@@ -162,9 +160,7 @@ def launch_next_round(spec, sampling: list[Sequence], logits: torch.Tensor,
     cost = spec._cost(len(running))
     memo: dict[float, int] = {}
     next_ks = [spec._wanted_k(seq, cost, memo) for seq in sampling]
-    offsets = [0]
-    for n in rows_per_seq[:-1]:
-        offsets.append(offsets[-1] + n)
+    offsets = list(accumulate(rows_per_seq[:-1], initial=0))  # each one's first verify row
     if greedy is None:  # an eager verify step: its argmax, on the device
         greedy = greedy_with_logprobs(logits)
     host = None if copy_to_host is None else copy_to_host(greedy)
