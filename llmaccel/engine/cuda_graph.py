@@ -71,7 +71,7 @@ _PROCESS_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _process_capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One capture stream per device for every runner (LLMACCEL_CAPTURE_STREAM=process)."""
+    """The capture stream every runner of the process uses on `device` (the default)."""
     stream = _PROCESS_CAPTURE_STREAMS.get(device)
     if stream is None:
         stream = _PROCESS_CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
@@ -188,14 +188,19 @@ class CUDAGraphRunner:
 
     def _capture_one(self, fn):
         """One warm-up run of `fn` (Triton compiles, cuBLAS picks its kernels), then its
-        graph in the shared pool -> (graph, fn's outputs as captured). Every graph of this
-        runner is captured on the same side stream: a new stream per graph made a 0.5B
-        model's batch-1 decode graph 10% slower on an H100
-        (benchmarks/results/2026-11-26-draft-decode-capture-stream-h100.md). To measure the
-        alternatives, LLMACCEL_CAPTURE_STREAM=each takes a new stream per graph, and
-        `process` one stream per device for every runner of the process (the speculative
-        engine's draft runner stayed slow with its own stream; cause not established)."""
-        mode = os.environ.get("LLMACCEL_CAPTURE_STREAM", "same")
+        graph in the shared pool -> (graph, fn's outputs as captured).
+
+        Every graph of every runner in the process is captured on one side stream per device.
+        On an H100 a 0.5B model's batch-1 decode graph replayed 10% slower when captured on
+        a second stream: with a new stream per graph (0.99 against 0.91 ms), and in the
+        speculative engine's draft runner with one stream per runner (1.00 against 0.91 ms),
+        though its kernels were the same (benchmarks/results/2026-11-26-capture-modes-h100.md;
+        the mechanism is not established). To measure the alternatives,
+        LLMACCEL_CAPTURE_STREAM=runner takes one stream per runner and `each` a new stream
+        per graph."""
+        mode = os.environ.get("LLMACCEL_CAPTURE_STREAM", "process")
+        if mode not in ("process", "runner", "each"):
+            raise ValueError(f"LLMACCEL_CAPTURE_STREAM={mode!r}: expected process, runner or each")
         if mode == "process":
             self._capture_stream = _process_capture_stream(self.device)
         elif self._capture_stream is None or mode == "each":
