@@ -21,8 +21,9 @@ which kernels differ (e.g. other cuBLAS GEMMs):
 - plain-target, spec-target, spec-target-process: the target's own 1-row graph, in a plain
   engine and in the speculative engine with either capture mode.
 
-Run each case in its own process (`--cases one --top 0`) to compare replay times: a second
-engine in the same process, or any replay after the profiler has run, measured slower
+Run each case in its own process (`--cases one --top 0`) to compare replay times: with one
+stream per runner, a second engine in the same process measured slower, so cases run one
+after another in a process are not comparable
 (benchmarks/results/2026-11-26-capture-modes-h100.md).
 
     python benchmarks/exp_capture_modes.py --model qwen2.5-0.5b --target qwen2.5-1.5b
@@ -80,8 +81,7 @@ def main() -> None:
     ap.add_argument("--target", default="qwen2.5-1.5b")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--top", type=int, default=15,
-                    help="kernels listed per case; 0 lists none and never starts the profiler "
-                         "(CUPTI, once started, may slow later replays in the process)")
+                    help="kernels listed per case; 0 lists none and never starts the profiler")
     ap.add_argument("--cases", default="plain-same,plain-each,plain-chains,spec-draft,"
                                        "spec-draft-nochain,spec-draft-process")
     ap.add_argument("--capture-stream", choices=["process", "runner", "each"],
