@@ -193,6 +193,10 @@ def test_overlap_under_cuda_graphs(pair, monkeypatch):
         monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
         llm = LLM(target, dtype="float32", device="cuda", skip_tokenizer_init=True,
                   enable_prefix_caching=True, speculative_config=spec)
+        # every runner captures on the process's one stream (another stream replayed 10%
+        # slower on an H100: benchmarks/results/2026-11-26-capture-modes-h100.md)
+        assert (llm.engine.runner.graphs._capture_stream
+                is llm.engine.spec.draft.runner.graphs._capture_stream is not None)
         rounds = _record(llm)
         outs = _generate(llm, prompts, params)
         one = _generate(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=60,
