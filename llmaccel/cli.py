@@ -259,6 +259,9 @@ def distill_draft(
                                     "the feature regression."),
     feature_noise: float = typer.Option(0.1, min=0.0, help="head: uniform noise on the input "
                                         "features, relative to their RMS (0: off)."),
+    unroll_steps: int = typer.Option(1, min=1, max=8, help="head: also train it to draft this "
+                                     "many tokens ahead on its own outputs (EAGLE-3's "
+                                     "training-time test; 1: the target's features only)."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),
@@ -285,8 +288,8 @@ def distill_draft(
         target=target, out=out, kind=kind, data=data, layers=layers, lr=lr, steps=steps,
         batch_size=batch_size, seq_len=seq_len, eval_every=eval_every, patience=patience,
         max_blocks=max_blocks, kl_weight=kl_weight, feature_noise=feature_noise,
-        draft_vocab_size=draft_vocab_size, schedule=schedule, warmup=warmup,
-        max_seconds=max_seconds, seed=seed, device=device, dtype=dtype))
+        unroll_steps=unroll_steps, draft_vocab_size=draft_vocab_size, schedule=schedule,
+        warmup=warmup, max_seconds=max_seconds, seed=seed, device=device, dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""
     method = "draft" if kind == "student" else "head"
     console.print(f"{kind}: held-out KL {res.baseline_kl:.4f} -> {res.best_kl:.4f}, top-1 "

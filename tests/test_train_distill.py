@@ -21,7 +21,8 @@ from llmaccel.errors import LLMAccelError
 from llmaccel.train.distill import build_student, distill_draft, evaluate_student
 from llmaccel.train.distill_common import DistillConfig
 from llmaccel.train.draft_head import (LAYER_TENSORS, build_draft_head, evaluate_head,
-                                       load_draft_head, save_draft_head, target_features)
+                                       head_losses, load_draft_head, save_draft_head,
+                                       target_features)
 
 H, V = 64, 160  # tiny_models' hidden size and vocabulary
 
@@ -263,6 +264,90 @@ def test_head_forward_equals_a_step_by_step_computation(family, tmp_path):
     torch.testing.assert_close(head.compute_logits(got), got @ target.lm_head.weight.T)
 
 
+@torch.no_grad()
+def _drafted_outputs(head, ids: torch.Tensor, feats: torch.Tensor, t: int, steps: int
+                     ) -> list[torch.Tensor]:
+    """The head's outputs for its drafts 1..steps after the context x_0..x_{t+1} of one
+    sequence, drafts 1..s-1 being the true next tokens: the head's forward over the context
+    rows, then one row (x_{t+s}, its own previous output) appended per draft, as
+    _head_drafts (the engine's drafting) does."""
+    row_ids, row_feats, outs = list(ids[1:t + 2]), list(feats[:t + 1]), []
+    for s in range(1, steps + 1):
+        o = head(torch.stack(row_ids)[None], torch.stack(row_feats)[None])[0, -1]
+        outs.append(o)
+        row_ids.append(ids[min(t + s + 1, len(ids) - 1)])
+        row_feats.append(o)
+    return outs
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_unrolled_head_equals_drafting_on_its_own_outputs(family, tmp_path):
+    """DraftHead.unroll (training on its own drafts, one masked layer call per step) gives
+    at every row and step what drafting row by row gives."""
+    target = make_tiny_model(tiny_configs()[family], tmp_path, seed=5)
+    head = build_draft_head(target, init=False)
+    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(3))
+    f = target_features(target, ids)
+    with torch.no_grad():
+        outs = head.unroll(ids, f[:, :-1], 3)
+        torch.testing.assert_close(outs[0], head(ids[:, 1:], f[:, :-1]), rtol=0, atol=0)
+        for b in range(2):
+            for t in range(0, 10 - 2):  # rows whose three next tokens lie in the block
+                want = _drafted_outputs(head, ids[b], f[b], t, 3)
+                for s in range(3):
+                    torch.testing.assert_close(outs[s][b, t], want[s], rtol=1e-4, atol=1e-5)
+    # later steps differ from the first: they read the head's outputs, not the target's
+    assert (outs[1][:, :8] - outs[0][:, 1:9]).abs().max() > 1e-3
+
+
+def test_unrolled_loss_and_heldout_agreement_per_step(target_dir):
+    """head_losses with unroll_steps=2 is the mean of step 1's loss and step 2's, the
+    latter fitted to f_{i+2} and p_{i+2}; evaluate_head's step-j agreement is the share of
+    rows whose j-th draft (drafted row by row) is the target's argmax."""
+    target = _target(target_dir)
+    head = build_draft_head(target, init=False)
+    blocks = periodic_blocks(3, 12, period=5)
+    f = target_features(target, blocks)
+    loss2, parts = head_losses(head, target, blocks, kl_weight=0.5, unroll_steps=2)
+    loss1, _ = head_losses(head, target, blocks, kl_weight=0.5, unroll_steps=1)
+    with torch.no_grad():
+        o2 = head.unroll(blocks, f[:, :-1], 2)[1][:, :-1]
+        reg = F.smooth_l1_loss(o2, f[:, 2:])
+        p = F.log_softmax(head.compute_logits(f[:, 2:]), -1)
+        q = F.log_softmax(head.compute_logits(o2), -1)
+        kl = (p.exp() * (p - q)).sum(-1).mean()
+    torch.testing.assert_close(loss2, (loss1 + reg + 0.5 * kl) / 2, rtol=1e-5, atol=1e-6)
+    assert math.isclose(parts["kl_step2"], kl.item(), rel_tol=1e-5)
+    m = evaluate_head(head, target, blocks, batch_size=2, steps=3)
+    with torch.no_grad():
+        for step in (2, 3):
+            hits = rows = 0
+            for b in range(len(blocks)):
+                for t in range(blocks.shape[1] - step):  # rows with a feature f_{t+step}
+                    o = _drafted_outputs(head, blocks[b], f[b], t, step)[-1]
+                    want = head.compute_logits(f[b, t + step]).argmax()
+                    hits += int(head.compute_logits(o).argmax() == want)
+                    rows += 1
+            assert math.isclose(m[f"heldout_top1_step{step}"], hits / rows), step
+    assert "heldout_top1_step4" not in m
+
+
+def test_head_trained_on_its_own_drafts(target_dir, tmp_path):
+    """unroll_steps=3 trains: the held-out KL of every step falls; the setting is checked."""
+    res = distill_draft(_cfg(target_dir, tmp_path / "h", kind="head", lr=1e-2,
+                             unroll_steps=3, steps=20), progress=False,
+                        blocks=periodic_blocks())
+    first, best = res.history[0], next(h for h in res.history if h["step"] == res.best_step)
+    for key in ("heldout_kl", "heldout_kl_step2", "heldout_kl_step3", "heldout_kl_step4"):
+        assert best[key] < 0.5 * first[key], (key, res.history)
+    assert json.loads((tmp_path / "h" / "distill.json").read_text())["config"][
+        "unroll_steps"] == 3
+    with pytest.raises(LLMAccelError, match="unroll_steps must be 1-8"):
+        _cfg(target_dir, tmp_path / "x", unroll_steps=0).check()
+    with pytest.raises(LLMAccelError, match="trains a head"):
+        _cfg(target_dir, tmp_path / "x", kind="student", unroll_steps=2).check()
+
+
 @pytest.fixture(scope="module")
 def trained_student(target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("student")
@@ -336,13 +421,17 @@ def _invoke(*args: str):
 @pytest.mark.parametrize("kind", ["head", "student"])
 def test_cli_distills_text_and_writes_the_draft(cli_target, tmp_path, kind):
     out = tmp_path / "out"
+    extra = ["--unroll-steps", "2"] if kind == "head" else []
     r = _invoke(str(cli_target), "--kind", kind, "--data", str(cli_target / "train.txt"),
                 "--steps", "4", "--eval-every", "2", "--seq-len", "16", "--batch-size", "2",
-                "--lr", "1e-3", "--device", "cpu", "--out", str(out))
+                "--lr", "1e-3", "--device", "cpu", "--out", str(out), *extra)
     assert r.exit_code == 0, r.output
     assert "held-out KL" in r.output and "top-1 agreement" in r.output
     summary = json.loads((out / "distill.json").read_text())
     assert summary["kind"] == kind and summary["train_blocks"] >= 1
+    if kind == "head":
+        assert summary["config"]["unroll_steps"] == 2
+        assert "heldout_top1_step2" in summary["history"][-1]
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     config = json.loads((out / "config.json").read_text())
     if kind == "student":

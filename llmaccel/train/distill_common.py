@@ -45,6 +45,9 @@ class DistillConfig:
     max_blocks: int | None = None
     kl_weight: float = 0.1          # head: KL term beside the feature regression (EAGLE's 0.1)
     feature_noise: float = 0.1      # head: uniform input-feature noise, relative to their RMS
+    # head: drafting steps trained on the head's own outputs (EAGLE-3's training-time test;
+    # 1 = EAGLE-1, the target's features only)
+    unroll_steps: int = 1
     fc_bias: bool = False           # head: vLLM's EAGLE-1 llama loader has no fc bias
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
@@ -80,6 +83,10 @@ class DistillConfig:
                   (self.kl_weight >= 0, f"kl_weight must be >= 0, got {self.kl_weight}"),
                   (self.feature_noise >= 0,
                    f"feature_noise must be >= 0, got {self.feature_noise}"),
+                  (1 <= self.unroll_steps <= 8,
+                   f"unroll_steps must be 1-8, got {self.unroll_steps}"),
+                  (self.unroll_steps == 1 or self.kind == "head",
+                   "unroll_steps trains a head (kind 'head') on its own drafts"),
                   (self.draft_vocab_size >= 0,
                    f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
                   (self.schedule in ("cosine", "constant"),

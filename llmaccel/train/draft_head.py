@@ -11,7 +11,10 @@ in for f_{i+1} when drafting further. The engine's head (method "head") computes
 Training (EAGLE-1): smooth-L1 regression of o_i onto f_{i+1} plus `kl_weight` times
 KL(p_{i+1} || q_i), p from the target's logits at i + 1, q from the head's; uniform noise on
 the input features (their RMS times `feature_noise`) so the head tolerates its own imperfect
-features when it drafts several tokens. The target is frozen; only fc and the layer train.
+features when it drafts several tokens. With `unroll_steps` > 1 (EAGLE-3's "training-time
+test") the head also drafts that many steps ahead on its own outputs during training, each
+step fitted the same way (DraftHead.unroll), so it learns from the inputs it drafts from.
+The target is frozen; only fc and the layer train.
 
 Checkpoint (a directory): config.json, a one-layer Llama config with the target's shapes and
 rope settings plus the "llmaccel_draft_head" marker, and model.safetensors with fc.weight
@@ -45,6 +48,8 @@ LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                  "mlp.up_proj.weight", "mlp.down_proj.weight",
                  "post_attention_layernorm.weight")
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+# held-out agreement is reported for the head's first EVAL_STEPS drafts (k = 4 drafts in W5)
+EVAL_STEPS = 4
 
 
 def head_config_dict(target_config: dict[str, Any], target_name: str, dtype: torch.dtype,
@@ -129,6 +134,52 @@ class DraftHead(nn.Module):
         return self.layers[0](h, attention_mask=mask, position_ids=position_ids,
                               position_embeddings=cos_sin)
 
+    def unroll(self, ids: torch.Tensor, features: torch.Tensor, steps: int
+               ) -> list[torch.Tensor]:
+        """The head drafting `steps` tokens ahead from every position of `ids` [B, T], with
+        the target's features f_0..f_{T-2} in `features` [B, T - 1, H] -> [o^1, ..., o^steps],
+        each [B, T - 1, H]. o^1 = forward(ids[:, 1:], features). o^s at row t is what the
+        engine computes for its s-th draft after the context x_0..x_{t+1} when drafts 1..s-1
+        were x_{t+2}..x_{t+s}: the row (x_{t+s}, o^{s-1}_t) at position t + s - 1, attending
+        to the context's rows 0..t and to its own earlier drafting rows at t (EAGLE-3's
+        "training-time test"). Rows whose token x_{t+s} lies past the block (t > T - 1 - s)
+        read the block's last token and are not meaningful.
+
+        One layer call per step over [h^1; ...; h^s] (s blocks of T - 1 rows) with a mask
+        that lets block a row t see block 1 rows <= t and blocks 2..a row t only; the earlier
+        blocks are recomputed (exactly, as their rows see nothing later), which costs s^2/2
+        row blocks for s <= a few."""
+        dtype = self.fc.weight.dtype
+        b, n = ids.shape[0], ids.shape[1] - 1
+        device = ids.device
+        rows = torch.arange(n, device=device)
+        neg = torch.finfo(dtype).min
+        hs: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        feats = features
+        for step in range(1, steps + 1):
+            # the token after row t's feature at this step: x_{t+step}, clamped into the block
+            take = (rows + step).clamp(max=n)
+            embeds = F.embedding(ids[:, take], self.embed_tokens).to(dtype)
+            hs.append(self.fc(torch.cat([embeds, feats.to(dtype)], dim=-1)))
+            h = torch.cat(hs, dim=1)
+            blocks = torch.arange(step, device=device).repeat_interleave(n)
+            t = rows.repeat(step)
+            position_ids = (t + blocks).expand(b, -1)
+            causal = t[None, :] <= t[:, None]
+            same_row = t[None, :] == t[:, None]
+            first = blocks[None, :] == 0
+            earlier = blocks[None, :] <= blocks[:, None]
+            allowed = (first & causal) | (same_row & earlier)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            mask = mask.masked_fill(~allowed, neg)[None, None]
+            cos_sin = self.rotary_emb(h, position_ids)
+            o = self.layers[0](h, attention_mask=mask, position_ids=position_ids,
+                               position_embeddings=cos_sin)[:, -n:]
+            outs.append(o)
+            feats = o
+        return outs
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's lm_head (in its dtype) on head outputs or target features, as fp32."""
         return F.linear(hidden.to(self.lm_head.dtype), self.lm_head).float()
@@ -191,29 +242,46 @@ def _rms(t: torch.Tensor) -> float:
 
 
 def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: float,
-                feature_noise: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                feature_noise: float = 0.0, unroll_steps: int = 1
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss on token blocks [B, T]: smooth L1(o_i, f_{i+1}) + kl_weight *
-    KL(p_{i+1} || q_i) over i = 0..T-2, with noise on the input features f_i."""
+    KL(p_{i+1} || q_i) over i = 0..T-2, with noise on the input features f_i. With
+    `unroll_steps` s > 1 the head also drafts s tokens ahead on its own outputs
+    (DraftHead.unroll) and step j's outputs are fitted to f_{i+j} and p_{i+j} the same way;
+    the loss is the mean over the steps."""
     f = target_features(target_model, batch)
-    with torch.no_grad():
-        p_logits = head.compute_logits(f[:, 1:])
     inputs = f[:, :-1].float()
     if feature_noise > 0:
         rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * feature_noise * rms
     with autocast_for(batch.device, target_model.dtype):
-        o = head(batch[:, 1:], inputs)
-    reg = F.smooth_l1_loss(o.float(), f[:, 1:].float())
-    kl = mean_kl_loss(p_logits, head.compute_logits(o))
-    return reg + kl_weight * kl, {"reg": reg.item(), "kl": kl.item()}
+        outs = (head.unroll(batch, inputs, unroll_steps) if unroll_steps > 1 else
+                [head(batch[:, 1:], inputs)])
+    total, parts = 0.0, {}
+    for step, o in enumerate(outs, start=1):
+        valid = f.shape[1] - step  # rows 0..T-1-step have a feature f_{i+step}
+        want = f[:, step:]
+        with torch.no_grad():
+            p_logits = head.compute_logits(want)
+        reg = F.smooth_l1_loss(o[:, :valid].float(), want.float())
+        kl = mean_kl_loss(p_logits, head.compute_logits(o[:, :valid]))
+        total = total + reg + kl_weight * kl
+        suffix = "" if step == 1 else f"_step{step}"
+        parts.update({f"reg{suffix}": reg.item(), f"kl{suffix}": kl.item()})
+    return total / len(outs), parts
 
 
 @torch.no_grad()
 def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_size: int,
-                  draft_vocab: torch.Tensor | None = None) -> dict[str, float]:
+                  draft_vocab: torch.Tensor | None = None, steps: int = EVAL_STEPS
+                  ) -> dict[str, float]:
     """Held-out means over every position: KL(p_{i+1} || q_i), top-1 agreement, regression,
     and with `draft_vocab` (token ids) the top-1 agreement of the head's argmax over those
-    tokens only (what the engine drafts with that vocabulary)."""
+    tokens only (what the engine drafts with that vocabulary). For steps 2..`steps`, the
+    head drafting on its own outputs (DraftHead.unroll, the tokens before it right):
+    heldout_kl_step{j} and heldout_top1_step{j}, the latter the chance that its j-th draft is
+    accepted given the earlier ones were, which is what speculative decoding's acceptance
+    falls with."""
     head.eval()
     meter = Meter()
     device = head.fc.weight.device
@@ -221,20 +289,35 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i:i + batch_size].to(device)
         f = target_features(target_model, batch)
+        steps_here = max(1, min(steps, f.shape[1] - 1))
         with autocast_for(device, target_model.dtype):
-            o = head(batch[:, 1:], f[:, :-1])
-        p_logits, q_logits = head.compute_logits(f[:, 1:]), head.compute_logits(o)
-        kl, agree = kl_terms(p_logits, q_logits)
-        reg = F.smooth_l1_loss(o.float(), f[:, 1:].float(), reduction="none").mean(-1)
-        sums = {"kl": kl.sum(), "top1": agree.sum(), "reg": reg.sum()}
-        if ids is not None:
-            restricted = ids[q_logits[..., ids].argmax(-1)]
-            sums["top1_vocab"] = (restricted == p_logits.argmax(-1)).sum()
-        meter.add(kl.numel(), **sums)
+            outs = head.unroll(batch, f[:, :-1], steps_here)
+        for step, o in enumerate(outs, start=1):
+            valid = f.shape[1] - step
+            p_logits = head.compute_logits(f[:, step:])
+            q_logits = head.compute_logits(o[:, :valid])
+            kl, agree = kl_terms(p_logits, q_logits)
+            if step == 1:
+                reg = F.smooth_l1_loss(o.float(), f[:, 1:].float(),
+                                       reduction="none").mean(-1)
+                sums = {"kl": kl.sum(), "top1": agree.sum(), "reg": reg.sum()}
+                if ids is not None:
+                    restricted = ids[q_logits[..., ids].argmax(-1)]
+                    sums["top1_vocab"] = (restricted == p_logits.argmax(-1)).sum()
+                meter.add(kl.numel(), **sums)
+            else:
+                # later steps have fewer rows: their own count, kept in the sums' names
+                meter.add(0, **{f"kl_step{step}": kl.sum(), f"top1_step{step}": agree.sum(),
+                                f"n_step{step}": kl.numel()})
     m = meter.means()
     out = {"heldout_kl": m["kl"], "heldout_top1": m["top1"], "heldout_reg": m["reg"]}
     if draft_vocab is not None:
         out["heldout_top1_draft_vocab"] = m["top1_vocab"]
+    for step in range(2, steps + 1):
+        n = meter.sums.get(f"n_step{step}", 0.0)
+        if n:
+            out[f"heldout_kl_step{step}"] = meter.sums[f"kl_step{step}"] / n
+            out[f"heldout_top1_step{step}"] = meter.sums[f"top1_step{step}"] / n
     return out
 
 
@@ -306,7 +389,8 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
 
     def step_loss(batch: torch.Tensor):
         head.train()
-        return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise)
+        return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise,
+                           cfg.unroll_steps)
 
     outcome = train_loop(
         cfg, "head", params, train, device, step_loss,
