@@ -262,6 +262,10 @@ def distill_draft(
     unroll_steps: int = typer.Option(1, min=1, max=8, help="head: also train it to draft this "
                                      "many tokens ahead on its own outputs (EAGLE-3's "
                                      "training-time test; 1: the target's features only)."),
+    unroll_decay: float = typer.Option(1.0, min=0.0, max=1.0, help="head: weight of draft "
+                                       "step j's loss is this to the power j - 1."),
+    init_head: Optional[str] = typer.Option(None, help="head: start from this saved head "
+                                            "(e.g. to go on with --unroll-steps)."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),
@@ -288,7 +292,8 @@ def distill_draft(
         target=target, out=out, kind=kind, data=data, layers=layers, lr=lr, steps=steps,
         batch_size=batch_size, seq_len=seq_len, eval_every=eval_every, patience=patience,
         max_blocks=max_blocks, kl_weight=kl_weight, feature_noise=feature_noise,
-        unroll_steps=unroll_steps, draft_vocab_size=draft_vocab_size, schedule=schedule,
+        unroll_steps=unroll_steps, unroll_decay=unroll_decay, init_head=init_head,
+        draft_vocab_size=draft_vocab_size, schedule=schedule,
         warmup=warmup, max_seconds=max_seconds, seed=seed, device=device, dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""
     method = "draft" if kind == "student" else "head"

@@ -317,6 +317,10 @@ def test_unrolled_loss_and_heldout_agreement_per_step(target_dir):
         q = F.log_softmax(head.compute_logits(o2), -1)
         kl = (p.exp() * (p - q)).sum(-1).mean()
     torch.testing.assert_close(loss2, (loss1 + reg + 0.5 * kl) / 2, rtol=1e-5, atol=1e-6)
+    decayed, _ = head_losses(head, target, blocks, kl_weight=0.5, unroll_steps=2,
+                             unroll_decay=0.25)
+    torch.testing.assert_close(decayed, (loss1 + 0.25 * (reg + 0.5 * kl)) / 1.25,
+                               rtol=1e-5, atol=1e-6)
     assert math.isclose(parts["kl_step2"], kl.item(), rel_tol=1e-5)
     m = evaluate_head(head, target, blocks, batch_size=2, steps=3)
     with torch.no_grad():
@@ -342,6 +346,10 @@ def test_head_trained_on_its_own_drafts(target_dir, tmp_path):
         assert best[key] < 0.5 * first[key], (key, res.history)
     assert json.loads((tmp_path / "h" / "distill.json").read_text())["config"][
         "unroll_steps"] == 3
+    with pytest.raises(LLMAccelError, match="unroll_decay must be in"):
+        _cfg(target_dir, tmp_path / "x", unroll_decay=0.0).check()
+    with pytest.raises(LLMAccelError, match="starts a head"):
+        _cfg(target_dir, tmp_path / "x", kind="student", init_head=str(tmp_path)).check()
     with pytest.raises(LLMAccelError, match="unroll_steps must be 1-8"):
         _cfg(target_dir, tmp_path / "x", unroll_steps=0).check()
     with pytest.raises(LLMAccelError, match="trains a head"):
@@ -452,3 +460,17 @@ def test_cli_bad_inputs_fail_clearly(cli_target, tmp_path):
                 "--out", str(tmp_path / "c"))
     assert isinstance(r.exception, LLMAccelError) and "student" in str(r.exception)
     assert not any((tmp_path / n).exists() for n in "abc")  # nothing half-written
+
+
+def test_head_goes_on_from_a_saved_head(trained_head, target_dir, tmp_path):
+    """init_head: training starts from the saved head (its first evaluation is the saved
+    head's best one), here going on with unrolled steps."""
+    res, out, blocks = trained_head
+    again = distill_draft(_cfg(target_dir, tmp_path / "h2", kind="head", lr=1e-3, steps=5,
+                               eval_every=5, unroll_steps=2, unroll_decay=0.5,
+                               init_head=str(out)), progress=False, blocks=blocks)
+    assert math.isclose(again.history[0]["heldout_kl"], res.best_kl, rel_tol=1e-5)
+    assert again.history[0]["heldout_kl"] < 0.5 * res.baseline_kl
+    with pytest.raises(LLMAccelError, match="not an llmaccel draft head"):
+        distill_draft(_cfg(target_dir, tmp_path / "h3", kind="head", steps=1,
+                           init_head=str(target_dir)), progress=False, blocks=blocks)

@@ -48,6 +48,8 @@ class DistillConfig:
     # head: drafting steps trained on the head's own outputs (EAGLE-3's training-time test;
     # 1 = EAGLE-1, the target's features only)
     unroll_steps: int = 1
+    unroll_decay: float = 1.0       # head: weight of draft step j's loss is unroll_decay**(j-1)
+    init_head: str | None = None    # head: start from this saved head, not the target's layer
     fc_bias: bool = False           # head: vLLM's EAGLE-1 llama loader has no fc bias
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
@@ -87,6 +89,10 @@ class DistillConfig:
                    f"unroll_steps must be 1-8, got {self.unroll_steps}"),
                   (self.unroll_steps == 1 or self.kind == "head",
                    "unroll_steps trains a head (kind 'head') on its own drafts"),
+                  (0 < self.unroll_decay <= 1,
+                   f"unroll_decay must be in (0, 1], got {self.unroll_decay}"),
+                  (self.init_head is None or self.kind == "head",
+                   "init_head starts a head (kind 'head') from a saved one"),
                   (self.draft_vocab_size >= 0,
                    f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
                   (self.schedule in ("cosine", "constant"),

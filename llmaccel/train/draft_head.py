@@ -242,13 +242,14 @@ def _rms(t: torch.Tensor) -> float:
 
 
 def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: float,
-                feature_noise: float = 0.0, unroll_steps: int = 1
+                feature_noise: float = 0.0, unroll_steps: int = 1, unroll_decay: float = 1.0
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss on token blocks [B, T]: smooth L1(o_i, f_{i+1}) + kl_weight *
     KL(p_{i+1} || q_i) over i = 0..T-2, with noise on the input features f_i. With
     `unroll_steps` s > 1 the head also drafts s tokens ahead on its own outputs
     (DraftHead.unroll) and step j's outputs are fitted to f_{i+j} and p_{i+j} the same way;
-    the loss is the mean over the steps."""
+    the loss is the mean over the steps weighted by unroll_decay ** (j - 1) (a step is
+    worth only as much as the chance the drafts before it were accepted)."""
     f = target_features(target_model, batch)
     inputs = f[:, :-1].float()
     if feature_noise > 0:
@@ -257,7 +258,7 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
     with autocast_for(batch.device, target_model.dtype):
         outs = (head.unroll(batch, inputs, unroll_steps) if unroll_steps > 1 else
                 [head(batch[:, 1:], inputs)])
-    total, parts = 0.0, {}
+    total, parts, weights = 0.0, {}, 0.0
     for step, o in enumerate(outs, start=1):
         valid = f.shape[1] - step  # rows 0..T-1-step have a feature f_{i+step}
         want = f[:, step:]
@@ -265,10 +266,12 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
             p_logits = head.compute_logits(want)
         reg = F.smooth_l1_loss(o[:, :valid].float(), want.float())
         kl = mean_kl_loss(p_logits, head.compute_logits(o[:, :valid]))
-        total = total + reg + kl_weight * kl
+        weight = unroll_decay ** (step - 1)
+        total = total + weight * (reg + kl_weight * kl)
+        weights += weight
         suffix = "" if step == 1 else f"_step{step}"
         parts.update({f"reg{suffix}": reg.item(), f"kl{suffix}": kl.item()})
-    return total / len(outs), parts
+    return total / weights, parts
 
 
 @torch.no_grad()
@@ -380,7 +383,9 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
 
     model = target.model
     head = build_draft_head(model, target.config, cfg.target, cfg.fc_bias,
-                            save_dtype=target.save_dtype)
+                            save_dtype=target.save_dtype, init=cfg.init_head is None)
+    if cfg.init_head is not None:  # go on from a saved head (e.g. unrolled after plain)
+        head.load_state_dict(load_draft_head(cfg.init_head, model).state_dict(), strict=True)
     params = list(head.parameters())
     vocab, vocab_info = None, None
     if cfg.draft_vocab_size:
@@ -390,7 +395,7 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     def step_loss(batch: torch.Tensor):
         head.train()
         return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise,
-                           cfg.unroll_steps)
+                           cfg.unroll_steps, cfg.unroll_decay)
 
     outcome = train_loop(
         cfg, "head", params, train, device, step_loss,
