@@ -120,16 +120,27 @@ class DraftHead(nn.Module):
 
     def forward(self, next_ids: torch.Tensor, features: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        dtype = self.fc.weight.dtype
-        embeds = F.embedding(next_ids, self.embed_tokens).to(dtype)
-        h = self.fc(torch.cat([embeds, features.to(dtype)], dim=-1))
+        h = self._inputs(next_ids, features)
         b, t, _ = h.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=h.device).expand(b, t)
-        # An explicit additive causal mask: without one, transformers' eager attention would
-        # attend to later positions (only sdpa infers causality from a missing mask).
-        mask = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype, device=h.device)
-        mask = mask.triu(1)[None, None]
+        rows = torch.arange(t, device=h.device)
+        return self._layer(h, position_ids, rows[None, :] <= rows[:, None])
+
+    def _inputs(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc(cat[embed(next_ids), features]): the layer's input rows."""
+        dtype = self.fc.weight.dtype
+        embeds = F.embedding(next_ids, self.embed_tokens).to(dtype)
+        return self.fc(torch.cat([embeds, features.to(dtype)], dim=-1))
+
+    def _layer(self, h: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor
+               ) -> torch.Tensor:
+        """The decoder layer over rows `h` at `position_ids`, row q attending to row k where
+        allowed[q, k]. The mask is always explicit: without one, transformers' eager
+        attention would attend to later positions (only sdpa infers causality)."""
+        dtype = self.fc.weight.dtype  # as it ran on the GPU under autocast (fp32)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=h.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
         cos_sin = self.rotary_emb(h, position_ids)
         return self.layers[0](h, attention_mask=mask, position_ids=position_ids,
                               position_embeddings=cos_sin)
@@ -149,35 +160,24 @@ class DraftHead(nn.Module):
         that lets block a row t see block 1 rows <= t and blocks 2..a row t only; the earlier
         blocks are recomputed (exactly, as their rows see nothing later), which costs s^2/2
         row blocks for s <= a few."""
-        dtype = self.fc.weight.dtype
         b, n = ids.shape[0], ids.shape[1] - 1
-        device = ids.device
-        rows = torch.arange(n, device=device)
-        neg = torch.finfo(dtype).min
+        rows = torch.arange(n, device=ids.device)
         hs: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         feats = features
         for step in range(1, steps + 1):
             # the token after row t's feature at this step: x_{t+step}, clamped into the block
-            take = (rows + step).clamp(max=n)
-            embeds = F.embedding(ids[:, take], self.embed_tokens).to(dtype)
-            hs.append(self.fc(torch.cat([embeds, feats.to(dtype)], dim=-1)))
-            h = torch.cat(hs, dim=1)
-            blocks = torch.arange(step, device=device).repeat_interleave(n)
+            hs.append(self._inputs(ids[:, (rows + step).clamp(max=n)], feats))
+            blocks = torch.arange(step, device=ids.device).repeat_interleave(n)
             t = rows.repeat(step)
-            position_ids = (t + blocks).expand(b, -1)
             causal = t[None, :] <= t[:, None]
             same_row = t[None, :] == t[:, None]
             first = blocks[None, :] == 0
             earlier = blocks[None, :] <= blocks[:, None]
             allowed = (first & causal) | (same_row & earlier)
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-            mask = mask.masked_fill(~allowed, neg)[None, None]
-            cos_sin = self.rotary_emb(h, position_ids)
-            o = self.layers[0](h, attention_mask=mask, position_ids=position_ids,
-                               position_embeddings=cos_sin)[:, -n:]
-            outs.append(o)
-            feats = o
+            feats = self._layer(torch.cat(hs, dim=1), (t + blocks).expand(b, -1),
+                                allowed)[:, -n:]
+            outs.append(feats)
         return outs
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -256,8 +256,7 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
         rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * feature_noise * rms
     with autocast_for(batch.device, target_model.dtype):
-        outs = (head.unroll(batch, inputs, unroll_steps) if unroll_steps > 1 else
-                [head(batch[:, 1:], inputs)])
+        outs = head.unroll(batch, inputs, unroll_steps)
     total, parts, weights = 0.0, {}, 0.0
     for step, o in enumerate(outs, start=1):
         valid = f.shape[1] - step  # rows 0..T-1-step have a feature f_{i+step}
@@ -287,40 +286,36 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
     falls with."""
     head.eval()
     meter = Meter()
+    later = {step: Meter() for step in range(2, steps + 1)}  # fewer rows than step 1's
     device = head.fc.weight.device
     ids = draft_vocab.to(device) if draft_vocab is not None else None
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i:i + batch_size].to(device)
         f = target_features(target_model, batch)
-        steps_here = max(1, min(steps, f.shape[1] - 1))
         with autocast_for(device, target_model.dtype):
-            outs = head.unroll(batch, f[:, :-1], steps_here)
+            outs = head.unroll(batch, f[:, :-1], max(1, min(steps, f.shape[1] - 1)))
         for step, o in enumerate(outs, start=1):
-            valid = f.shape[1] - step
             p_logits = head.compute_logits(f[:, step:])
-            q_logits = head.compute_logits(o[:, :valid])
+            q_logits = head.compute_logits(o[:, :f.shape[1] - step])
             kl, agree = kl_terms(p_logits, q_logits)
-            if step == 1:
-                reg = F.smooth_l1_loss(o.float(), f[:, 1:].float(),
-                                       reduction="none").mean(-1)
-                sums = {"kl": kl.sum(), "top1": agree.sum(), "reg": reg.sum()}
-                if ids is not None:
-                    restricted = ids[q_logits[..., ids].argmax(-1)]
-                    sums["top1_vocab"] = (restricted == p_logits.argmax(-1)).sum()
-                meter.add(kl.numel(), **sums)
-            else:
-                # later steps have fewer rows: their own count, kept in the sums' names
-                meter.add(0, **{f"kl_step{step}": kl.sum(), f"top1_step{step}": agree.sum(),
-                                f"n_step{step}": kl.numel()})
+            if step > 1:
+                later[step].add(kl.numel(), kl=kl.sum(), top1=agree.sum())
+                continue
+            reg = F.smooth_l1_loss(o.float(), f[:, 1:].float(), reduction="none").mean(-1)
+            sums = {"kl": kl.sum(), "top1": agree.sum(), "reg": reg.sum()}
+            if ids is not None:
+                restricted = ids[q_logits[..., ids].argmax(-1)]
+                sums["top1_vocab"] = (restricted == p_logits.argmax(-1)).sum()
+            meter.add(kl.numel(), **sums)
     m = meter.means()
     out = {"heldout_kl": m["kl"], "heldout_top1": m["top1"], "heldout_reg": m["reg"]}
     if draft_vocab is not None:
         out["heldout_top1_draft_vocab"] = m["top1_vocab"]
-    for step in range(2, steps + 1):
-        n = meter.sums.get(f"n_step{step}", 0.0)
-        if n:
-            out[f"heldout_kl_step{step}"] = meter.sums[f"kl_step{step}"] / n
-            out[f"heldout_top1_step{step}"] = meter.sums[f"top1_step{step}"] / n
+    for step, step_meter in later.items():
+        if step_meter.count:
+            means = step_meter.means()
+            out[f"heldout_kl_step{step}"] = means["kl"]
+            out[f"heldout_top1_step{step}"] = means["top1"]
     return out
 
 
