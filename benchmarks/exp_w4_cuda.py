@@ -1,0 +1,188 @@
+"""Experiment: the CUDA C batch-1 W4A16 GEMV (`kernels/gemv_w4_cuda.py`) against the Triton
+GEMV (`kernels/gemv_w4.py`, the GPU table's tile) and cuBLAS bf16, on the llama-3.2-3b shapes.
+
+    python benchmarks/exp_w4_cuda.py --out DIR
+
+1. Per shape: every CUDA tile (rows x chunks) checked against `gemm.linear_ref`, then timed as
+   one call inside a replayed CUDA graph of calls cycling through > 256 MB of weights
+   (`tune_gemm.time_graph`), with PDL as the engine launches (both kernels).
+2. A chain like a decode step's GEMVs: 28 layers of qkv -> o -> gate_up -> down, distinct
+   weights per layer, one graph; each kernel's best tile. Prints us per layer and TB/s.
+Writes exp_w4_cuda.jsonl under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072),
+          "down": (3072, 8192), "lm_head": (128256, 3072)}
+GROUP = 128
+CYCLE_BYTES = 256 * 2**20
+
+
+def _tg():
+    spec = importlib.util.spec_from_file_location(
+        "tune_gemm", Path(__file__).with_name("tune_gemm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cuda_tiles(k: int):
+    from llmaccel.kernels.gemv_w4_cuda import MAX_THREADS, CudaGemvW4Config
+
+    out = []
+    for rows in (1, 2, 4, 8, 16):
+        for chunks in (1, 2, 4):
+            c = CudaGemvW4Config(rows, chunks)
+            if rows * chunks <= 16 and c.threads(k) <= MAX_THREADS:
+                out.append(c)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    from llmaccel.kernels import pdl
+    from llmaccel.kernels.gemm import linear_ref
+    from llmaccel.kernels.gemm_tuning import gemv_w4_config
+    from llmaccel.kernels.gemv_w4 import default_gemv_w4_config, w4a16_gemv
+    from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_cuda
+
+    tg = _tg()
+    dev = torch.device("cuda")
+    use_pdl = pdl.configure(dev, True)
+    recs = []
+    best = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fh = open(out / "exp_w4_cuda.jsonl", "w")
+
+    def emit(rec):
+        rec.update(device=torch.cuda.get_device_name(), torch=torch.__version__, pdl=use_pdl,
+                   commit=os.environ.get("LLMACCEL_COMMIT", "unknown"),
+                   command="python benchmarks/exp_w4_cuda.py")
+        fh.write(json.dumps(rec) + "\n")
+        fh.flush()
+        recs.append(rec)
+
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        qbytes = n * k // 2 + 2 * n * (k // GROUP)
+        copies = max(2, min(96, -(-CYCLE_BYTES // qbytes)))
+        ws = tg.make_weights(4, n, k, GROUP, copies, dev)
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        dense = tg.make_weights(16, n, k, -1, max(2, min(96, -(-CYCLE_BYTES // (2 * n * k)))), dev)
+        cub = tg.time_graph(lambda i: torch.nn.functional.linear(x, dense[i][0]), len(dense),
+                            max(24, len(dense)))
+        del dense
+        tcfg = gemv_w4_config(n, k, GROUP, dev) or default_gemv_w4_config(n, k, GROUP)
+        ref = linear_ref(x.float(), ws[0][0], 4, ws[0][1].float(), None, GROUP)
+        got = w4a16_gemv(x, ws[0][0], ws[0][1], None, GROUP, config=tcfg).float()
+        terr = ((got - ref).norm() / ref.norm()).item()
+        tus = tg.time_graph(lambda i: w4a16_gemv(x, ws[i][0], ws[i][1], None, GROUP,
+                                                 config=tcfg), copies, max(24, copies))
+        emit({"exp": "w4cuda", "shape": name, "n": n, "k": k, "kernel": "triton " +
+              tcfg.describe(), "us": round(tus, 2), "gbps": round(qbytes / tus / 1e3),
+              "rel_err": terr, "cublas_bf16_us": round(cub, 2)})
+        print(f"{name:8} cuBLAS bf16 {cub:7.2f} us | triton {tcfg.describe():18} {tus:7.2f} us "
+              f"{qbytes / tus / 1e3:6.0f} GB/s", flush=True)
+        timed = []
+        for cfg in cuda_tiles(k):
+            try:
+                got = w4a16_gemv_cuda(x, ws[0][0], ws[0][1], None, GROUP, config=cfg).float()
+                torch.cuda.synchronize()
+                err = ((got - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    print(f"  {cfg.describe()}: WRONG rel err {err:.3g}")
+                    emit({"exp": "w4cuda", "shape": name, "kernel": cfg.describe(),
+                          "rel_err": err, "wrong": True})
+                    continue
+                us = tg.time_graph(lambda i, cfg=cfg: w4a16_gemv_cuda(
+                    x, ws[i][0], ws[i][1], None, GROUP, config=cfg), copies, max(24, copies))
+            except Exception as e:  # noqa: BLE001
+                print(f"  {cfg.describe()}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            timed.append((us, cfg))
+            emit({"exp": "w4cuda", "shape": name, "n": n, "k": k, "kernel": cfg.describe(),
+                  "us": round(us, 2), "gbps": round(qbytes / us / 1e3), "rel_err": err})
+            print(f"  {cfg.describe():14} {us:7.2f} us {qbytes / us / 1e3:6.0f} GB/s "
+                  f"err {err:.2e}", flush=True)
+        bus, bcfg = min(timed, key=lambda t: t[0])
+        # asymmetric zeros, and PDL off, on the best tile
+        zref = linear_ref(x.float(), ws[0][0], 4, ws[0][1].float(), ws[0][2], GROUP)
+        zgot = w4a16_gemv_cuda(x, ws[0][0], ws[0][1], ws[0][2], GROUP, config=bcfg).float()
+        zerr = ((zgot - zref).norm() / zref.norm()).item()
+        zus = tg.time_graph(lambda i: w4a16_gemv_cuda(x, ws[i][0], ws[i][1], ws[i][2], GROUP,
+                                                      config=bcfg), copies, max(24, copies))
+        pdl.set_enabled(False)
+        nus = tg.time_graph(lambda i: w4a16_gemv_cuda(x, ws[i][0], ws[i][1], None, GROUP,
+                                                      config=bcfg), copies, max(24, copies))
+        pdl.set_enabled(use_pdl)
+        emit({"exp": "w4cuda-best", "shape": name, "n": n, "k": k, "kernel": bcfg.describe(),
+              "us": round(bus, 2), "asym_us": round(zus, 2), "asym_rel_err": zerr,
+              "no_pdl_us": round(nus, 2), "triton_us": round(tus, 2),
+              "speedup_vs_triton": round(tus / bus, 3)})
+        print(f"  best {bcfg.describe()} {bus:.2f} us (x{tus / bus:.2f} vs triton); asym "
+              f"{zus:.2f} us err {zerr:.2e}; no PDL {nus:.2f} us", flush=True)
+        best[name] = (tcfg, bcfg)
+        del ws
+
+    # the chain of a step's GEMVs (no LM head)
+    chain = [s for s in ("qkv", "o", "gate_up", "down") if s in best]
+    if chain:
+        layers = []
+        for _ in range(28):
+            layers.append({s: tg.make_weights(4, *SHAPES[s], GROUP, 1, dev)[0] for s in chain})
+        xs = {s: torch.randn(1, SHAPES[s][1], device=dev, dtype=torch.bfloat16) for s in chain}
+        total_bytes = 28 * sum(SHAPES[s][0] * SHAPES[s][1] // 2 + 2 * SHAPES[s][0] *
+                               SHAPES[s][1] // GROUP for s in chain)
+
+        def run(kind):
+            def f(_):
+                for lw in layers:
+                    for s in chain:
+                        w = lw[s]
+                        if kind == "triton":
+                            w4a16_gemv(xs[s], w[0], w[1], None, GROUP, config=best[s][0])
+                        else:
+                            w4a16_gemv_cuda(xs[s], w[0], w[1], None, GROUP, config=best[s][1])
+            return f
+
+        res = {}
+        for kind in ("triton", "cuda", "triton", "cuda"):
+            us = tg.time_graph(run(kind), 1, 1)
+            res.setdefault(kind, []).append(us)
+        for kind, v in res.items():
+            us = min(v)
+            emit({"exp": "w4cuda-chain", "kernel": kind, "layers": 28, "shapes": chain,
+                  "us": round(us, 1), "us_per_layer": round(us / 28, 2),
+                  "tbps": round(total_bytes / us / 1e6, 3), "runs_us": [round(u, 1) for u in v]})
+        print("\nchain of 28 layers (" + " -> ".join(chain) + "), PDL " + str(use_pdl))
+        print("| kernel | us | us/layer | TB/s |\n|---|---|---|---|")
+        for kind, v in res.items():
+            us = min(v)
+            print(f"| {kind} | {us:.1f} | {us / 28:.2f} | {total_bytes / us / 1e6:.3f} |")
+    print("\n| shape | triton us | best cuda | cuda us | x | asym us | no-PDL us |")
+    print("|---|---|---|---|---|---|---|")
+    for r in recs:
+        if r["exp"] == "w4cuda-best":
+            print(f"| {r['shape']} | {r['triton_us']} | {r['kernel']} | {r['us']} | "
+                  f"{r['speedup_vs_triton']} | {r['asym_us']} | {r['no_pdl_us']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,208 @@
+// Batch-1 W4A16 GEMV in CUDA C: y[n] = sum_k x[k] * (code[n, k] - zero[n, g]) * scale[n, g]
+// (+ bias[n]). Compiled at run time by NVRTC (kernels/cuda_rtc.py); no headers.
+//
+// Weight layout of kernels/gemm.py BITS=4: int32 [N, K/8], word w of a row holds the codes of
+// k = 8w..8w+7, lowest nibble first. A "chunk" is 16 bytes = 4 words = 32 consecutive codes.
+//
+// Shape of the work: a block of THREADS threads owns ROWS consecutive output rows; thread t
+// handles chunks t, t + THREADS, ... (CHUNKS of them) of every one of those rows, so a
+// warp reads 512 contiguous bytes of a row per load and no thread loops over K. Every weight
+// load of the thread (ROWS x CHUNKS x 16 bytes, plus its scales and zeros) is issued first,
+// before the programmatic-dependent-launch wait: weights are read-only during a decode step,
+// so they stream in while the previous kernel finishes, and the whole matrix is in flight at
+// once instead of in a chain of dependent K iterations. Then x (written by the previous
+// kernel) is read, the dependent kernel released, the products summed, and the block reduces
+// each row's partial sums (warp shuffles, then shared memory across warps).
+//
+// Dequantization costs a LOP3, an FADD and an FFMA per weight, as in kernels/gemv_w4.py: the
+// nibble at bits 4p..4p+3 of a word OR-ed into the bit pattern of 2^(23-4p) is the float
+// 2^(23-4p) + code; subtracting 2^(23-4p) + zero leaves code - zero exactly; nibbles 5..7 come
+// from the word shifted right by 16. The 32 products of a chunk add up in fp32 and the
+// group's scale multiplies their sum (a chunk lies in one group: group sizes are multiples of
+// 32). Only the fp32 summation order differs from dequantize-then-matmul.
+//
+// Compile-time macros: THREADS (the block size; registers are budgeted for it), ROWS,
+// CHUNKS, X_BF16 (1: x, bias and y are bf16; 0: fp16),
+// SCALE_KIND (0 bf16, 1 fp16, 2 fp32), HAS_ZEROS (uint8 zeros [N, G]; else zero point 8),
+// HAS_BIAS.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define NWARPS ((THREADS + 31) / 32)
+
+__device__ __forceinline__ float act_to_float(u16 v) {
+#if X_BF16
+  return __uint_as_float(((u32)v) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ u16 float_to_act(float f) {
+  u16 h;
+#if X_BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+  return h;
+}
+
+__device__ __forceinline__ float load_scale(const void* S, long long i) {
+#if SCALE_KIND == 2
+  return __ldg(reinterpret_cast<const float*>(S) + i);
+#else
+  u16 v = __ldg(reinterpret_cast<const u16*>(S) + i);
+#if SCALE_KIND == 0
+  return __uint_as_float(((u32)v) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#endif
+#endif
+}
+
+// A 16-byte weight load that does not allocate in L1 (each weight is read once).
+__device__ __forceinline__ uint4 load_weights(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// (nibble p of src) - zero, exact: magic[p] is the bit pattern of 2^(23-4p), off[p] is
+// 2^(23-4p) + zero. The magic patterns come in as a kernel argument: as compile-time
+// constants ptxas splits the AND-OR into two LOP3s (one immediate per LOP3).
+__device__ __forceinline__ float nib(u32 src, int p, const u32* magic, const float* off) {
+  return __uint_as_float((src & (0xFu << (4 * p))) | magic[p]) - off[p];
+}
+
+// sum over the word's 8 codes of x[i] * (code_i - zero)
+__device__ __forceinline__ float word_dot(u32 w, const float* x, const u32* magic,
+                                          const float* off) {
+  const u32 hi = w >> 16;
+  float s = nib(w, 0, magic, off) * x[0];
+  s = fmaf(nib(w, 1, magic, off), x[1], s);
+  s = fmaf(nib(w, 2, magic, off), x[2], s);
+  s = fmaf(nib(w, 3, magic, off), x[3], s);
+  s = fmaf(nib(w, 4, magic, off), x[4], s);
+  s = fmaf(nib(hi, 1, magic, off), x[5], s);
+  s = fmaf(nib(hi, 2, magic, off), x[6], s);
+  s = fmaf(nib(hi, 3, magic, off), x[7], s);
+  return s;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __restrict__ S,
+        const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
+        int N, int K, int group, long long stride_w16, long long stride_s, long long stride_z,
+        u32 magic0) {
+  const int chunks = K >> 5;
+  // magic0 = 0x4B000000, the bit pattern of 2^23
+  const u32 magic[5] = {magic0, magic0 - (4u << 23), magic0 - (8u << 23), magic0 - (12u << 23),
+                        magic0 - (16u << 23)};
+  const int row0 = blockIdx.x * ROWS;
+  uint4 w[ROWS][CHUNKS];
+  float scale[ROWS][CHUNKS];
+#if HAS_ZEROS
+  float zero[ROWS][CHUNKS];
+#endif
+  // 1. Weights, scales, zeros: nothing another kernel writes.
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int c = threadIdx.x + j * THREADS;
+    const bool ok = c < chunks;
+    const int cc = ok ? c : 0;
+    const int g = (cc << 5) / group;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const long long row = min(row0 + r, N - 1);  // rows past N re-read the last one
+      w[r][j] = ok ? load_weights(W + row * stride_w16 + cc) : make_uint4(0, 0, 0, 0);
+      scale[r][j] = load_scale(S, row * stride_s + g);
+#if HAS_ZEROS
+      zero[r][j] = (float)__ldg(Z + row * stride_z + g);
+#endif
+    }
+  }
+  // 2. The input, written by the previous kernel.
+  pdl_wait();
+  float xv[CHUNKS][32];
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int c = threadIdx.x + j * THREADS;
+    if (c < chunks) {
+      const uint4* xp = reinterpret_cast<const uint4*>(X) + 4 * c;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const uint4 v = __ldg(xp + q);
+        const u32 u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          xv[j][8 * q + 2 * e] = act_to_float((u16)(u[e] & 0xFFFFu));
+          xv[j][8 * q + 2 * e + 1] = act_to_float((u16)(u[e] >> 16));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) xv[j][i] = 0.f;
+    }
+  }
+  pdl_launch_dependents();
+  // 3. Products: each chunk's 32 weights are x-major within its 4 words.
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    acc[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+#if HAS_ZEROS
+      const float z = zero[r][j];
+#else
+      const float z = 8.f;
+#endif
+      const float off[5] = {8388608.f + z, 524288.f + z, 32768.f + z, 2048.f + z, 128.f + z};
+      const float s0 = word_dot(w[r][j].x, &xv[j][0], magic, off);
+      const float s1 = word_dot(w[r][j].y, &xv[j][8], magic, off);
+      const float s2 = word_dot(w[r][j].z, &xv[j][16], magic, off);
+      const float s3 = word_dot(w[r][j].w, &xv[j][24], magic, off);
+      acc[r] = fmaf((s0 + s1) + (s2 + s3), scale[r][j], acc[r]);
+    }
+  }
+  // 4. Reduce each row over the block.
+  __shared__ float partial[NWARPS][ROWS];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float v = acc[r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) partial[warp][r] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < ROWS && row0 + (int)threadIdx.x < N) {
+    float y = 0.f;
+    #pragma unroll
+    for (int i = 0; i < NWARPS; ++i) y += partial[i][threadIdx.x];
+#if HAS_BIAS
+    y += act_to_float(__ldg(Bias + row0 + threadIdx.x));  // one rounding, as gemv_w4.py
+#endif
+    Y[row0 + threadIdx.x] = float_to_act(y);
+  }
+}

@@ -1,0 +1,218 @@
+"""CUDA C kernels compiled at run time with NVRTC and launched through the driver API.
+
+Triton covers most of our kernels. Where a kernel needs control Triton does not give (which
+registers hold what, and issuing every weight load of a thread before the programmatic
+dependent launch wait, as `kernels/gemv_w4_cuda.py` does), we write it in CUDA C and compile
+it here, in the same spirit as Triton's JIT: no nvcc and no build step, only the NVRTC library
+that CUDA builds of PyTorch ship (`nvidia-cuda-nvrtc`) or a CUDA toolkit provides, and the
+driver (libcuda). Sources include no headers, so NVRTC needs no include paths.
+
+A `CudaKernel` is one compiled function of one source with one set of `-D` macros, loaded in
+the current device's primary context. `launch` places it on a torch stream, optionally with
+programmatic dependent launch (the attribute the Triton kernels get from `launch_pdl=True`),
+and works under CUDA graph capture. Compile before capturing (the engine's warm-up does).
+
+`available()` says whether both libraries load and the GPU is NVIDIA compute capability
+>= 8.0 (bf16 conversions in PTX); callers fall back to Triton when it is False, and
+LLMACCEL_CUDA_KERNELS=0 forces that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MIN_CAPABILITY = (8, 0)
+# CUlaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class CudaRtcError(RuntimeError):
+    """NVRTC or the driver refused: the message names the call and the library's reason."""
+
+
+class _LaunchAttribute(ctypes.Structure):
+    # CUlaunchAttribute: an enum id padded to 8 bytes, then a 64-byte value union.
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+def _nvrtc_candidates() -> list[str]:
+    """Where libnvrtc may be: the loader's path, CUDA wheels beside torch, a toolkit."""
+    major = (torch.version.cuda or "12").split(".")[0]
+    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    site = Path(torch.__file__).resolve().parent.parent
+    for pattern in (f"{site}/nvidia/*/lib/libnvrtc.so*", f"{site}/nvidia/cu{major}/lib/libnvrtc.so*",
+                    "/usr/local/cuda/lib64/libnvrtc.so*", "/usr/local/cuda-*/lib64/libnvrtc.so*"):
+        names += sorted(p for p in glob.glob(pattern) if "builtins" not in p and "alt" not in p)
+    return names
+
+
+@functools.lru_cache(maxsize=1)
+def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    """(libnvrtc, libcuda), loaded once; OSError when either is missing."""
+    nvrtc = None
+    for name in _nvrtc_candidates():
+        try:
+            nvrtc = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if nvrtc is None:
+        raise OSError("NVRTC (libnvrtc) not found: install PyTorch's CUDA build or a CUDA "
+                      "toolkit")
+    cuda = ctypes.CDLL("libcuda.so.1")
+    return nvrtc, cuda
+
+
+def available(device: torch.device | str | None = None) -> bool:
+    """CUDA C kernels can be compiled and launched on `device` (default: the current one)."""
+    if os.environ.get("LLMACCEL_CUDA_KERNELS", "1") == "0" or torch.version.cuda is None:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
+        return False
+    try:
+        _libs()
+    except OSError as e:
+        logger.info("CUDA C kernels unavailable (%s); Triton kernels instead", e)
+        return False
+    return True
+
+
+def _check_cu(cuda: ctypes.CDLL, result: int, what: str) -> None:
+    if result != 0:
+        msg = ctypes.c_char_p()
+        cuda.cuGetErrorString(result, ctypes.byref(msg))
+        raise CudaRtcError(f"{what} failed: {msg.value.decode() if msg.value else result}")
+
+
+def _check_rtc(nvrtc: ctypes.CDLL, result: int, what: str) -> None:
+    if result != 0:
+        nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise CudaRtcError(f"{what} failed: {nvrtc.nvrtcGetErrorString(result).decode()}")
+
+
+def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int | str]) -> bytes:
+    """NVRTC: `source` -> a cubin for `arch` (e.g. "sm_90"), with -D`defines`."""
+    nvrtc, _ = _libs()
+    prog = ctypes.c_void_p()
+    _check_rtc(nvrtc, nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
+                                               f"{name}.cu".encode(), 0, None, None),
+               "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device"]
+        opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        res = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
+        if res != 0:
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise CudaRtcError(f"NVRTC could not compile {name} {defines}:\n"
+                               f"{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        _check_rtc(nvrtc, nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check_rtc(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin.raw
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+class CudaKernel:
+    """One compiled kernel in the current context of `device`."""
+
+    def __init__(self, cubin: bytes, func_name: str, device: torch.device) -> None:
+        _, cuda = _libs()
+        torch.cuda.init()
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device)  # makes torch's (primary) context current
+            _check_cu(cuda, cuda.cuInit(0), "cuInit")
+            ctx = ctypes.c_void_p()
+            _check_cu(cuda, cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+            if not ctx.value:
+                dev = ctypes.c_int()
+                _check_cu(cuda, cuda.cuDeviceGet(ctypes.byref(dev), device.index or 0),
+                          "cuDeviceGet")
+                _check_cu(cuda, cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
+                          "cuDevicePrimaryCtxRetain")
+                _check_cu(cuda, cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            self._module = ctypes.c_void_p()
+            self._cubin = cubin  # the driver reads the image during the call only
+            _check_cu(cuda, cuda.cuModuleLoadData(ctypes.byref(self._module), cubin),
+                      "cuModuleLoadData")
+            self._func = ctypes.c_void_p()
+            _check_cu(cuda, cuda.cuModuleGetFunction(ctypes.byref(self._func), self._module,
+                                                     func_name.encode()), "cuModuleGetFunction")
+        self.name = func_name
+        self.device = device
+        attr = _LaunchAttribute()
+        attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+        ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset,
+                       ctypes.byref(ctypes.c_int(1)), ctypes.sizeof(ctypes.c_int))
+        self._pdl_attr = attr
+
+    def num_regs(self) -> int:
+        """Registers per thread (CU_FUNC_ATTRIBUTE_NUM_REGS), for logs and experiments."""
+        _, cuda = _libs()
+        v = ctypes.c_int()
+        _check_cu(cuda, cuda.cuFuncGetAttribute(ctypes.byref(v), 4, self._func),
+                  "cuFuncGetAttribute")
+        return v.value
+
+    def launch(self, grid: int, block: int, args: list, stream: torch.cuda.Stream | None = None,
+               pdl: bool = False) -> None:
+        """Run on `stream` (default: torch's current one). `args` are ctypes values in the
+        kernel's parameter order (pointers as ctypes.c_void_p(tensor.data_ptr()))."""
+        _, cuda = _libs()
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        cfg = _LaunchConfig(grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(s.cuda_stream),
+                            ctypes.pointer(self._pdl_attr) if pdl else None, 1 if pdl else 0)
+        _check_cu(cuda, cuda.cuLaunchKernelEx(ctypes.byref(cfg), self._func, params, None),
+                  f"cuLaunchKernelEx({self.name})")
+
+
+_lock = threading.Lock()
+_cache: dict[tuple, CudaKernel] = {}
+
+
+def get_kernel(source: str, func_name: str, device: torch.device,
+               defines: dict[str, int | str]) -> CudaKernel:
+    """The kernel compiled for `device`'s architecture with `defines`, compiled once per
+    process (about a second each)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (hash(source), func_name, device.index, tuple(sorted(defines.items())))
+    with _lock:
+        k = _cache.get(key)
+        if k is None:
+            major, minor = torch.cuda.get_device_capability(device)
+            cubin = compile_cubin(source, func_name, f"sm_{major}{minor}", defines)
+            k = _cache[key] = CudaKernel(cubin, func_name, device)
+        return k
+
+
+__all__ = ["CudaKernel", "CudaRtcError", "available", "compile_cubin", "get_kernel"]

@@ -1,0 +1,119 @@
+"""Batch-1 W4A16 GEMV in CUDA C (`csrc/gemv_w4.cu`, compiled by NVRTC through `cuda_rtc`).
+
+Same function, layout and rounding as the Triton GEMV (`gemv_w4.w4a16_gemv`, plain variant:
+no fused prologue or epilogue): x [..., K] holding one row, weight int32 [N, K/8], scales
+[N, G] (bf16, fp16 or fp32), uint8 zeros [N, G] or None (zero point 8), optional bias.
+Differs in shape of work: each thread issues all of its weight loads at once, before the
+programmatic-dependent-launch wait (see the .cu file), which Triton's tiles could not do
+without losing speed (2026-11-26-quant-decode-s21.md).
+
+`supports` says whether a call can take this kernel (CUDA C kernels available, bf16/fp16
+activations, K and the group a multiple of 32, 16-byte aligned rows); callers fall back to
+Triton otherwise. The reference is `gemm.linear_ref`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from llmaccel.kernels import cuda_rtc, pdl
+from llmaccel.kernels.gemv_w4 import MAGIC_2_23
+
+MAX_THREADS = 1024
+MAX_REGS_PRODUCT = 16  # rows x chunks: 4 registers each for the codes, more spills
+
+
+@dataclass(frozen=True)
+class CudaGemvW4Config:
+    rows: int  # output rows per block
+    chunks: int = 1  # 32-code chunks of a row per thread
+
+    def describe(self) -> str:
+        return f"cuda-r{self.rows}c{self.chunks}"
+
+    def threads(self, k: int) -> int:
+        per_thread = -(-(k // 32) // self.chunks)
+        return max(32, -(-per_thread // 32) * 32)
+
+
+def default_config(n: int, k: int) -> CudaGemvW4Config:
+    """The untuned tile: 8 rows per block, one chunk per thread (two where K > 32768)."""
+    chunks = 1
+    while CudaGemvW4Config(8, chunks).threads(k) > MAX_THREADS:
+        chunks *= 2
+    return CudaGemvW4Config(8 if chunks <= 2 else 4, chunks)
+
+
+@functools.lru_cache(maxsize=1)
+def _source() -> str:
+    return resources.files("llmaccel.kernels").joinpath("csrc/gemv_w4.cu").read_text()
+
+
+_SCALE_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+             zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None
+             ) -> bool:
+    """Whether `w4a16_gemv_cuda` takes this call (else use the Triton GEMV)."""
+    k = x.shape[-1]
+    group = k if group_size == -1 else group_size
+    return (x.is_cuda and x.numel() == k and x.dtype in (torch.bfloat16, torch.float16)
+            and k % 32 == 0 and group % 32 == 0 and k % group == 0
+            and weight.dtype == torch.int32 and weight.dim() == 2 and weight.shape[1] == k // 8
+            and weight.stride(1) == 1 and weight.stride(0) % 4 == 0
+            and weight.data_ptr() % 16 == 0 and scales.dtype in _SCALE_KIND
+            and (bias is None or bias.dtype == x.dtype)
+            and cuda_rtc.available(x.device))
+
+
+def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None, group_size: int,
+                    bias: torch.Tensor | None = None, config: CudaGemvW4Config | None = None
+                    ) -> torch.Tensor:
+    """y [..., N] = x @ dequant(weight)^T (+ bias), in x's dtype (see the module docstring)."""
+    if not supports(x, weight, scales, zeros, group_size, bias):
+        raise ValueError(f"w4a16_gemv_cuda cannot take x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}, group {group_size}")
+    k = x.shape[-1]
+    n = weight.shape[0]
+    group = k if group_size == -1 else group_size
+    scales = scales.contiguous()
+    if scales.shape != (n, k // group):
+        raise ValueError(f"scales {tuple(scales.shape)} must be [N, K // group] = "
+                         f"{(n, k // group)}")
+    if zeros is not None:
+        zeros = zeros.contiguous()
+        if zeros.shape != scales.shape or zeros.dtype != torch.uint8:
+            raise ValueError("zeros must be uint8 with the shape of scales")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}]")
+    cfg = config or default_config(n, k)
+    threads = cfg.threads(k)
+    if threads > MAX_THREADS or cfg.rows * cfg.chunks > MAX_REGS_PRODUCT:
+        raise ValueError(f"config {cfg.describe()} does not fit K={k}")
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    x1 = x.reshape(k)
+    if not x1.is_contiguous() or x1.data_ptr() % 16:
+        x1 = x1.clone()
+    kern = cuda_rtc.get_kernel(_source(), "gemv_w4", x.device, {
+        "ROWS": cfg.rows, "CHUNKS": cfg.chunks, "X_BF16": int(x.dtype == torch.bfloat16),
+        "THREADS": threads, "SCALE_KIND": _SCALE_KIND[scales.dtype], "HAS_ZEROS": int(zeros is not None),
+        "HAS_BIAS": int(bias is not None)})
+    ptr = ctypes.c_void_p
+    args = [ptr(x1.data_ptr()), ptr(weight.data_ptr()), ptr(scales.data_ptr()),
+            ptr(zeros.data_ptr() if zeros is not None else 0),
+            ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()),
+            ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(group),
+            ctypes.c_longlong(weight.stride(0) // 4), ctypes.c_longlong(scales.stride(0)),
+            ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0),
+            ctypes.c_uint(MAGIC_2_23)]
+    kern.launch(-(-n // cfg.rows), threads, args, pdl=pdl.enabled())
+    return y
