@@ -42,11 +42,12 @@ def cuda_tiles(k: int):
     from llmaccel.kernels.gemv_w4_cuda import MAX_THREADS, CudaGemvW4Config
 
     out = []
-    for rows in (1, 2, 4, 8, 16):
-        for chunks in (1, 2, 4):
-            c = CudaGemvW4Config(rows, chunks)
-            if rows * chunks <= 16 and c.threads(k) <= MAX_THREADS:
-                out.append(c)
+    for rows in (1, 2, 3, 4, 6, 8, 16):
+        for chunks in (1, 2):
+            for math in (0, 1):
+                c = CudaGemvW4Config(rows, chunks, math)
+                if rows * chunks <= 16 and c.threads(k) <= MAX_THREADS:
+                    out.append(c)
     return out
 
 

@@ -32,9 +32,10 @@ MAX_REGS_PRODUCT = 16  # rows x chunks: 4 registers each for the codes, more spi
 class CudaGemvW4Config:
     rows: int  # output rows per block
     chunks: int = 1  # 32-code chunks of a row per thread
+    math: int = 0  # 0: magic-number dequantization; 1: codes as subnormal floats (the .cu)
 
     def describe(self) -> str:
-        return f"cuda-r{self.rows}c{self.chunks}"
+        return f"cuda-r{self.rows}c{self.chunks}" + ("s" if self.math else "")
 
     def threads(self, k: int) -> int:
         per_thread = -(-(k // 32) // self.chunks)
@@ -42,11 +43,14 @@ class CudaGemvW4Config:
 
 
 def default_config(n: int, k: int) -> CudaGemvW4Config:
-    """The untuned tile: 8 rows per block, one chunk per thread (two where K > 32768)."""
+    """The untuned tile, from an H100 sweep on the llama-3.2-3b shapes
+    (2026-11-26-w4-cuda-gemv-h100.md): 2 rows per block up to 16M weights (qkv, o), 4 above
+    (down, gate_up, the LM head); one chunk per thread, more only where K needs over 1024
+    threads."""
     chunks = 1
-    while CudaGemvW4Config(8, chunks).threads(k) > MAX_THREADS:
+    while CudaGemvW4Config(2, chunks).threads(k) > MAX_THREADS:
         chunks *= 2
-    return CudaGemvW4Config(8 if chunks <= 2 else 4, chunks)
+    return CudaGemvW4Config(2 if n * k <= 2**24 else 4, chunks)
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,7 +110,7 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     kern = cuda_rtc.get_kernel(_source(), "gemv_w4", x.device, {
         "ROWS": cfg.rows, "CHUNKS": cfg.chunks, "X_BF16": int(x.dtype == torch.bfloat16),
         "THREADS": threads, "SCALE_KIND": _SCALE_KIND[scales.dtype], "HAS_ZEROS": int(zeros is not None),
-        "HAS_BIAS": int(bias is not None)})
+        "HAS_BIAS": int(bias is not None), "MATH": cfg.math})
     ptr = ctypes.c_void_p
     args = [ptr(x1.data_ptr()), ptr(weight.data_ptr()), ptr(scales.data_ptr()),
             ptr(zeros.data_ptr() if zeros is not None else 0),

@@ -90,6 +90,32 @@ def _gemv_w4_config(layer: nn.Module, k: int, device: torch.device):
             or default_gemv_w4_config(layer.output_size, k, layer.kernel_group_size))
 
 
+def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Batch-1 int4 layers take the CUDA C GEMV (`kernels/gemv_w4_cuda.py`) where it can run:
+    on an H100 it streamed a llama-3.2-3b layer's four GEMVs in 29 us against the Triton
+    GEMV's 43 (2026-11-26-w4-cuda-gemv-h100.md). LLMACCEL_CUDA_KERNELS=0 turns it off."""
+    if not layer.kernel_weight.is_cuda:
+        return False
+    from llmaccel.kernels.gemv_w4_cuda import supports
+
+    return supports(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+                    layer.kernel_group_size, bias)
+
+
+def _cuda_gemv_available(layer: nn.Module) -> bool:
+    """For the log: whether this layer's batch-1 calls will take the CUDA C GEMV (bf16/fp16
+    activations assumed: the model's dtype)."""
+    if not layer.kernel_weight.is_cuda:
+        return False
+    from llmaccel.kernels.gemv_w4_cuda import supports
+
+    dt = torch.bfloat16 if layer.kernel_scales.dtype == torch.float32 else \
+        layer.kernel_scales.dtype
+    x = torch.empty(layer.input_size, device=layer.kernel_weight.device, dtype=dt)
+    return supports(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+                    layer.kernel_group_size)
+
+
 def _tuned_w4(layer: nn.Module) -> bool:
     """Whether the GPU's table holds a batch-1 GEMV tile for this layer (for the log)."""
     from llmaccel.kernels.gemm_tuning import gemv_w4_config
@@ -112,8 +138,14 @@ class PackedLinearMethod(LinearMethodBase):
         if layer is not None and hasattr(layer, "kernel_weight") and layer.use_triton:
             order = ", act-order permuted" if layer.kernel_perm is not None else ""
             kernel = f"Triton W{self.bits}A16 (kernels/gemm.py{order})"
-            if self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
-                                                  layer.kernel_weight.device) is not None:
+            if self.bits == 4 and _cuda_gemv_available(layer):
+                from llmaccel.kernels.gemv_w4_cuda import default_config
+
+                cfg = default_config(layer.output_size, layer.input_size)
+                kernel += (f"; batch 1: CUDA C W4A16 GEMV (kernels/csrc/gemv_w4.cu via NVRTC, "
+                           f"default tile {cfg.describe()})")
+            elif self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
+                                                    layer.kernel_weight.device) is not None:
                 tuned = _tuned_w4(layer)
                 kernel += (f"; batch 1: Triton W4A16 GEMV (kernels/gemv_w4.py, "
                            f"{'tuned' if tuned else 'default'} tile)")
@@ -244,6 +276,11 @@ class PackedLinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, x.shape[-1])
         group = x.shape[-1] if layer.kernel_group_size == -1 else layer.kernel_group_size
         if self.bits == 4 and x2.shape[0] == 1:
+            if _use_cuda_gemv(layer, x, bias):  # batch-1 decode: the CUDA C GEMV
+                from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_cuda
+
+                return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales,
+                                       layer.kernel_zeros, layer.kernel_group_size, bias)
             gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
             if gemv is not None:  # batch-1 decode: the dedicated GEMV
                 from llmaccel.kernels.gemv_w4 import w4a16_gemv

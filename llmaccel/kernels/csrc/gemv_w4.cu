@@ -24,7 +24,7 @@
 // Compile-time macros: THREADS (the block size; registers are budgeted for it), ROWS,
 // CHUNKS, X_BF16 (1: x, bias and y are bf16; 0: fp16),
 // SCALE_KIND (0 bf16, 1 fp16, 2 fp32), HAS_ZEROS (uint8 zeros [N, G]; else zero point 8),
-// HAS_BIAS.
+// HAS_BIAS, MATH (0: magic-number dequantization; 1: codes as subnormals, below).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -109,6 +109,34 @@ __device__ __forceinline__ float word_dot(u32 w, const float* x, const u32* magi
   return s;
 }
 
+// MATH 1: a nibble masked in place (w & (0xF << 4p)) is, read as a float with a zero exponent
+// field, the subnormal code * 2^(4p - 149), exact; multiplied by x * 2^(SUB_E - 4p) the FFMA's
+// exact product is x * code * 2^(SUB_E - 149), the same scale for every nibble. So a weight
+// costs a LOP3 (one immediate) and an FFMA; the zero point comes off once per chunk as
+// zero * sum(x), with the cancellation of two fp32 sums of similar size (about 1e-7 relative,
+// against bf16's 4e-3 rounding of the output). SUB_E = 96 keeps x * 2^96 finite for
+// |x| < 2^32 and the products normal for |x * code| >= 2^-73.
+#define SUB_E 96
+#define SUB_UNSCALE 9007199254740992.f  // 2^(149 - SUB_E) = 2^53
+
+__device__ __forceinline__ float sub_code(u32 src, int p) {
+  return __uint_as_float(src & (0xFu << (4 * p)));
+}
+
+// sum over the word's 8 codes of xs[i] * code_i * 2^(4p - 149), xs pre-scaled
+__device__ __forceinline__ float word_dot_sub(u32 w, const float* xs) {
+  const u32 hi = w >> 16;
+  float s = sub_code(w, 0) * xs[0];
+  s = fmaf(sub_code(w, 1), xs[1], s);
+  s = fmaf(sub_code(w, 2), xs[2], s);
+  s = fmaf(sub_code(w, 3), xs[3], s);
+  s = fmaf(sub_code(w, 4), xs[4], s);
+  s = fmaf(sub_code(hi, 1), xs[5], s);
+  s = fmaf(sub_code(hi, 2), xs[6], s);
+  s = fmaf(sub_code(hi, 3), xs[7], s);
+  return s;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __restrict__ S,
         const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
@@ -167,6 +195,23 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
   pdl_launch_dependents();
   // 3. Products: each chunk's 32 weights are x-major within its 4 words.
   float acc[ROWS];
+#if MATH == 1
+  // Codes as subnormal floats (see the header): x pre-scaled per nibble position, the sum of
+  // x per chunk for the zero point; both once per chunk, shared by the block's rows.
+  float sx[CHUNKS];
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) t += xv[j][i];
+    sx[j] = t;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int n = i & 7;  // nibble n of its word; n >= 5 is read from the word >> 16
+      xv[j][i] *= __uint_as_float((u32)(127 + SUB_E - 4 * (n < 5 ? n : n - 4)) << 23);
+    }
+  }
+#endif
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     acc[r] = 0.f;
@@ -177,12 +222,22 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #else
       const float z = 8.f;
 #endif
+#if MATH == 1
+      const float s0 = word_dot_sub(w[r][j].x, &xv[j][0]);
+      const float s1 = word_dot_sub(w[r][j].y, &xv[j][8]);
+      const float s2 = word_dot_sub(w[r][j].z, &xv[j][16]);
+      const float s3 = word_dot_sub(w[r][j].w, &xv[j][24]);
+      // sum x * code = 2^(149 - SUB_E) * (s0 + ... + s3); minus zero * sum x
+      const float d = fmaf((s0 + s1) + (s2 + s3), SUB_UNSCALE, -z * sx[j]);
+      acc[r] = fmaf(d, scale[r][j], acc[r]);
+#else
       const float off[5] = {8388608.f + z, 524288.f + z, 32768.f + z, 2048.f + z, 128.f + z};
       const float s0 = word_dot(w[r][j].x, &xv[j][0], magic, off);
       const float s1 = word_dot(w[r][j].y, &xv[j][8], magic, off);
       const float s2 = word_dot(w[r][j].z, &xv[j][16], magic, off);
       const float s3 = word_dot(w[r][j].w, &xv[j][24], magic, off);
       acc[r] = fmaf((s0 + s1) + (s2 + s3), scale[r][j], acc[r]);
+#endif
     }
   }
   // 4. Reduce each row over the block.

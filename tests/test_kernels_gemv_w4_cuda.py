@@ -1,0 +1,217 @@
+"""The CUDA C batch-1 W4A16 GEMV (`kernels/gemv_w4_cuda.py`, `kernels/csrc/gemv_w4.cu`).
+
+CPU (CI): when it is chosen (never off CUDA, never for shapes it cannot take), its default
+tiles, that its source compiles with NVRTC for sm_80 and sm_90 where an NVRTC library is
+installed, and that the arithmetic of its MATH=1 variant (codes read as subnormal floats)
+reproduces the dequantize-then-matmul reference, emulated bit for bit in PyTorch.
+GPU (`pytest -m gpu`, on the device): every tile and variant against `gemm.linear_ref` on
+awkward shapes, and a chain of PDL launches inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmaccel.kernels import cuda_rtc
+from llmaccel.kernels.gemm import linear_ref, pack_int4_rows
+from llmaccel.kernels.gemv_w4_cuda import (CudaGemvW4Config, _source, default_config,
+                                           supports, w4a16_gemv_cuda)
+from llmaccel.quant import linear_methods
+
+
+def _weights(n, k, group, zeros, dev, scale_dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    ng = k // (k if group == -1 else group)
+    scales = (torch.rand(n, ng, generator=g) * 0.02 + 0.001).to(scale_dtype)
+    z = torch.randint(0, 16, (n, ng), generator=g, dtype=torch.uint8) if zeros else None
+    w = pack_int4_rows(codes)
+    return (w.to(dev), scales.to(dev), None if z is None else z.to(dev))
+
+
+def test_default_tiles():
+    assert default_config(5120, 3072) == CudaGemvW4Config(2, 1)  # qkv of llama-3.2-3b
+    assert default_config(16384, 3072) == CudaGemvW4Config(4, 1)  # gate_up
+    assert default_config(3072, 8192).threads(8192) == 256
+    big = default_config(64, 131072)
+    assert big.threads(131072) <= 1024 and big.chunks == 4
+    assert CudaGemvW4Config(2, 1).threads(1536) == 64  # 48 chunks, rounded up to warps
+
+
+def test_not_chosen_off_cuda_or_for_shapes_it_cannot_take(monkeypatch):
+    w, s, _ = _weights(64, 256, 128, False, "cpu")
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    assert not supports(x, w, s, None, 128)  # CPU tensors
+    monkeypatch.setattr(cuda_rtc, "available", lambda device=None: True)
+    fake = SimpleNamespace(is_cuda=True, numel=lambda: 256, shape=(1, 256),
+                           dtype=torch.bfloat16, device=torch.device("cuda", 0))
+    assert supports(fake, w, s, None, 128)
+    assert not supports(fake, w, s, None, 64 + 16)  # group not a multiple of 32
+    fp32 = SimpleNamespace(**{**fake.__dict__, "dtype": torch.float32})
+    assert not supports(fp32, w, s, None, 128)
+    two_rows = SimpleNamespace(**{**fake.__dict__, "numel": lambda: 512, "shape": (2, 256)})
+    assert not supports(two_rows, w, s, None, 128)
+    # the engine's switch: a CPU layer never takes it
+    layer = SimpleNamespace(kernel_weight=w, kernel_scales=s, kernel_zeros=None,
+                            kernel_group_size=128)
+    assert not linear_methods._use_cuda_gemv(layer, x, None)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("LLMACCEL_CUDA_KERNELS", "0")
+    assert not cuda_rtc.available()
+
+
+def _nvrtc():
+    paths = sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*"))
+    try:
+        import nvidia  # the nvidia-cuda-nvrtc wheel, where installed
+
+        for root in nvidia.__path__:
+            paths += sorted(glob.glob(f"{root}/*/lib/libnvrtc.so*"))
+    except ImportError:
+        pass
+    for p in [p for p in paths if "builtins" not in p]:
+        try:
+            return ctypes.CDLL(p)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_source_compiles_with_nvrtc(arch, monkeypatch):
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("no NVRTC library installed (pip install nvidia-cuda-nvrtc)")
+    monkeypatch.setattr(cuda_rtc, "_libs", lambda: (lib, None))
+    for defines in ({"ROWS": 2, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
+                     "HAS_ZEROS": 0, "HAS_BIAS": 0, "MATH": 0},
+                    {"ROWS": 4, "CHUNKS": 2, "THREADS": 64, "X_BF16": 0, "SCALE_KIND": 2,
+                     "HAS_ZEROS": 1, "HAS_BIAS": 1, "MATH": 1}):
+        cubin = cuda_rtc.compile_cubin(_source(), "gemv_w4", arch, defines)
+        assert cubin[:4] == b"\x7fELF"
+    with pytest.raises(cuda_rtc.CudaRtcError, match="could not compile"):
+        cuda_rtc.compile_cubin(_source(), "gemv_w4", arch, {"ROWS": 2})  # macros missing
+
+
+def _emulate_math1(x, w, scales, zeros, group):
+    """The MATH=1 kernel's arithmetic in fp32 PyTorch: per 32-code chunk, codes masked in
+    place and read as (subnormal) floats times x * 2^(96 - 4p), scaled back by 2^53, minus
+    zero * sum(x); then times the group's scale."""
+    n, kw = w.shape
+    k = kw * 8
+    xf = x.reshape(k).float()
+    shift = torch.tensor([0, 4, 8, 12, 16, 4, 8, 12], dtype=torch.int64)
+    src = torch.stack([w.to(torch.int64) & 0xFFFFFFFF] * 5 + [(w.to(torch.int64) & 0xFFFFFFFF)
+                                                              >> 16] * 3, -1)  # [n, kw, 8]
+    masked = (src & (0xF << shift)).to(torch.int32)
+    v = masked.view(torch.float32).reshape(n, k)  # code * 2^(shift - 149), subnormal
+    e = shift.repeat(kw)
+    xs = xf * torch.pow(2.0, (96 - e).float())
+    prod = (v * xs).reshape(n, k // 32, 32).sum(-1, dtype=torch.float64).float()
+    sx = xf.reshape(k // 32, 32).sum(-1)
+    g = torch.arange(k // 32) * 32 // (k if group == -1 else group)
+    z = zeros.float()[:, g] if zeros is not None else torch.full((n, k // 32), 8.0)
+    d = prod * 2.0**53 - z * sx
+    return (d * scales.float()[:, g]).sum(-1)
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_subnormal_code_arithmetic_matches_reference(zeros):
+    torch.set_flush_denormal(False)
+    n, k, group = 24, 256, 64
+    w, s, z = _weights(n, k, group, zeros, "cpu", torch.float32, seed=3)
+    x = torch.randn(1, k) * 3
+    got = _emulate_math1(x, w, s, z, group)
+    ref = linear_ref(x, w, 4, s, z, group).reshape(n)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # the codes really are subnormal and nonzero: a flushed emulation would be all zero
+    assert got.abs().max() > 1e-3
+
+
+gpu = pytest.mark.gpu
+
+TILES = [CudaGemvW4Config(r, c, m) for r, c, m in
+         ((1, 1, 0), (2, 1, 0), (3, 1, 1), (4, 2, 0), (8, 1, 1), (16, 1, 0), (4, 4, 1))]
+
+
+@gpu
+@pytest.mark.parametrize("n,k,group", [(5120, 3072, 128), (37, 1536, 32), (130, 8960, 128),
+                                       (3, 4096, -1), (1000, 96, 32)])
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("cfg", TILES, ids=lambda c: c.describe())
+def test_gpu_matches_reference(n, k, group, zeros, cfg):
+    if not cuda_rtc.available():
+        pytest.skip("no CUDA C kernels here")
+    w, s, z = _weights(n, k, group, zeros, "cuda", seed=n + k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = linear_ref(x.float(), w, 4, s.float(), z, group)
+    if cfg.threads(k) > 1024:
+        pytest.skip("tile needs over 1024 threads")
+    got = w4a16_gemv_cuda(x, w, s, z, group, config=cfg).float()
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    assert (got - ref).norm() / ref.norm() < 8e-3
+
+
+@gpu
+@pytest.mark.parametrize("dtype,scale_dtype", [(torch.float16, torch.float16),
+                                               (torch.bfloat16, torch.float32),
+                                               (torch.float16, torch.float32)])
+def test_gpu_half_activations_bias_and_scale_kinds(dtype, scale_dtype):
+    if not cuda_rtc.available():
+        pytest.skip("no CUDA C kernels here")
+    n, k, group = 300, 2048, 128
+    w, s, z = _weights(n, k, group, True, "cuda", scale_dtype, seed=7)
+    x = torch.randn(2, 1, k, device="cuda", dtype=dtype)[1:]  # leading dims, an offset view
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    ref = linear_ref(x.float(), w, 4, s.float(), z, group, bias.float())
+    for m in (0, 1):
+        got = w4a16_gemv_cuda(x, w, s, z, group, bias, CudaGemvW4Config(2, 1, m))
+        assert got.shape == (1, 1, n) and got.dtype == dtype
+        assert (got.float() - ref).norm() / ref.norm() < 8e-3
+
+
+@gpu
+def test_gpu_pdl_chain_in_a_graph():
+    """Each GEMV reads the previous one's output: with PDL every launch starts early and must
+    still wait for its input (a missing wait reads stale x and the chain drifts)."""
+    from llmaccel.kernels import pdl
+
+    if not cuda_rtc.available():
+        pytest.skip("no CUDA C kernels here")
+    used = pdl.configure(torch.device("cuda"), True)
+    try:
+        k = 2048
+        layers = [_weights(k, k, 128, i % 2 == 1, "cuda", seed=i) for i in range(6)]
+        x0 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+        def chain(impl):
+            h = x0
+            for i, (w, s, z) in enumerate(layers):
+                h = impl(h, w, s, z)
+                if i == 2:  # a torch (non-PDL) kernel in the middle
+                    h = h / h.float().norm().clamp_min(1e-6).to(h.dtype) * 40
+            return h
+
+        ref = chain(lambda h, w, s, z: linear_ref(h.float(), w, 4, s.float(), z, 128)
+                    .to(h.dtype))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(lambda h, w, s, z: w4a16_gemv_cuda(h, w, s, z, 128))  # compile first
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(lambda h, w, s, z: w4a16_gemv_cuda(h, w, s, z, 128))
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert (out.float() - ref.float()).norm() / ref.float().norm() < 3e-2
+    finally:
+        pdl.configure(torch.device("cuda"), used)
