@@ -42,13 +42,26 @@ def cuda_tiles(k: int):
     from llmaccel.kernels.gemv_w4_cuda import MAX_THREADS, CudaGemvW4Config
 
     out = []
-    for rows in (1, 2, 3, 4, 6, 8, 16):
-        for chunks in (1, 2):
-            for math in (0, 1):
-                c = CudaGemvW4Config(rows, chunks, math)
-                if rows * chunks <= 16 and c.threads(k) <= MAX_THREADS:
-                    out.append(c)
+    for rows, chunks, math in ((2, 1, 0), (4, 1, 0), (1, 1, 1), (2, 1, 1), (3, 1, 1),
+                               (4, 1, 1), (6, 1, 1), (8, 1, 1), (4, 2, 1)):
+        c = CudaGemvW4Config(rows, chunks, math)
+        if c.threads(k) <= MAX_THREADS:
+            out.append(c)
     return out
+
+
+def fused_kwargs(name: str, n: int, k: int, dev) -> dict | None:
+    """The fusion DecoderLayer.forward_fused gives this shape (and its input x)."""
+    h = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    if name in ("qkv", "gate_up"):
+        return {"x": h, "norm_weight": torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5,
+                "eps": 1e-5}
+    if name == "o":
+        return {"x": h, "residual": torch.randn(1, n, device=dev, dtype=torch.bfloat16)}
+    if name == "down":
+        return {"x": torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16), "silu": True,
+                "residual": torch.randn(1, n, device=dev, dtype=torch.bfloat16)}
+    return None
 
 
 def main() -> int:
@@ -139,6 +152,26 @@ def main() -> int:
         print(f"  best {bcfg.describe()} {bus:.2f} us (x{tus / bus:.2f} vs triton); asym "
               f"{zus:.2f} us err {zerr:.2e}; no PDL {nus:.2f} us", flush=True)
         best[name] = (tcfg, bcfg)
+        # the shape's fused decode variant (as DecoderLayer.forward_fused calls it)
+        fkw = fused_kwargs(name, n, k, dev)
+        if fkw is not None:
+            ftimed = []
+            for cfg in cuda_tiles(k):
+                xin = fkw.pop("x")
+                us = tg.time_graph(lambda i, cfg=cfg, xin=xin: w4a16_gemv_cuda(
+                    xin, ws[i][0], ws[i][1], None, GROUP, config=cfg, **fkw), copies,
+                    max(24, copies))
+                fkw["x"] = xin
+                ftimed.append((us, cfg))
+            fus, fcfg = min(ftimed, key=lambda t: t[0])
+            best[name] = (tcfg, bcfg, fcfg)
+            emit({"exp": "w4cuda-fused", "shape": name, "n": n, "k": k,
+                  "fusion": sorted(kk for kk in fkw if kk != "x"),
+                  "tiles": {c.describe(): round(u, 2) for u, c in ftimed},
+                  "kernel": fcfg.describe(), "us": round(fus, 2), "plain_us": round(bus, 2)})
+            print(f"  fused {sorted(kk for kk in fkw if kk != 'x')}: best {fcfg.describe()} "
+                  f"{fus:.2f} us (plain {bus:.2f}); " + " ".join(
+                      f"{c.describe()}:{u:.2f}" for u, c in ftimed), flush=True)
         del ws
 
     # the chain of a step's GEMVs (no LM head)
@@ -158,12 +191,18 @@ def main() -> int:
                         w = lw[s]
                         if kind == "triton":
                             w4a16_gemv(xs[s], w[0], w[1], None, GROUP, config=best[s][0])
-                        else:
+                        elif kind == "cuda":
                             w4a16_gemv_cuda(xs[s], w[0], w[1], None, GROUP, config=best[s][1])
+                        else:  # fused variants (their norm / SiLU kernels are saved)
+                            kw = dict(fk[s])
+                            xin = kw.pop("x")
+                            w4a16_gemv_cuda(xin, w[0], w[1], None, GROUP, config=best[s][-1],
+                                            **kw)
             return f
 
+        fk = {s: fused_kwargs(s, *SHAPES[s], dev) for s in chain}
         res = {}
-        for kind in ("triton", "cuda", "triton", "cuda"):
+        for kind in ("triton", "cuda", "cuda-fused", "triton", "cuda", "cuda-fused"):
             us = tg.time_graph(run(kind), 1, 1)
             res.setdefault(kind, []).append(us)
         for kind, v in res.items():

@@ -35,8 +35,8 @@ def _weights(n, k, group, zeros, dev, scale_dtype=torch.bfloat16, seed=0):
 
 
 def test_default_tiles():
-    assert default_config(5120, 3072) == CudaGemvW4Config(2, 1)  # qkv of llama-3.2-3b
-    assert default_config(16384, 3072) == CudaGemvW4Config(4, 1)  # gate_up
+    assert default_config(3072, 3072) == CudaGemvW4Config(2, 1, 1)  # o of llama-3.2-3b
+    assert default_config(16384, 3072) == CudaGemvW4Config(4, 1, 1)  # gate_up
     assert default_config(3072, 8192).threads(8192) == 256
     big = default_config(64, 131072)
     assert big.threads(131072) <= 1024 and big.chunks == 4
@@ -215,3 +215,43 @@ def test_gpu_pdl_chain_in_a_graph():
         assert (out.float() - ref.float()).norm() / ref.float().norm() < 3e-2
     finally:
         pdl.configure(torch.device("cuda"), used)
+
+
+@gpu
+@pytest.mark.parametrize("prologue,with_residual", [("norm", False), ("silu", True),
+                                                    (None, True), ("norm", True)])
+@pytest.mark.parametrize("cfg", [CudaGemvW4Config(2, 1, 1), CudaGemvW4Config(4, 2, 0),
+                                 CudaGemvW4Config(6, 1, 1)], ids=lambda c: c.describe())
+def test_gpu_fused_decode_variants_match_the_separate_ops(prologue, with_residual, cfg):
+    """RMSNorm or SiLU-and-mul in the prologue, the residual add in the epilogue: equal to
+    `gemm.fused_linear_ref` on the dequantized weight (which rounds between steps as the
+    separate layers do), within bf16 rounding of near-equal values."""
+    from llmaccel.kernels.gemm import fused_linear_ref
+
+    if not cuda_rtc.available():
+        pytest.skip("no CUDA C kernels here")
+    n, k, group = 300, 3072, 128
+    w, s, z = _weights(n, k, group, True, "cuda", seed=5)
+    dq = linear_ref(torch.eye(k, device="cuda"), w, 4, s.float(), z, group).t().contiguous()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(1, 2 * k if prologue == "silu" else k, device="cuda", generator=g) * 2
+    x = x.to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    kw = {}
+    if prologue == "norm":
+        kw = {"norm_weight": (torch.rand(k, device="cuda", generator=g) + 0.5)
+              .to(torch.bfloat16), "eps": 1e-5}
+    elif prologue == "silu":
+        kw = {"silu": True}
+    res = (torch.randn(1, n, device="cuda", generator=g).to(torch.bfloat16) * 4
+           if with_residual else None)
+    want_res = None if res is None else res.clone()
+    want = fused_linear_ref(x, dq.to(torch.float32), bias, residual=want_res, **kw)
+    got = w4a16_gemv_cuda(x, w, s, z, group, bias, cfg, residual=res, **kw)
+    if with_residual:
+        assert got.data_ptr() == res.data_ptr()  # updated in place
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < 5e-3
+    if prologue is not None:  # the prologue matters
+        plain = linear_ref(x[:, :k].float(), w, 4, s.float(), z, group, bias.float())
+        assert (plain - want.float()).norm() / want.float().norm() > 0.05

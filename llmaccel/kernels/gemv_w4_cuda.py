@@ -32,7 +32,7 @@ MAX_REGS_PRODUCT = 16  # rows x chunks: 4 registers each for the codes, more spi
 class CudaGemvW4Config:
     rows: int  # output rows per block
     chunks: int = 1  # 32-code chunks of a row per thread
-    math: int = 0  # 0: magic-number dequantization; 1: codes as subnormal floats (the .cu)
+    math: int = 1  # 0: magic-number dequantization; 1: codes as subnormal floats (the .cu)
 
     def describe(self) -> str:
         return f"cuda-r{self.rows}c{self.chunks}" + ("s" if self.math else "")
@@ -44,13 +44,14 @@ class CudaGemvW4Config:
 
 def default_config(n: int, k: int) -> CudaGemvW4Config:
     """The untuned tile, from an H100 sweep on the llama-3.2-3b shapes
-    (2026-11-26-w4-cuda-gemv-h100.md): 2 rows per block up to 16M weights (qkv, o), 4 above
-    (down, gate_up, the LM head); one chunk per thread, more only where K needs over 1024
+    (2026-11-26-w4-cuda-gemv-h100.md): codes as subnormals (MATH 1, as fast or faster on every
+    shape), 2 rows per block for the smallest matrices (o, 9.4M weights), 4 above (qkv,
+    gate_up, down, the LM head); one chunk per thread, more only where K needs over 1024
     threads."""
     chunks = 1
     while CudaGemvW4Config(2, chunks).threads(k) > MAX_THREADS:
         chunks *= 2
-    return CudaGemvW4Config(2 if n * k <= 2**24 else 4, chunks)
+    return CudaGemvW4Config(2 if n * k < 12_000_000 else 4, chunks, 1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,13 +63,14 @@ _SCALE_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-             zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None
-             ) -> bool:
-    """Whether `w4a16_gemv_cuda` takes this call (else use the Triton GEMV)."""
-    k = x.shape[-1]
+             zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,
+             silu: bool = False) -> bool:
+    """Whether `w4a16_gemv_cuda` takes this call (else use the Triton GEMV). With `silu`, x
+    is [gate | up], twice the weight's K."""
+    k = x.shape[-1] // 2 if silu else x.shape[-1]
     group = k if group_size == -1 else group_size
-    return (x.is_cuda and x.numel() == k and x.dtype in (torch.bfloat16, torch.float16)
-            and k % 32 == 0 and group % 32 == 0 and k % group == 0
+    return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16)
+            and k > 0 and k % 32 == 0 and group % 32 == 0 and k % group == 0
             and weight.dtype == torch.int32 and weight.dim() == 2 and weight.shape[1] == k // 8
             and weight.stride(1) == 1 and weight.stride(0) % 4 == 0
             and weight.data_ptr() % 16 == 0 and scales.dtype in _SCALE_KIND
@@ -76,15 +78,28 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             and cuda_rtc.available(x.device))
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous 16-byte-aligned copy where `t` is not one (the kernel loads 16 bytes)."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.contiguous().clone()
+
+
 def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                     zeros: torch.Tensor | None, group_size: int,
-                    bias: torch.Tensor | None = None, config: CudaGemvW4Config | None = None
-                    ) -> torch.Tensor:
-    """y [..., N] = x @ dequant(weight)^T (+ bias), in x's dtype (see the module docstring)."""
-    if not supports(x, weight, scales, zeros, group_size, bias):
+                    bias: torch.Tensor | None = None, config: CudaGemvW4Config | None = None,
+                    *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                    silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x @ dequant(weight)^T (+ bias), in x's dtype (see the module docstring).
+
+    The fused decode variants of `gemv_w4.w4a16_gemv`, rounded the same way: `norm_weight`
+    (the input is RMSNorm(x) * norm_weight with `eps`), `silu` (x is [gate | up], 2K wide; the
+    input is silu(gate) * up), `residual` [..., N] (updated in place to residual + product and
+    returned)."""
+    if silu and norm_weight is not None:
+        raise ValueError("one prologue at a time: silu or norm_weight")
+    if not supports(x, weight, scales, zeros, group_size, bias, silu):
         raise ValueError(f"w4a16_gemv_cuda cannot take x {tuple(x.shape)} {x.dtype}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}, group {group_size}")
-    k = x.shape[-1]
+    k = x.shape[-1] // 2 if silu else x.shape[-1]
     n = weight.shape[0]
     group = k if group_size == -1 else group_size
     scales = scales.contiguous()
@@ -97,20 +112,31 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             raise ValueError("zeros must be uint8 with the shape of scales")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}]")
+    if norm_weight is not None:
+        if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+            raise ValueError(f"norm_weight must be [{k}] in {x.dtype}")
+        norm_weight = _aligned(norm_weight)
     cfg = config or default_config(n, k)
     threads = cfg.threads(k)
     if threads > MAX_THREADS or cfg.rows * cfg.chunks > MAX_REGS_PRODUCT:
         raise ValueError(f"config {cfg.describe()} does not fit K={k}")
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        if (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype
+                or not residual.is_contiguous()):
+            raise ValueError(f"residual must be a contiguous {(*x.shape[:-1], n)} tensor in "
+                             f"{x.dtype}")
+        y = residual
+    else:
+        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    x1 = x.reshape(k)
-    if not x1.is_contiguous() or x1.data_ptr() % 16:
-        x1 = x1.clone()
+    x1 = _aligned(x.reshape(x.shape[-1]))
     kern = cuda_rtc.get_kernel(_source(), "gemv_w4", x.device, {
-        "ROWS": cfg.rows, "CHUNKS": cfg.chunks, "X_BF16": int(x.dtype == torch.bfloat16),
-        "THREADS": threads, "SCALE_KIND": _SCALE_KIND[scales.dtype], "HAS_ZEROS": int(zeros is not None),
-        "HAS_BIAS": int(bias is not None), "MATH": cfg.math})
+        "ROWS": cfg.rows, "CHUNKS": cfg.chunks, "THREADS": threads,
+        "X_BF16": int(x.dtype == torch.bfloat16), "SCALE_KIND": _SCALE_KIND[scales.dtype],
+        "HAS_ZEROS": int(zeros is not None), "HAS_BIAS": int(bias is not None),
+        "MATH": cfg.math, "PROLOGUE": 1 if norm_weight is not None else (2 if silu else 0),
+        "RESIDUAL": int(residual is not None)})
     ptr = ctypes.c_void_p
     args = [ptr(x1.data_ptr()), ptr(weight.data_ptr()), ptr(scales.data_ptr()),
             ptr(zeros.data_ptr() if zeros is not None else 0),
@@ -118,6 +144,8 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(group),
             ctypes.c_longlong(weight.stride(0) // 4), ctypes.c_longlong(scales.stride(0)),
             ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0),
-            ctypes.c_uint(MAGIC_2_23)]
+            ctypes.c_uint(MAGIC_2_23),
+            ptr(norm_weight.data_ptr() if norm_weight is not None else 0),
+            ctypes.c_float(eps)]
     kern.launch(-(-n // cfg.rows), threads, args, pdl=pdl.enabled())
     return y

@@ -21,6 +21,8 @@ for checking the kernel. The engine logs which of the two each layer uses.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,6 +90,11 @@ def _gemv_w4_config(layer: nn.Module, k: int, device: torch.device):
 
     return (gemv_w4_config(layer.output_size, k, layer.kernel_group_size, device)
             or default_gemv_w4_config(layer.output_size, k, layer.kernel_group_size))
+
+
+# Fused decode layers through the CUDA C GEMV where it runs (LLMACCEL_CUDA_FUSED_DECODE=0: the
+# CUDA GEMV unfused, to measure the fusion alone).
+FUSED_CUDA = os.environ.get("LLMACCEL_CUDA_FUSED_DECODE", "1") == "1"
 
 
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -224,15 +231,21 @@ class PackedLinearMethod(LinearMethodBase):
 
     def fused_decode_config(self, layer: nn.Module, m: int, kind: str):
         """The W4A16 GEMV tile for a fused decode layer (norm / SiLU-and-mul / residual folded
-        into the GEMV, `kernels/gemv_w4.py`), or None: 4-bit kernel layout, one row, no
-        act-order permutation (the prologue would have to gather), and a tile for this fusion
-        in the GPU's table. benchmarks/tune_fused_decode_quant.py writes one only where the fused
-        chain measured faster than the unfused one; on an H100 it was slower (the int4 GEMV
-        has about four instructions per weight to spend and the prologue's per-input work
-        exceeds them), so there int4 layers run unfused."""
+        into the GEMV), or None: 4-bit kernel layout, one row, no act-order permutation (the
+        prologue would have to gather). Where the CUDA C GEMV runs, its tile
+        (`kernels/gemv_w4_cuda.py`: the fusions cost it little, since its block holds the whole
+        input row); else a Triton tile for this fusion in the GPU's table
+        (`kernels/gemv_w4.py`). benchmarks/tune_fused_decode_quant.py writes one only where the
+        fused chain measured faster than the unfused one; on an H100 it was slower (the Triton
+        int4 GEMV has about four instructions per weight to spend and the prologue's per-input
+        work exceeds them), so there the Triton path runs int4 layers unfused."""
         if (self.bits != 4 or m != 1 or not hasattr(layer, "kernel_weight")
                 or layer.kernel_perm is not None or not kind):
             return None
+        if FUSED_CUDA and _cuda_gemv_available(layer):
+            from llmaccel.kernels.gemv_w4_cuda import default_config
+
+            return default_config(layer.output_size, layer.input_size)
         from llmaccel.kernels.gemm_tuning import fused_w4_config
 
         return fused_w4_config(kind, layer.output_size, layer.input_size,
@@ -240,6 +253,12 @@ class PackedLinearMethod(LinearMethodBase):
 
     def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                     config, **fusion) -> torch.Tensor:
+        from llmaccel.kernels.gemv_w4_cuda import CudaGemvW4Config, w4a16_gemv_cuda
+
+        if isinstance(config, CudaGemvW4Config):
+            return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales,
+                                   layer.kernel_zeros, layer.kernel_group_size, bias, config,
+                                   **fusion)
         from llmaccel.kernels.gemv_w4 import w4a16_gemv
 
         return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,

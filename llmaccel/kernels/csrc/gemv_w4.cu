@@ -24,7 +24,11 @@
 // Compile-time macros: THREADS (the block size; registers are budgeted for it), ROWS,
 // CHUNKS, X_BF16 (1: x, bias and y are bf16; 0: fp16),
 // SCALE_KIND (0 bf16, 1 fp16, 2 fp32), HAS_ZEROS (uint8 zeros [N, G]; else zero point 8),
-// HAS_BIAS, MATH (0: magic-number dequantization; 1: codes as subnormals, below).
+// HAS_BIAS, MATH (0: magic-number dequantization; 1: codes as subnormals, below), and the
+// fused decode variants of kernels/gemv_w4.py: PROLOGUE 1 (the input is RMSNorm(x) * NormW,
+// with `eps`; the block's threads hold the whole row, so the mean square is one block sum),
+// PROLOGUE 2 (x is [gate | up], 2K wide; the input is silu(gate) * up), RESIDUAL (Y holds
+// the residual stream and gets the product added in place).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -109,6 +113,49 @@ __device__ __forceinline__ float word_dot(u32 w, const float* x, const u32* magi
   return s;
 }
 
+__device__ __forceinline__ float round_act(float f) { return act_to_float(float_to_act(f)); }
+
+// 32 activations (64 bytes, 16-byte aligned) as floats
+__device__ __forceinline__ void unpack_chunk(const uint4* v, float* out) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const u32 u[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      out[8 * q + 2 * e] = act_to_float((u16)(u[e] & 0xFFFFu));
+      out[8 * q + 2 * e + 1] = act_to_float((u16)(u[e] >> 16));
+    }
+  }
+}
+
+// 32 activations written by an earlier kernel: loaded through L2 (ld.global.cg), never a
+// possibly stale L1 or read-only-cache line
+__device__ __forceinline__ void load_chunk(const u16* p, float* out) {
+  uint4 v[4];
+  const uint4* vp = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) v[q] = __ldcg(vp + q);
+  unpack_chunk(v, out);
+}
+
+// silu(gate) * up, rounded as silu_and_mul rounds (the SiLU, then the product)
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+  return round_act(round_act(__fdividef(gate, 1.f + __expf(-gate))) * up);
+}
+
+// The sum of v over the block, the same value in every thread (same order everywhere).
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float red[NWARPS];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int i = 0; i < NWARPS; ++i) t += red[i];
+  return t;
+}
+
 // MATH 1: a nibble masked in place (w & (0xF << 4p)) is, read as a float with a zero exponent
 // field, the subnormal code * 2^(4p - 149), exact; multiplied by x * 2^(SUB_E - 4p) the FFMA's
 // exact product is x * code * 2^(SUB_E - 149), the same scale for every nibble. So a weight
@@ -141,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __restrict__ S,
         const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
         int N, int K, int group, long long stride_w16, long long stride_s, long long stride_z,
-        u32 magic0) {
+        u32 magic0, const u16* __restrict__ NormW, float eps) {
   const int chunks = K >> 5;
   // magic0 = 0x4B000000, the bit pattern of 2^23
   const u32 magic[5] = {magic0, magic0 - (4u << 23), magic0 - (8u << 23), magic0 - (12u << 23),
@@ -169,6 +216,17 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #endif
     }
   }
+#if PROLOGUE == 1
+  uint4 nw[CHUNKS][4];  // the RMSNorm weight of the thread's columns: read-only too
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int c = threadIdx.x + j * THREADS;
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      nw[j][q] = c < chunks ? __ldg(reinterpret_cast<const uint4*>(NormW) + 4 * c + q)
+                            : make_uint4(0, 0, 0, 0);
+  }
+#endif
   // 2. The input, written by the previous kernel.
   pdl_wait();
   float xv[CHUNKS][32];
@@ -176,22 +234,37 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
   for (int j = 0; j < CHUNKS; ++j) {
     const int c = threadIdx.x + j * THREADS;
     if (c < chunks) {
-      const uint4* xp = reinterpret_cast<const uint4*>(X) + 4 * c;
+      load_chunk(X + 32 * c, xv[j]);
+#if PROLOGUE == 2
+      // x = [gate | up], 2K wide: the input is silu(gate) * up, rounded as silu_and_mul
+      float up[32];
+      load_chunk(X + K + 32 * c, up);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const uint4 v = __ldg(xp + q);
-        const u32 u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          xv[j][8 * q + 2 * e] = act_to_float((u16)(u[e] & 0xFFFFu));
-          xv[j][8 * q + 2 * e + 1] = act_to_float((u16)(u[e] >> 16));
-        }
-      }
+      for (int i = 0; i < 32; ++i) xv[j][i] = silu_mul(xv[j][i], up[i]);
+#endif
     } else {
 #pragma unroll
       for (int i = 0; i < 32; ++i) xv[j][i] = 0.f;
     }
   }
+#if PROLOGUE == 1
+  {
+    // RMSNorm over the whole row: the block's threads hold all of it between them
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) ss = fmaf(xv[j][i], xv[j][i], ss);
+    const float rstd = rsqrtf(block_sum(ss) / (float)K + eps);
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+      float wn[32];
+      unpack_chunk(nw[j], wn);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) xv[j][i] = round_act(wn[i] * round_act(xv[j][i] * rstd));
+    }
+  }
+#endif
   pdl_launch_dependents();
   // 3. Products: each chunk's 32 weights are x-major within its 4 words.
   float acc[ROWS];
@@ -257,6 +330,10 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
     for (int i = 0; i < NWARPS; ++i) y += partial[i][threadIdx.x];
 #if HAS_BIAS
     y += act_to_float(__ldg(Bias + row0 + threadIdx.x));  // one rounding, as gemv_w4.py
+#endif
+#if RESIDUAL
+    // Y holds the residual stream: Y += product, rounded as the unfused layers round
+    y = round_act(y) + act_to_float(__ldcg(Y + row0 + threadIdx.x));
 #endif
     Y[row0 + threadIdx.x] = float_to_act(y);
   }
