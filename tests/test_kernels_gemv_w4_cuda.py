@@ -255,3 +255,39 @@ def test_gpu_fused_decode_variants_match_the_separate_ops(prologue, with_residua
     if prologue is not None:  # the prologue matters
         plain = linear_ref(x[:, :k].float(), w, 4, s.float(), z, group, bias.float())
         assert (plain - want.float()).norm() / want.float().norm() > 0.05
+
+
+def test_silu_out_not_taken_off_cuda():
+    """The int4 method's SiLU epilogue hook gives None (two steps) where the CUDA GEMV does not
+    run, and refuses bad calls before any launch."""
+    w, s, _ = _weights(64, 256, 128, False, "cpu")
+    layer = SimpleNamespace(kernel_weight=w, kernel_scales=s, kernel_zeros=None,
+                            kernel_group_size=128, kernel_perm=None, output_size=64,
+                            input_size=256)
+    method = linear_methods.GPTQLinearMethod(4, 128, True, "gptq")
+    assert method.apply_silu_out(layer, torch.randn(1, 256, dtype=torch.bfloat16), None) is None
+    with pytest.raises(ValueError, match="silu_out needs an even N"):
+        w4a16_gemv_cuda(torch.randn(1, 256, dtype=torch.bfloat16), w[:63], s[:63], None, 128,
+                        silu_out=True)
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [CudaGemvW4Config(2, 1, 1), CudaGemvW4Config(4, 1, 0),
+                                 CudaGemvW4Config(6, 1, 1)], ids=lambda c: c.describe())
+@pytest.mark.parametrize("n_out", [1000, 3])
+def test_gpu_silu_out_epilogue(cfg, n_out):
+    """A [gate; up] layer with SiLU-and-mul in the epilogue equals the GEMV rounded to bf16,
+    then silu_and_mul; the rows past the end of an odd tile are not written."""
+    from llmaccel.kernels.activation import silu_and_mul_ref
+
+    if not cuda_rtc.available():
+        pytest.skip("no CUDA C kernels here")
+    k, group = 1536, 128
+    w, s, z = _weights(2 * n_out, k, group, True, "cuda", seed=n_out)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(2 * n_out, device="cuda", dtype=torch.bfloat16)
+    prod = linear_ref(x.float(), w, 4, s.float(), z, group, bias.float()).to(torch.bfloat16)
+    want = silu_and_mul_ref(prod).float()
+    got = w4a16_gemv_cuda(x, w, s, z, group, bias, cfg, silu_out=True)
+    assert got.shape == (1, n_out)
+    assert (got.float() - want).norm() / want.norm() < 8e-3

@@ -87,15 +87,20 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                     zeros: torch.Tensor | None, group_size: int,
                     bias: torch.Tensor | None = None, config: CudaGemvW4Config | None = None,
                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                    silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                    silu: bool = False, residual: torch.Tensor | None = None,
+                    silu_out: bool = False) -> torch.Tensor:
     """y [..., N] = x @ dequant(weight)^T (+ bias), in x's dtype (see the module docstring).
 
     The fused decode variants of `gemv_w4.w4a16_gemv`, rounded the same way: `norm_weight`
     (the input is RMSNorm(x) * norm_weight with `eps`), `silu` (x is [gate | up], 2K wide; the
     input is silu(gate) * up), `residual` [..., N] (updated in place to residual + product and
-    returned)."""
+    returned); `silu_out` (a [gate; up] layer, N = 2I) returns silu_and_mul of the product,
+    [..., I], the activation computed in the epilogue (the tile's rows must be even)."""
     if silu and norm_weight is not None:
         raise ValueError("one prologue at a time: silu or norm_weight")
+    if silu_out and (silu or residual is not None or weight.shape[0] % 2):
+        raise ValueError("silu_out needs an even N ([gate; up] rows), no silu prologue and no "
+                         "residual")
     if not supports(x, weight, scales, zeros, group_size, bias, silu):
         raise ValueError(f"w4a16_gemv_cuda cannot take x {tuple(x.shape)} {x.dtype}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}, group {group_size}")
@@ -118,8 +123,10 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         norm_weight = _aligned(norm_weight)
     cfg = config or default_config(n, k)
     threads = cfg.threads(k)
-    if threads > MAX_THREADS or cfg.rows * cfg.chunks > MAX_REGS_PRODUCT:
-        raise ValueError(f"config {cfg.describe()} does not fit K={k}")
+    if (threads > MAX_THREADS or cfg.rows * cfg.chunks > MAX_REGS_PRODUCT
+            or (silu_out and cfg.rows % 2)):
+        raise ValueError(f"config {cfg.describe()} does not fit K={k}"
+                         + (" with silu_out (rows must be even)" if silu_out else ""))
     if residual is not None:
         if (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype
                 or not residual.is_contiguous()):
@@ -127,7 +134,8 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                              f"{x.dtype}")
         y = residual
     else:
-        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+        y = torch.empty(*x.shape[:-1], n // 2 if silu_out else n, dtype=x.dtype,
+                        device=x.device)
     if n == 0:
         return y
     x1 = _aligned(x.reshape(x.shape[-1]))
@@ -136,7 +144,7 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         "X_BF16": int(x.dtype == torch.bfloat16), "SCALE_KIND": _SCALE_KIND[scales.dtype],
         "HAS_ZEROS": int(zeros is not None), "HAS_BIAS": int(bias is not None),
         "MATH": cfg.math, "PROLOGUE": 1 if norm_weight is not None else (2 if silu else 0),
-        "RESIDUAL": int(residual is not None)})
+        "RESIDUAL": int(residual is not None), "SILU_OUT": int(silu_out)})
     ptr = ctypes.c_void_p
     args = [ptr(x1.data_ptr()), ptr(weight.data_ptr()), ptr(scales.data_ptr()),
             ptr(zeros.data_ptr() if zeros is not None else 0),
@@ -147,5 +155,6 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             ctypes.c_uint(MAGIC_2_23),
             ptr(norm_weight.data_ptr() if norm_weight is not None else 0),
             ctypes.c_float(eps)]
-    kern.launch(-(-n // cfg.rows), threads, args, pdl=pdl.enabled())
+    grid = -(-(n // 2) // (cfg.rows // 2)) if silu_out else -(-n // cfg.rows)
+    kern.launch(grid, threads, args, pdl=pdl.enabled())
     return y

@@ -92,9 +92,15 @@ def _gemv_w4_config(layer: nn.Module, k: int, device: torch.device):
             or default_gemv_w4_config(layer.output_size, k, layer.kernel_group_size))
 
 
-# Fused decode layers through the CUDA C GEMV where it runs (LLMACCEL_CUDA_FUSED_DECODE=0: the
-# CUDA GEMV unfused, to measure the fusion alone).
-FUSED_CUDA = os.environ.get("LLMACCEL_CUDA_FUSED_DECODE", "1") == "1"
+# Fused decode layers (norms and SiLU-and-mul in the GEMV prologues, residual adds in the
+# epilogues) through the CUDA C GEMV: off unless LLMACCEL_CUDA_FUSED_DECODE=1. Every block
+# recomputes the whole row's norm or SiLU, which made those GEMVs 20-40% slower than the
+# saved kernels were worth: W1 int4 on the 3B shape 587 tok/s fused against 701 unfused on an
+# H100 (2026-11-26-w4-cuda-gemv-h100.md).
+FUSED_CUDA = os.environ.get("LLMACCEL_CUDA_FUSED_DECODE", "0") == "1"
+# SiLU-and-mul in the epilogue of the CUDA C GEMV of an unfused int4 gate_up layer at batch 1
+# (LLMACCEL_CUDA_SILU_OUT=0 turns it off, to measure it).
+CUDA_SILU_OUT = os.environ.get("LLMACCEL_CUDA_SILU_OUT", "1") == "1"
 
 
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -232,9 +238,9 @@ class PackedLinearMethod(LinearMethodBase):
     def fused_decode_config(self, layer: nn.Module, m: int, kind: str):
         """The W4A16 GEMV tile for a fused decode layer (norm / SiLU-and-mul / residual folded
         into the GEMV), or None: 4-bit kernel layout, one row, no act-order permutation (the
-        prologue would have to gather). Where the CUDA C GEMV runs, its tile
-        (`kernels/gemv_w4_cuda.py`: the fusions cost it little, since its block holds the whole
-        input row); else a Triton tile for this fusion in the GPU's table
+        prologue would have to gather). With LLMACCEL_CUDA_FUSED_DECODE=1 where the CUDA C
+        GEMV runs, its tile (`kernels/gemv_w4_cuda.py`; off by default: measured slower, see
+        FUSED_CUDA); else a Triton tile for this fusion in the GPU's table
         (`kernels/gemv_w4.py`). benchmarks/tune_fused_decode_quant.py writes one only where the
         fused chain measured faster than the unfused one; on an H100 it was slower (the Triton
         int4 GEMV has about four instructions per weight to spend and the prologue's per-input
@@ -264,13 +270,23 @@ class PackedLinearMethod(LinearMethodBase):
         return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
                           layer.kernel_group_size, bias, config, **fusion)
 
-    # No `apply_silu_out` (SiLU-and-mul in the gate_up GEMV's epilogue, which the FP8 method
-    # has): `gemv_w4.w4a16_gemv(silu_out=True)` matched the GEMV + silu_and_mul pair alone on an
-    # H100 (13.2 against 14.0 us, benchmarks/exp_silu_out.py), but whole llama-3.2-3b decode
-    # steps ran 14% slower with it (graph replay, 2026-11-25-quant-decode-s19-h100.md and
-    # 2026-11-26-quant-decode-s21.md): the down GEMV, launched early by PDL, sits resident
-    # through gate_up. With the int4 GEMV releasing its dependent after its main loop instead,
-    # graph replay was 2.1% faster but W1 decode 1.6% slower than the unfused pair (s21).
+    def apply_silu_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       x_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+        """silu_and_mul(layer(x)) for one row of a [gate; up] int4 layer in the CUDA C GEMV,
+        the activation in its epilogue (one kernel fewer a layer), or None where that GEMV
+        does not run. The Triton GEMV's SiLU epilogue is not used: it matched the GEMV +
+        silu_and_mul pair alone on an H100 (13.2 against 14.0 us, benchmarks/exp_silu_out.py)
+        but whole llama-3.2-3b decode steps ran slower with it, 14% with the dependent released
+        after the wait and W1 1.6% slower with it released at the end
+        (2026-11-25-quant-decode-s19-h100.md, 2026-11-26-quant-decode-s21.md)."""
+        if (x_scale is not None or not CUDA_SILU_OUT or layer.kernel_perm is not None
+                or not _use_cuda_gemv(layer, x, bias)):
+            return None
+        from llmaccel.kernels.gemv_w4_cuda import default_config, w4a16_gemv_cuda
+
+        cfg = default_config(layer.output_size, layer.input_size)
+        return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+                               layer.kernel_group_size, bias, cfg, silu_out=True)
 
     def _unpack(self, layer: nn.Module) -> None:
         """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""

@@ -28,7 +28,8 @@
 // fused decode variants of kernels/gemv_w4.py: PROLOGUE 1 (the input is RMSNorm(x) * NormW,
 // with `eps`; the block's threads hold the whole row, so the mean square is one block sum),
 // PROLOGUE 2 (x is [gate | up], 2K wide; the input is silu(gate) * up), RESIDUAL (Y holds
-// the residual stream and gets the product added in place).
+// the residual stream and gets the product added in place), SILU_OUT (a [gate; up] layer
+// whose output is silu(gate) * up, N / 2 wide; ROWS even).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -188,6 +189,20 @@ __device__ __forceinline__ float word_dot_sub(u32 w, const float* xs) {
   return s;
 }
 
+// The weight row of the block's row r. Rows past the end re-read the last valid one (their
+// results are not stored). SILU_OUT: the layer is [gate; up] (N = 2I) and the block's rows
+// interleave them, gate row j then up row j for ROWS / 2 outputs j, so one thread can pair
+// them in the epilogue.
+__device__ __forceinline__ long long weight_row(int r, int N) {
+#if SILU_OUT
+  const int half = N >> 1;
+  const int j = min((int)blockIdx.x * (ROWS / 2) + r / 2, half - 1);
+  return (long long)j + (r & 1) * half;
+#else
+  return min((int)blockIdx.x * ROWS + r, N - 1);
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __restrict__ S,
         const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
@@ -197,7 +212,7 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
   // magic0 = 0x4B000000, the bit pattern of 2^23
   const u32 magic[5] = {magic0, magic0 - (4u << 23), magic0 - (8u << 23), magic0 - (12u << 23),
                         magic0 - (16u << 23)};
-  const int row0 = blockIdx.x * ROWS;
+  const int row0 = blockIdx.x * ROWS;  // (SILU_OUT: row0 / 2 is the first output)
   uint4 w[ROWS][CHUNKS];
   float scale[ROWS][CHUNKS];
 #if HAS_ZEROS
@@ -212,7 +227,7 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
     const int g = (cc << 5) / group;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      const long long row = min(row0 + r, N - 1);  // rows past N re-read the last one
+      const long long row = weight_row(r, N);
       w[r][j] = ok ? load_weights(W + row * stride_w16 + cc) : make_uint4(0, 0, 0, 0);
       scale[r][j] = load_scale(S, row * stride_s + g);
 #if HAS_ZEROS
@@ -328,9 +343,27 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
     if (lane == 0) partial[warp][r] = v;
   }
   __syncthreads();
+#if SILU_OUT
+  // out[j] = silu(gate_j) * up_j, each product rounded as the layer's output would be stored
+  const int j = blockIdx.x * (ROWS / 2) + threadIdx.x;
+  if (threadIdx.x < ROWS / 2 && j < (N >> 1)) {
+    float g = 0.f, u = 0.f;
+#pragma unroll
+    for (int i = 0; i < NWARPS; ++i) {
+      g += partial[i][2 * threadIdx.x];
+      u += partial[i][2 * threadIdx.x + 1];
+    }
+#if HAS_BIAS
+    g += act_to_float(__ldg(Bias + j));
+    u += act_to_float(__ldg(Bias + j + (N >> 1)));
+#endif
+    Y[j] = float_to_act(silu_mul(round_act(g), round_act(u)));
+  }
+}
+#else
   if (threadIdx.x < ROWS && row0 + (int)threadIdx.x < N) {
     float y = 0.f;
-    #pragma unroll
+#pragma unroll
     for (int i = 0; i < NWARPS; ++i) y += partial[i][threadIdx.x];
 #if HAS_BIAS
     y += act_to_float(__ldg(Bias + row0 + threadIdx.x));  // one rounding, as gemv_w4.py
@@ -342,3 +375,4 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
     Y[row0 + threadIdx.x] = float_to_act(y);
   }
 }
+#endif
