@@ -12,21 +12,23 @@ w1() {  # W1 on the 3B shape: NAME VARIANT QUANTS, env from the caller
     --quantization "$3" --repeats 3 --out "$out" --name "W1-$tag-$1" --variant "$2" 2>&1 | tail -1
 }
 {
-  echo "== pytest -m gpu tests/test_kernels_gemv_w4_cuda.py"
-  python3 -m pytest -q -m gpu tests/test_kernels_gemv_w4_cuda.py -p no:cacheprovider 2>&1 | tail -2
+  echo "== pytest -m gpu (CUDA GEMV, paged attention)"
+  python3 -m pytest -q -m gpu tests/test_kernels_gemv_w4_cuda.py \
+    tests/test_kernels_paged_attention.py -p no:cacheprovider 2>&1 | tail -2
   if [ -n "$sweep" ]; then
     echo "== exp_w4_cuda.py"
     python3 benchmarks/exp_w4_cuda.py --out "$out" 2>&1 | grep -v "^  cuda-"
   fi
-  echo "== decode A/B (graph replay, greedy tokens): CUDA GEMV (SiLU epilogue on / off), Triton"
-  bash benchmarks/exp_env_ab.sh "$out/ab" gptq-int4-g128 cuda=LLMACCEL_CUDA_KERNELS=1 \
-    cuda-no-silu-out=LLMACCEL_CUDA_SILU_OUT=0 triton=LLMACCEL_CUDA_KERNELS=0 2>&1 | tail -3
+  echo "== decode A/B (graph replay, greedy tokens): attention combine fused / separate"
+  for q in gptq-int4-g128 bf16; do
+    bash benchmarks/exp_env_ab.sh "$out/ab" $q fused=LLMACCEL_ATTN_FUSED_COMBINE=1 \
+      separate=LLMACCEL_ATTN_FUSED_COMBINE=0 2>&1 | tail -1
+  done
   rm -rf "$out/ab"
   echo "== W1"
-  w1 cuda-gemv cuda-gemv bf16,gptq-int4-g128,gptq-int4-g128-lm-head
-  LLMACCEL_CUDA_SILU_OUT=0 w1 cuda-gemv-no-silu-out cuda-gemv-no-silu-out \
-    gptq-int4-g128,gptq-int4-g128-lm-head
-  LLMACCEL_CUDA_KERNELS=0 w1 triton-gemv triton-gemv bf16,gptq-int4-g128,gptq-int4-g128-lm-head
+  w1 default default bf16,gptq-int4-g128,gptq-int4-g128-lm-head
+  LLMACCEL_ATTN_FUSED_COMBINE=0 w1 attn-combine-separate attn-combine-separate \
+    bf16,gptq-int4-g128,gptq-int4-g128-lm-head
   echo "== profile of a decode step (gptq-int4-g128-lm-head, CUDA GEMV)"
   python3 benchmarks/profile_decode.py --shape llama-3.2-3b --quantization gptq-int4-g128-lm-head \
     --kernels --rows 16 --steps 50 2>&1 | tail -24

@@ -23,6 +23,7 @@ element: k_scale is folded into the softmax scale, v_scale multiplies the normal
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -44,13 +45,13 @@ MIN_TOKENS_PER_SPLIT = 256
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, K, V, BlockTables, SeqLens, Out, PartOut, PartLse, qk_scale, v_scale,
+    Q, K, V, BlockTables, SeqLens, Out, PartOut, PartLse, Counters, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, FUSED_COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     seq = tl.program_id(0)
@@ -105,6 +106,48 @@ def _paged_decode_kernel(
         part = PartOut + seq * stride_pt + heads[:, None] * stride_ph + split * stride_ps
         tl.store(part + d[None, :], out, mask=out_mask)
         tl.store(PartLse + seq * stride_lt + heads * stride_lh + split, lse, mask=g_mask)
+        if FUSED_COMBINE:
+            # The last split of this (sequence, KV head) to finish merges them all: one
+            # kernel instead of two. Every thread's stores precede the barrier; one release
+            # atomic then publishes them at GPU scope, and the last program's acquire (then a
+            # barrier) orders its loads after every split's stores (CUTLASS's semaphore
+            # pattern). The counter goes back to 0 for the next call.
+            tl.debug_barrier()
+            counter = Counters + seq * tl.num_programs(1) + kv_head
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == NUM_SPLITS - 1:
+                tl.debug_barrier()
+                _merge_group(PartOut, PartLse, Out, seq, heads, g_mask, stride_pt, stride_ph,
+                             stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM,
+                             DIM_PAD, NUM_SPLITS, SPLITS_PAD)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_group(PartOut, PartLse, Out, seq, heads, g_mask, stride_pt, stride_ph, stride_ps,
+                 stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                 DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """`_combine_splits_kernel` for the query heads `heads` of one KV head, inside the decode
+    kernel: the splits' outputs weighted by exp2(lse - max), through L2 (.cg: other programs
+    wrote them)."""
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    s_mask = s < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    lse = tl.load(PartLse + seq * stride_lt + heads[:, None] * stride_lh + s[None, :],
+                  mask=g_mask[:, None] & s_mask[None, :], other=float("-inf"),
+                  cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: no -inf - -inf
+    w = tl.exp2(lse - m[:, None])
+    total = tl.sum(w, 1)
+    part = tl.load(PartOut + seq * stride_pt + heads[:, None, None] * stride_ph
+                   + s[None, :, None] * stride_ps + d[None, None, :],
+                   mask=g_mask[:, None, None] & s_mask[None, :, None] & d_mask[None, None, :],
+                   other=0.0, cache_modifier=".cg")
+    out = tl.sum(part * w[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -133,6 +176,28 @@ def _combine_splits_kernel(
     out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(Out + seq * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty),
              mask=d_mask)
+
+
+# The last split of a (sequence, KV head) merges the splits in the decode kernel itself
+# (LLMACCEL_ATTN_FUSED_COMBINE=0: the separate combine kernel, to measure it).
+FUSED_COMBINE = os.environ.get("LLMACCEL_ATTN_FUSED_COMBINE", "1") == "1"
+# Arrival counters of the fused combine, one int32 per (sequence, KV head), per KV cache (so
+# two models' attention, e.g. a draft's on another stream, never share one). Zeroed once
+# outside graph capture; each call leaves them at 0 again.
+_counters: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _combine_counters(kv_cache: torch.Tensor, n: int) -> torch.Tensor | None:
+    """Counters for n (sequence, KV head) pairs, or None when they would have to be allocated
+    (or grown) under CUDA-graph capture (then the separate combine kernel runs)."""
+    key = (kv_cache.device.index or 0, kv_cache.data_ptr())
+    c = _counters.get(key)
+    if c is not None and c.numel() >= n:
+        return c
+    if kv_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    _counters[key] = c = torch.zeros(max(n, 1024), dtype=torch.int32, device=kv_cache.device)
+    return c
 
 
 @functools.cache
@@ -209,11 +274,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         else:
             block_n = 32
     block_n = max(16, triton.next_power_of_2(block_n))
+    counters = None
     if num_splits == 1:
         # Never read: the single-pass kernel stores straight into `out`.
         part_out, part_lse = out, out
         part_strides = (0, 0, 0, 0, 0)
     else:
+        if FUSED_COMBINE:
+            counters = _combine_counters(kv_cache, num_seqs * num_kv_heads)
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                                device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
@@ -221,6 +289,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, key, value, block_tables, seq_lens, out, part_out, part_lse,
+        counters if counters is not None else seq_lens,
         scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *part_strides,
@@ -228,9 +297,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         # fp32 models get full-precision dots (the default would round inputs to TF32).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        USE_PDL=pdl.enabled(), **pdl.launch_kwargs(),
+        USE_PDL=pdl.enabled(), FUSED_COMBINE=counters is not None,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), **pdl.launch_kwargs(),
     )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, *part_strides, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
