@@ -101,6 +101,9 @@ FUSED_CUDA = os.environ.get("LLMACCEL_CUDA_FUSED_DECODE", "0") == "1"
 # SiLU-and-mul in the epilogue of the CUDA C GEMV of an unfused int4 gate_up layer at batch 1
 # (LLMACCEL_CUDA_SILU_OUT=0 turns it off, to measure it).
 CUDA_SILU_OUT = os.environ.get("LLMACCEL_CUDA_SILU_OUT", "1") == "1"
+# The add + RMSNorm after an unfused int4 o projection in the last block of its CUDA C GEMV
+# (LLMACCEL_CUDA_NORM_TAIL=0 turns it off, to measure it).
+CUDA_NORM_TAIL = os.environ.get("LLMACCEL_CUDA_NORM_TAIL", "1") == "1"
 
 
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -269,6 +272,25 @@ class PackedLinearMethod(LinearMethodBase):
 
         return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
                           layer.kernel_group_size, bias, config, **fusion)
+
+    def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                       ) -> torch.Tensor | None:
+        """RMSNorm(residual + layer(x)) * norm_weight for one row, `residual` updated in place,
+        in the CUDA C GEMV (its last block normalizes: one kernel instead of the GEMV and the
+        add + RMSNorm kernel), or None where that GEMV does not run."""
+        if (not CUDA_NORM_TAIL or layer.kernel_perm is not None
+                or residual.shape != (*x.shape[:-1], layer.output_size)
+                or not residual.is_contiguous() or layer.output_size % 32
+                or norm_weight.dtype != x.dtype or not _use_cuda_gemv(layer, x, bias)):
+            return None
+        from llmaccel.kernels.gemv_w4_cuda import default_config, w4a16_gemv_add_rmsnorm
+
+        got = w4a16_gemv_add_rmsnorm(x, layer.kernel_weight, layer.kernel_scales,
+                                     layer.kernel_zeros, layer.kernel_group_size, bias,
+                                     residual, norm_weight, eps,
+                                     default_config(layer.output_size, layer.input_size))
+        return None if got is None else got[0]
 
     def apply_silu_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                        x_scale: torch.Tensor | None = None) -> torch.Tensor | None:
