@@ -18,6 +18,8 @@ output's rounding, which is what the GPU test bounds.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable
 from functools import cache
 
@@ -141,6 +143,28 @@ def _gemv_config(layer: nn.Module):
     return tuned or (untuned_gemv_fp8() if layer.weight.is_cuda else None)
 
 
+# Batch-1 FP8 products on the tensor-core CUDA C GEMV (`kernels/gemv_fp8_cuda.py`) where it
+# runs; LLMACCEL_CUDA_FP8=0 keeps the Triton GEMV.
+CUDA_FP8 = os.environ.get("LLMACCEL_CUDA_FP8", "1") == "1"
+
+
+def _cuda_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
+    """This one-row product can take the CUDA C FP8 GEMV."""
+    if not CUDA_FP8 or not layer.weight.is_cuda or x.numel() != x.shape[-1]:
+        return False
+    from llmaccel.kernels.gemv_fp8_cuda import supports
+
+    return supports(x, layer.weight, layer.weight_scale)
+
+
+def _cuda_gemv_possible(layer: nn.Module) -> bool:
+    """For choices made before x exists (and the log): bf16 activations assumed."""
+    if not CUDA_FP8 or not layer.weight.is_cuda:
+        return False
+    x = torch.empty(layer.input_size, dtype=torch.bfloat16, device=layer.weight.device)
+    return _cuda_gemv(layer, x)
+
+
 def _aligned(w_fp8: torch.Tensor) -> bool:
     return w_fp8.shape[0] % SCALED_MM_ALIGN == 0 and w_fp8.shape[1] % SCALED_MM_ALIGN == 0
 
@@ -236,6 +260,12 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         if getattr(layer, "use_triton", False) and x.numel() == x.shape[-1]:
+            if _cuda_gemv(layer, x):  # batch-1 decode: the tensor-core GEMV, row quantized first
+                from llmaccel.kernels.gemv_fp8 import quantize_row_fp8
+                from llmaccel.kernels.gemv_fp8_cuda import fp8_gemv_cuda
+
+                x_q, x_scale = quantize_row_fp8(x)
+                return fp8_gemv_cuda(x_q, x_scale, layer.weight, layer.weight_scale, bias)
             cfg = _gemv_config(layer)
             if cfg is not None:  # batch-1 decode: the GEMV
                 from llmaccel.kernels.gemv_fp8 import fp8_gemv
@@ -248,6 +278,14 @@ class Fp8LinearMethod(LinearMethodBase):
         """silu_and_mul(layer(x)) for one row of a [gate; up] layer in the batch-1 GEMV (the
         activation in its epilogue), or None where `apply` would not take the GEMV. With
         `x_scale`, x is the row quantized already (as for `apply_quantized`)."""
+        if getattr(layer, "use_triton", False) and _cuda_gemv(layer, x):
+            from llmaccel.kernels.gemv_fp8 import quantize_row_fp8
+            from llmaccel.kernels.gemv_fp8_cuda import fp8_gemv_cuda
+
+            if x_scale is None:
+                x, x_scale = quantize_row_fp8(x)
+            return fp8_gemv_cuda(x, x_scale, layer.weight, layer.weight_scale, bias,
+                                 silu_out=True)
         cfg = _gemv_config(layer)
         if cfg is None or cfg.block_n < 2:
             return None
@@ -262,6 +300,8 @@ class Fp8LinearMethod(LinearMethodBase):
         hand it to `apply_quantized`, one kernel fewer."""
         if not getattr(layer, "use_triton", False):
             return False
+        if _cuda_gemv_possible(layer):
+            return True
         cfg = _gemv_config(layer)
         return cfg is not None and cfg.prequant
 
@@ -269,6 +309,10 @@ class Fp8LinearMethod(LinearMethodBase):
                         bias: torch.Tensor | None = None) -> torch.Tensor:
         """layer(x) for one row given as its e4m3 values `x_q` (in x's dtype) and fp32 scale
         [1], as `quantize_fp8_per_token` makes them: the GEMV without its own quantization."""
+        if _cuda_gemv(layer, x_q):
+            from llmaccel.kernels.gemv_fp8_cuda import fp8_gemv_cuda
+
+            return fp8_gemv_cuda(x_q, x_scale, layer.weight, layer.weight_scale, bias)
         from llmaccel.kernels.gemv_fp8 import fp8_gemv
 
         return fp8_gemv(x_q, layer.weight, layer.weight_scale, bias, _gemv_config(layer),
@@ -298,7 +342,13 @@ class Fp8LinearMethod(LinearMethodBase):
     def describe(self, layer: nn.Module | None = None) -> str:
         gemv = ""
         if layer is not None and getattr(layer, "use_triton", False):
-            if _gemv_config(layer) is not None:
+            if _cuda_gemv_possible(layer):
+                from llmaccel.kernels.gemv_fp8_cuda import default_config
+
+                cfg = default_config(layer.output_size, layer.input_size)
+                gemv = ("; batch 1: CUDA C FP8 GEMV on the tensor cores (kernels/csrc/"
+                        f"gemv_fp8.cu via NVRTC, tile {cfg.describe()})")
+            elif _gemv_config(layer) is not None:
                 from llmaccel.kernels.gemm_tuning import gemv_fp8_config
 
                 tuned = gemv_fp8_config(layer.output_size, layer.input_size, layer.weight.device)

@@ -101,9 +101,12 @@ FUSED_CUDA = os.environ.get("LLMACCEL_CUDA_FUSED_DECODE", "0") == "1"
 # SiLU-and-mul in the epilogue of the CUDA C GEMV of an unfused int4 gate_up layer at batch 1
 # (LLMACCEL_CUDA_SILU_OUT=0 turns it off, to measure it).
 CUDA_SILU_OUT = os.environ.get("LLMACCEL_CUDA_SILU_OUT", "1") == "1"
-# The add + RMSNorm after an unfused int4 o projection in the last block of its CUDA C GEMV
-# (LLMACCEL_CUDA_NORM_TAIL=0 turns it off, to measure it).
-CUDA_NORM_TAIL = os.environ.get("LLMACCEL_CUDA_NORM_TAIL", "1") == "1"
+# The add + RMSNorm after an unfused int4 o projection in the last block of its CUDA C GEMV:
+# off unless LLMACCEL_CUDA_NORM_TAIL=1. The serial tail (an arrival atomic, then one block
+# reading and normalizing the row) cost more than the PDL-launched RMSNorm kernel it replaces:
+# W1 GPTQ int4 on the 3B shape 690.6 against 725.0 tok/s on an H100
+# (2026-11-26-w4-cuda-gemv-h100.md, run 7), as a Triton tail did in session 20.
+CUDA_NORM_TAIL = os.environ.get("LLMACCEL_CUDA_NORM_TAIL", "0") == "1"
 
 
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
