@@ -282,7 +282,8 @@ class PackedLinearMethod(LinearMethodBase):
         """RMSNorm(residual + layer(x)) * norm_weight for one row, `residual` updated in place,
         in the CUDA C GEMV (its last block normalizes: one kernel instead of the GEMV and the
         add + RMSNorm kernel), or None where that GEMV does not run."""
-        if (not CUDA_NORM_TAIL or layer.kernel_perm is not None
+        if (not CUDA_NORM_TAIL or not hasattr(layer, "kernel_weight")
+                or layer.kernel_perm is not None
                 or residual.shape != (*x.shape[:-1], layer.output_size)
                 or not residual.is_contiguous() or layer.output_size % 32
                 or norm_weight.dtype != x.dtype or not _use_cuda_gemv(layer, x, bias)):
@@ -304,8 +305,8 @@ class PackedLinearMethod(LinearMethodBase):
         but whole llama-3.2-3b decode steps ran slower with it, 14% with the dependent released
         after the wait and W1 1.6% slower with it released at the end
         (2026-11-25-quant-decode-s19-h100.md, 2026-11-26-quant-decode-s21.md)."""
-        if (x_scale is not None or not CUDA_SILU_OUT or layer.kernel_perm is not None
-                or not _use_cuda_gemv(layer, x, bias)):
+        if (x_scale is not None or not CUDA_SILU_OUT or not hasattr(layer, "kernel_weight")
+                or layer.kernel_perm is not None or not _use_cuda_gemv(layer, x, bias)):
             return None
         from llmaccel.kernels.gemv_w4_cuda import default_config, w4a16_gemv_cuda
 
