@@ -143,9 +143,12 @@ def _gemv_config(layer: nn.Module):
     return tuned or (untuned_gemv_fp8() if layer.weight.is_cuda else None)
 
 
-# Batch-1 FP8 products on the tensor-core CUDA C GEMV (`kernels/gemv_fp8_cuda.py`) where it
-# runs; LLMACCEL_CUDA_FP8=0 keeps the Triton GEMV.
-CUDA_FP8 = os.environ.get("LLMACCEL_CUDA_FP8", "1") == "1"
+# Batch-1 FP8 products on the tensor-core CUDA C GEMV (`kernels/gemv_fp8_cuda.py`): off unless
+# LLMACCEL_CUDA_FP8=1. Unlike int4, FP8 weights cost the Triton GEMV few instructions, and it
+# already streamed a 3B layer at 2.0 TB/s; the CUDA GEMV chained 2% faster but was slower on
+# the down projection, and W1 FP8 ran at 441.7 against 491.1 tok/s on an H100
+# (2026-11-26-w4-cuda-gemv-h100.md, run 8).
+CUDA_FP8 = os.environ.get("LLMACCEL_CUDA_FP8", "0") == "1"
 
 
 def _cuda_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
