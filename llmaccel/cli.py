@@ -264,6 +264,8 @@ def distill_draft(
                                      "training-time test; 1: the target's features only)."),
     unroll_decay: float = typer.Option(1.0, min=0.0, max=1.0, help="head: weight of draft "
                                        "step j's loss is this to the power j - 1."),
+    unroll_detach: bool = typer.Option(False, help="head: with --unroll-steps, no gradient "
+                                       "through the drafts fed back as features"),
     init_head: Optional[str] = typer.Option(None, help="head: start from this saved head "
                                             "(e.g. to go on with --unroll-steps)."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
@@ -293,6 +295,7 @@ def distill_draft(
         batch_size=batch_size, seq_len=seq_len, eval_every=eval_every, patience=patience,
         max_blocks=max_blocks, kl_weight=kl_weight, feature_noise=feature_noise,
         unroll_steps=unroll_steps, unroll_decay=unroll_decay, init_head=init_head,
+        unroll_detach=unroll_detach,
         draft_vocab_size=draft_vocab_size, schedule=schedule,
         warmup=warmup, max_seconds=max_seconds, seed=seed, device=device, dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""

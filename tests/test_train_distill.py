@@ -300,6 +300,43 @@ def test_unrolled_head_equals_drafting_on_its_own_outputs(family, tmp_path):
     assert (outs[1][:, :8] - outs[0][:, 1:9]).abs().max() > 1e-3
 
 
+def test_unroll_detach_blocks_only_the_fed_back_gradient(tmp_path):
+    """With `detach` the drafts are the same, and a later step's loss no longer reaches the
+    parameters through the earlier step's output: its gradient equals the one computed with
+    that output fed back as a constant."""
+    target = make_tiny_model(tiny_configs()["llama"], tmp_path, seed=5)
+    head = build_draft_head(target, init=False)
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(4))
+    f = target_features(target, ids)[:, :-1].detach()
+
+    def grads(detach: bool):
+        head.zero_grad()
+        outs = head.unroll(ids, f, 2, detach=detach)
+        outs[1].pow(2).mean().backward()
+        return outs, [p.grad.clone() for p in head.parameters()]
+
+    (o_plain, g_plain), (o_det, g_det) = grads(False), grads(True)
+    for a, b in zip(o_plain, o_det):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert max((a - b).abs().max().item() for a, b in zip(g_plain, g_det)) > 1e-6
+    # by hand: step 2 on step 1's output as a constant
+    head.zero_grad()
+    with torch.no_grad():
+        first = head.unroll(ids, f, 1)[0]
+    n = ids.shape[1] - 1
+    rows = torch.arange(n)
+    h1 = head._inputs(ids[:, 1:], f)
+    h2 = head._inputs(ids[:, (rows + 2).clamp(max=n)], first)
+    blocks = torch.arange(2).repeat_interleave(n)
+    t = rows.repeat(2)
+    allowed = ((blocks[None, :] == 0) & (t[None, :] <= t[:, None])) | (
+        (t[None, :] == t[:, None]) & (blocks[None, :] <= blocks[:, None]))
+    out2 = head._layer(torch.cat([h1, h2], 1), (t + blocks).expand(2, -1), allowed)[:, -n:]
+    out2.pow(2).mean().backward()
+    for a, p in zip(g_det, head.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_unrolled_loss_and_heldout_agreement_per_step(target_dir):
     """head_losses with unroll_steps=2 is the mean of step 1's loss and step 2's, the
     latter fitted to f_{i+2} and p_{i+2}; evaluate_head's step-j agreement is the share of

@@ -50,6 +50,7 @@ class DistillConfig:
     unroll_steps: int = 1
     unroll_decay: float = 1.0       # head: weight of draft step j's loss is unroll_decay**(j-1)
     init_head: str | None = None    # head: start from this saved head, not the target's layer
+    unroll_detach: bool = False     # head: no gradient through the outputs fed back as features
     fc_bias: bool = False           # head: vLLM's EAGLE-1 llama loader has no fc bias
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the

@@ -145,8 +145,8 @@ class DraftHead(nn.Module):
         return self.layers[0](h, attention_mask=mask, position_ids=position_ids,
                               position_embeddings=cos_sin)
 
-    def unroll(self, ids: torch.Tensor, features: torch.Tensor, steps: int
-               ) -> list[torch.Tensor]:
+    def unroll(self, ids: torch.Tensor, features: torch.Tensor, steps: int,
+               detach: bool = False) -> list[torch.Tensor]:
         """The head drafting `steps` tokens ahead from every position of `ids` [B, T], with
         the target's features f_0..f_{T-2} in `features` [B, T - 1, H] -> [o^1, ..., o^steps],
         each [B, T - 1, H]. o^1 = forward(ids[:, 1:], features). o^s at row t is what the
@@ -159,7 +159,9 @@ class DraftHead(nn.Module):
         One layer call per step over [h^1; ...; h^s] (s blocks of T - 1 rows) with a mask
         that lets block a row t see block 1 rows <= t and blocks 2..a row t only; the earlier
         blocks are recomputed (exactly, as their rows see nothing later), which costs s^2/2
-        row blocks for s <= a few."""
+        row blocks for s <= a few. With `detach`, no gradient flows through an output fed
+        back as the next step's feature: each step's loss trains the layer on its own
+        inputs only."""
         b, n = ids.shape[0], ids.shape[1] - 1
         rows = torch.arange(n, device=ids.device)
         hs: list[torch.Tensor] = []
@@ -167,7 +169,8 @@ class DraftHead(nn.Module):
         feats = features
         for step in range(1, steps + 1):
             # the token after row t's feature at this step: x_{t+step}, clamped into the block
-            hs.append(self._inputs(ids[:, (rows + step).clamp(max=n)], feats))
+            hs.append(self._inputs(ids[:, (rows + step).clamp(max=n)],
+                                   feats.detach() if detach and step > 1 else feats))
             blocks = torch.arange(step, device=ids.device).repeat_interleave(n)
             t = rows.repeat(step)
             causal = t[None, :] <= t[:, None]
@@ -242,8 +245,8 @@ def _rms(t: torch.Tensor) -> float:
 
 
 def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: float,
-                feature_noise: float = 0.0, unroll_steps: int = 1, unroll_decay: float = 1.0
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                feature_noise: float = 0.0, unroll_steps: int = 1, unroll_decay: float = 1.0,
+                unroll_detach: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss on token blocks [B, T]: smooth L1(o_i, f_{i+1}) + kl_weight *
     KL(p_{i+1} || q_i) over i = 0..T-2, with noise on the input features f_i. With
     `unroll_steps` s > 1 the head also drafts s tokens ahead on its own outputs
@@ -256,7 +259,7 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
         rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * feature_noise * rms
     with autocast_for(batch.device, target_model.dtype):
-        outs = head.unroll(batch, inputs, unroll_steps)
+        outs = head.unroll(batch, inputs, unroll_steps, unroll_detach)
     total, parts, weights = 0.0, {}, 0.0
     for step, o in enumerate(outs, start=1):
         valid = f.shape[1] - step  # rows 0..T-1-step have a feature f_{i+step}
@@ -390,7 +393,7 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     def step_loss(batch: torch.Tensor):
         head.train()
         return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise,
-                           cfg.unroll_steps, cfg.unroll_decay)
+                           cfg.unroll_steps, cfg.unroll_decay, cfg.unroll_detach)
 
     outcome = train_loop(
         cfg, "head", params, train, device, step_loss,
