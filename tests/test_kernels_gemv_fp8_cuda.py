@@ -50,7 +50,8 @@ def test_source_compiles_with_nvrtc(arch, monkeypatch):
                      "SILU_OUT": 0},
                     {"WARPS": 3, "LOADS": 4, "RG": 2, "X_BF16": 0, "HAS_BIAS": 1,
                      "SILU_OUT": 1}):
-        assert cuda_rtc.compile_cubin(_source(), "gemv_fp8", arch, defines)[:4] == b"\x7fELF"
+        source, headers = _source()
+        assert cuda_rtc.compile_cubin(source, "gemv_fp8", arch, defines, headers)[:4] == b"\x7fELF"
 
 
 gpu = pytest.mark.gpu

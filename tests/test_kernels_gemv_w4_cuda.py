@@ -98,10 +98,11 @@ def test_source_compiles_with_nvrtc(arch, monkeypatch):
                      "HAS_ZEROS": 0, "HAS_BIAS": 0, "MATH": 1, "PROLOGUE": 1, "SILU_OUT": 1},
                     {"ROWS": 2, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
                      "HAS_ZEROS": 0, "HAS_BIAS": 1, "MATH": 1, "RESIDUAL": 1, "NORM_TAIL": 1}):
-        cubin = cuda_rtc.compile_cubin(_source(), "gemv_w4", arch, defines)
+        cubin = cuda_rtc.compile_cubin(_source()[0], "gemv_w4", arch, defines, _source()[1])
         assert cubin[:4] == b"\x7fELF"
     with pytest.raises(cuda_rtc.CudaRtcError, match="could not compile"):
-        cuda_rtc.compile_cubin(_source(), "gemv_w4", arch, {"ROWS": 2})  # macros missing
+        cuda_rtc.compile_cubin(*_source()[:1], "gemv_w4", arch, {"ROWS": 2},  # macros missing
+                               _source()[1])
 
 
 def _emulate_math1(x, w, scales, zeros, group):

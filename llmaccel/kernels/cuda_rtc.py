@@ -59,8 +59,8 @@ def _nvrtc_candidates() -> list[str]:
     major = (torch.version.cuda or "12").split(".")[0]
     names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
     site = Path(torch.__file__).resolve().parent.parent
-    for pattern in (f"{site}/nvidia/*/lib/libnvrtc.so*", f"{site}/nvidia/cu{major}/lib/libnvrtc.so*",
-                    "/usr/local/cuda/lib64/libnvrtc.so*", "/usr/local/cuda-*/lib64/libnvrtc.so*"):
+    for pattern in (f"{site}/nvidia/*/lib/libnvrtc.so*", "/usr/local/cuda/lib64/libnvrtc.so*",
+                    "/usr/local/cuda-*/lib64/libnvrtc.so*"):
         names += sorted(p for p in glob.glob(pattern) if "builtins" not in p and "alt" not in p)
     return names
 
@@ -112,12 +112,19 @@ def _check_rtc(nvrtc: ctypes.CDLL, result: int, what: str) -> None:
         raise CudaRtcError(f"{what} failed: {nvrtc.nvrtcGetErrorString(result).decode()}")
 
 
-def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int | str]) -> bytes:
-    """NVRTC: `source` -> a cubin for `arch` (e.g. "sm_90"), with -D`defines`."""
+def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int | str],
+                  headers: dict[str, str] | None = None) -> bytes:
+    """NVRTC: `source` -> a cubin for `arch` (e.g. "sm_90"), with -D`defines`; `headers` are
+    the files it may #include by name (given from memory, no include path)."""
     nvrtc, _ = _libs()
     prog = ctypes.c_void_p()
+    headers = headers or {}
+    texts = (ctypes.c_char_p * len(headers))(*[t.encode() for t in headers.values()])
+    names = (ctypes.c_char_p * len(headers))(*[n.encode() for n in headers])
     _check_rtc(nvrtc, nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
-                                               f"{name}.cu".encode(), 0, None, None),
+                                               f"{name}.cu".encode(), len(headers),
+                                               texts if headers else None,
+                                               names if headers else None),
                "nvrtcCreateProgram")
     try:
         opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device"]
@@ -199,20 +206,33 @@ _cache: dict[tuple, CudaKernel] = {}
 
 
 def get_kernel(source: str, func_name: str, device: torch.device,
-               defines: dict[str, int | str]) -> CudaKernel:
-    """The kernel compiled for `device`'s architecture with `defines`, compiled once per
-    process (about a second each)."""
+               defines: dict[str, int | str], headers: dict[str, str] | None = None
+               ) -> CudaKernel:
+    """The kernel compiled for `device`'s architecture with `defines` (and the #include-able
+    `headers`), compiled once per process (about a second each)."""
     device = torch.device(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (hash(source), func_name, device.index, tuple(sorted(defines.items())))
+    key = (hash(source), func_name, device.index, tuple(sorted(defines.items())),
+           tuple(sorted((headers or {}).items())))
     with _lock:
         k = _cache.get(key)
         if k is None:
             major, minor = torch.cuda.get_device_capability(device)
-            cubin = compile_cubin(source, func_name, f"sm_{major}{minor}", defines)
+            cubin = compile_cubin(source, func_name, f"sm_{major}{minor}", defines, headers)
             k = _cache[key] = CudaKernel(cubin, func_name, device)
         return k
 
 
-__all__ = ["CudaKernel", "CudaRtcError", "available", "compile_cubin", "get_kernel"]
+def source_files(*names: str) -> tuple[str, dict[str, str]]:
+    """(kernels/csrc/<names[0]>, {name: text} of the others): a kernel source and the
+    headers it includes, read from the installed package."""
+    from importlib import resources
+
+    root = resources.files("llmaccel.kernels").joinpath("csrc")
+    return (root.joinpath(names[0]).read_text(),
+            {n: root.joinpath(n).read_text() for n in names[1:]})
+
+
+__all__ = ["CudaKernel", "CudaRtcError", "available", "compile_cubin", "get_kernel",
+           "source_files"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from importlib import resources
 
 import torch
 
@@ -56,8 +55,9 @@ def default_config(n: int, k: int) -> CudaGemvFp8Config | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _source() -> str:
-    return resources.files("llmaccel.kernels").joinpath("csrc/gemv_fp8.cu").read_text()
+def _source() -> tuple[str, dict[str, str]]:
+    """The kernel's source and the header it includes."""
+    return cuda_rtc.source_files("gemv_fp8.cu", "common.cuh")
 
 
 @functools.lru_cache(maxsize=8)
@@ -107,10 +107,10 @@ def fp8_gemv_cuda(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     ws = weight_scale.reshape(n)
     if not ws.is_contiguous():
         ws = ws.contiguous()
-    kern = cuda_rtc.get_kernel(_source(), "gemv_fp8", x_q.device, {
+    kern = cuda_rtc.get_kernel(_source()[0], "gemv_fp8", x_q.device, {
         "WARPS": cfg.warps(k), "LOADS": cfg.loads, "RG": cfg.rg,
         "X_BF16": int(x_q.dtype == torch.bfloat16), "HAS_BIAS": int(bias is not None),
-        "SILU_OUT": int(silu_out)})
+        "SILU_OUT": int(silu_out)}, _source()[1])
     ptr = ctypes.c_void_p
     args = [ptr(x1.data_ptr()), ptr(x_scale.data_ptr()), ptr(weight.data_ptr()),
             ptr(ws.data_ptr()), ptr(bias.data_ptr() if bias is not None else 0),

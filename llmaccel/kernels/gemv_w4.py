@@ -269,6 +269,38 @@ def _valid_block_k(block_k: int, k: int, group: int) -> bool:
                                                            and _pow2(group))
 
 
+def check_side_tensors(n: int, k: int, group: int, scales: torch.Tensor,
+                       zeros: torch.Tensor | None, bias: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Contiguous scales [N, K // group] and uint8 zeros (or None) of an int4 GEMV call, and a
+    bias of [N]; ValueError naming what is off. Shared with `gemv_w4_cuda`."""
+    scales = scales.contiguous()
+    if scales.shape != (n, k // group):
+        raise ValueError(f"scales {tuple(scales.shape)} must be [N, K // group] = "
+                         f"{(n, k // group)}")
+    if zeros is not None:
+        zeros = zeros.contiguous()
+        if zeros.shape != scales.shape or zeros.dtype != torch.uint8:
+            raise ValueError("zeros must be uint8 with the shape of scales")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}]")
+    return scales, zeros
+
+
+def gemv_output(x: torch.Tensor, n: int, residual: torch.Tensor | None,
+                silu_out: bool) -> torch.Tensor:
+    """Where a batch-1 GEMV writes: the residual stream (checked) or a new [..., N] tensor
+    ([..., N / 2] with the SiLU epilogue). Shared with `gemv_w4_cuda`."""
+    if residual is None:
+        return torch.empty(*x.shape[:-1], n // 2 if silu_out else n, dtype=x.dtype,
+                           device=x.device)
+    if (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype
+            or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous {(*x.shape[:-1], n)} tensor in "
+                         f"{x.dtype}")
+    return residual
+
+
 def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,
                config: GemvW4Config | None = None, *, norm_weight: torch.Tensor | None = None,
@@ -300,16 +332,7 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     group = k if group_size == -1 else group_size
     if group <= 0 or group % 8 or k % group:
         raise ValueError(f"group_size {group_size} must be -1 or a multiple of 8 dividing K={k}")
-    scales = scales.contiguous()
-    if scales.shape != (n, k // group):
-        raise ValueError(f"scales {tuple(scales.shape)} must be [N, K // group] = "
-                         f"{(n, k // group)}")
-    if zeros is not None:
-        zeros = zeros.contiguous()
-        if zeros.shape != scales.shape or zeros.dtype != torch.uint8:
-            raise ValueError("zeros must be uint8 with the shape of scales")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}]")
+    scales, zeros = check_side_tensors(n, k, group, scales, zeros, bias)
     if norm_weight is not None and norm_weight.shape != (k,):
         raise ValueError(f"norm_weight must be [{k}]")
     cfg = config or default_gemv_w4_config(n, k, group)
@@ -317,15 +340,7 @@ def w4a16_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             and (cfg.block_n >= 2 or not silu_out)):
         raise ValueError(f"config {cfg.describe()} does not fit K={k}, group {group}: "
                          "powers of two, block_k within one group or whole groups")
-    if residual is not None:
-        if (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype
-                or not residual.is_contiguous()):
-            raise ValueError(f"residual must be a contiguous {(*x.shape[:-1], n)} tensor in "
-                             f"{x.dtype}")
-        y = residual
-    else:
-        y = torch.empty(*x.shape[:-1], n // 2 if silu_out else n, dtype=x.dtype,
-                        device=x.device)
+    y = gemv_output(x, n, residual, silu_out)
     if n == 0:
         return y
     x1 = x.reshape(x.shape[-1]).contiguous()

@@ -17,12 +17,11 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from importlib import resources
 
 import torch
 
 from llmaccel.kernels import cuda_rtc, pdl
-from llmaccel.kernels.gemv_w4 import MAGIC_2_23
+from llmaccel.kernels.gemv_w4 import MAGIC_2_23, check_side_tensors, gemv_output
 
 MAX_THREADS = 1024
 MAX_REGS_PRODUCT = 16  # rows x chunks: 4 registers each for the codes, more spills
@@ -55,8 +54,9 @@ def default_config(n: int, k: int) -> CudaGemvW4Config:
 
 
 @functools.lru_cache(maxsize=1)
-def _source() -> str:
-    return resources.files("llmaccel.kernels").joinpath("csrc/gemv_w4.cu").read_text()
+def _source() -> tuple[str, dict[str, str]]:
+    """The kernel's source and the header it includes."""
+    return cuda_rtc.source_files("gemv_w4.cu", "common.cuh")
 
 
 _SCALE_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -109,16 +109,7 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     k = x.shape[-1] // 2 if silu else x.shape[-1]
     n = weight.shape[0]
     group = k if group_size == -1 else group_size
-    scales = scales.contiguous()
-    if scales.shape != (n, k // group):
-        raise ValueError(f"scales {tuple(scales.shape)} must be [N, K // group] = "
-                         f"{(n, k // group)}")
-    if zeros is not None:
-        zeros = zeros.contiguous()
-        if zeros.shape != scales.shape or zeros.dtype != torch.uint8:
-            raise ValueError("zeros must be uint8 with the shape of scales")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}]")
+    scales, zeros = check_side_tensors(n, k, group, scales, zeros, bias)
     if norm_weight is not None:
         if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
             raise ValueError(f"norm_weight must be [{k}] in {x.dtype}")
@@ -129,25 +120,17 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             or (silu_out and cfg.rows % 2)):
         raise ValueError(f"config {cfg.describe()} does not fit K={k}"
                          + (" with silu_out (rows must be even)" if silu_out else ""))
-    if residual is not None:
-        if (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype
-                or not residual.is_contiguous()):
-            raise ValueError(f"residual must be a contiguous {(*x.shape[:-1], n)} tensor in "
-                             f"{x.dtype}")
-        y = residual
-    else:
-        y = torch.empty(*x.shape[:-1], n // 2 if silu_out else n, dtype=x.dtype,
-                        device=x.device)
+    y = gemv_output(x, n, residual, silu_out)
     if n == 0:
         return y
     x1 = _aligned(x.reshape(x.shape[-1]))
-    kern = cuda_rtc.get_kernel(_source(), "gemv_w4", x.device, {
+    kern = cuda_rtc.get_kernel(_source()[0], "gemv_w4", x.device, {
         "ROWS": cfg.rows, "CHUNKS": cfg.chunks, "THREADS": threads,
         "X_BF16": int(x.dtype == torch.bfloat16), "SCALE_KIND": _SCALE_KIND[scales.dtype],
         "HAS_ZEROS": int(zeros is not None), "HAS_BIAS": int(bias is not None),
         "MATH": cfg.math, "PROLOGUE": 1 if norm_weight is not None else (2 if silu else 0),
         "RESIDUAL": int(residual is not None), "SILU_OUT": int(silu_out),
-        "NORM_TAIL": int(_tail is not None)})
+        "NORM_TAIL": int(_tail is not None)}, _source()[1])
     ptr = ctypes.c_void_p
     args = [ptr(x1.data_ptr()), ptr(weight.data_ptr()), ptr(scales.data_ptr()),
             ptr(zeros.data_ptr() if zeros is not None else 0),

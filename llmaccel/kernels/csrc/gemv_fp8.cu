@@ -25,49 +25,10 @@
 // X_BF16 (x, bias, y bf16; else fp16), HAS_BIAS, SILU_OUT (a [gate; up] layer, N = 2I: the
 // block's 8 * RG rows interleave gate row j and up row j, and it writes silu(gate) * up).
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+#include "common.cuh"
 
 #define THREADS (WARPS * 32)
 #define ROWS (8 * RG)
-
-__device__ __forceinline__ float act_to_float(u16 v) {
-#if X_BF16
-  return __uint_as_float(((u32)v) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-  return f;
-#endif
-}
-
-__device__ __forceinline__ u16 float_to_act(float f) {
-  u16 h;
-#if X_BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-  return h;
-}
-
-__device__ __forceinline__ float round_act(float f) { return act_to_float(float_to_act(f)); }
-
-__device__ __forceinline__ uint4 load_weights(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-// 8 activations written by an earlier kernel (a plain L1-cached load after the PDL wait)
-__device__ __forceinline__ uint4 load_act(const u16* p) {
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 
 // four e4m3 codes (held exactly as bf16/fp16 values, two per word) packed into one word,
 // lowest k in the lowest byte
@@ -80,18 +41,6 @@ __device__ __forceinline__ u32 pack_e4m3(u32 w01, u32 w23) {
   return (u32)lo | ((u32)hi << 16);
 }
 
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
 // D = A * B for one m16n8k32 e4m3 tile, C = 0: returns row 0's two outputs of this lane
 __device__ __forceinline__ void mma_e4m3(u32 a0, u32 a2, u32 b0, u32 b1, float& d0, float& d1) {
   float d2, d3;  // rows 8-15 of D: zero, unused
@@ -101,10 +50,6 @@ __device__ __forceinline__ void mma_e4m3(u32 a0, u32 a2, u32 b0, u32 b1, float& 
       "{%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
       : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
       : "r"(a0), "r"(zero), "r"(a2), "r"(zero), "r"(b0), "r"(b1), "f"(0.f));
-}
-
-__device__ __forceinline__ float silu_mul(float gate, float up) {
-  return round_act(round_act(__fdividef(gate, 1.f + __expf(-gate))) * up);
 }
 
 // The weight row of the block's row r (rows past the end re-read the last valid one).
@@ -147,7 +92,7 @@ gemv_fp8(const u16* __restrict__ Xq, const float* __restrict__ XScale,
   for (int i = 0; i < LOADS; ++i) {
     u32 a0 = 0u, a1 = 0u, a2 = 0u, a3 = 0u;
     if (lane < 4) {
-      const uint4 lo = load_act(Xq + k0 + 64 * i), hi = load_act(Xq + k0 + 64 * i + 8);
+      const uint4 lo = load_act16(Xq + k0 + 64 * i), hi = load_act16(Xq + k0 + 64 * i + 8);
       a0 = pack_e4m3(lo.x, lo.y);
       a1 = pack_e4m3(lo.z, lo.w);
       a2 = pack_e4m3(hi.x, hi.y);

@@ -32,31 +32,9 @@
 // whose output is silu(gate) * up, N / 2 wide; ROWS even), NORM_TAIL (with RESIDUAL: also
 // RMSNorm(Y) * NormW into NormOut, by the last block; see norm_tail).
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+#include "common.cuh"
 
 #define NWARPS ((THREADS + 31) / 32)
-
-__device__ __forceinline__ float act_to_float(u16 v) {
-#if X_BF16
-  return __uint_as_float(((u32)v) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-  return f;
-#endif
-}
-
-__device__ __forceinline__ u16 float_to_act(float f) {
-  u16 h;
-#if X_BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-  return h;
-}
 
 __device__ __forceinline__ float load_scale(const void* S, long long i) {
 #if SCALE_KIND == 2
@@ -70,26 +48,6 @@ __device__ __forceinline__ float load_scale(const void* S, long long i) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
   return f;
 #endif
-#endif
-}
-
-// A 16-byte weight load that does not allocate in L1 (each weight is read once).
-__device__ __forceinline__ uint4 load_weights(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
 
@@ -115,8 +73,6 @@ __device__ __forceinline__ float word_dot(u32 w, const float* x, const u32* magi
   return s;
 }
 
-__device__ __forceinline__ float round_act(float f) { return act_to_float(float_to_act(f)); }
-
 // 32 activations (64 bytes, 16-byte aligned) as floats
 __device__ __forceinline__ void unpack_chunk(const uint4* v, float* out) {
 #pragma unroll
@@ -130,17 +86,12 @@ __device__ __forceinline__ void unpack_chunk(const uint4* v, float* out) {
   }
 }
 
-// 32 activations written by an earlier kernel (read after the PDL wait, which makes that
-// kernel's writes visible), a plain weak ld.global (cached in L1, as Triton's loads): every block reads
-// the whole row, and from L2 alone the hot lines of x serialized on their L2 slices (qkv of
-// the 3B shape, 2 rows a block: 27 against 5.4 us on an H100, s24b run)
+// 32 activations written by an earlier kernel (common.cuh's load_act16)
 __device__ __forceinline__ void load_chunk(const u16* p, float* out) {
   uint4 v[4];
   const uint4* vp = reinterpret_cast<const uint4*>(p);
 #pragma unroll
-  for (int q = 0; q < 4; ++q)
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v[q].x), "=r"(v[q].y), "=r"(v[q].z), "=r"(v[q].w) : "l"(vp + q));
+  for (int q = 0; q < 4; ++q) v[q] = load_act16(vp + q);
   unpack_chunk(v, out);
 }
 
@@ -151,11 +102,6 @@ __device__ __forceinline__ void load_chunk_cg(const u16* p, float* out) {
 #pragma unroll
   for (int q = 0; q < 4; ++q) v[q] = __ldcg(vp + q);
   unpack_chunk(v, out);
-}
-
-// silu(gate) * up, rounded as silu_and_mul rounds (the SiLU, then the product)
-__device__ __forceinline__ float silu_mul(float gate, float up) {
-  return round_act(round_act(__fdividef(gate, 1.f + __expf(-gate))) * up);
 }
 
 // The sum of v over the block, the same value in every thread (same order everywhere).

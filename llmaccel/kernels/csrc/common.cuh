@@ -1,0 +1,69 @@
+// Device helpers the CUDA C kernels share (kernels/csrc/*.cu include this; cuda_rtc hands it
+// to NVRTC from memory). Activations are 16-bit: bf16 where the kernel defines X_BF16 1,
+// else fp16. No system headers.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+__device__ __forceinline__ float act_to_float(u16 v) {
+#if X_BF16
+  return __uint_as_float(((u32)v) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ u16 float_to_act(float f) {
+  u16 h;
+#if X_BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+  return h;
+}
+
+// f rounded to the activation dtype, back as fp32 (where the unfused layers round)
+__device__ __forceinline__ float round_act(float f) { return act_to_float(float_to_act(f)); }
+
+// A 16-byte weight load that does not allocate in L1 (each weight is read once per step).
+__device__ __forceinline__ uint4 load_weights(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// 16 bytes an earlier kernel wrote, read after the PDL wait (which makes its writes
+// visible) with a plain weak ld.global, cached in L1 as Triton's loads are: every block reads
+// the whole activation row, and from L2 alone its few hot lines serialized on their L2
+// slices (5x slower, 2026-11-26-w4-cuda-gemv-h100.md run 3).
+__device__ __forceinline__ uint4 load_act16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// Programmatic dependent launch (kernels/pdl.py's rule: wait before reading what another
+// kernel of the step writes and before any write; release the dependent after the wait).
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// silu(gate) * up, rounded as silu_and_mul rounds (the SiLU, then the product)
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+  return round_act(round_act(__fdividef(gate, 1.f + __expf(-gate))) * up);
+}
