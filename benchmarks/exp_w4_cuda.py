@@ -68,6 +68,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--out-table", default=None,
+                    help="merge each shape's fastest plain tile into this tuning table as "
+                         "w4cuda:1:N:K ('auto': this GPU's file in kernels/configs/)")
     args = ap.parse_args()
     from llmaccel.kernels import pdl
     from llmaccel.kernels.gemm import linear_ref
@@ -80,6 +83,7 @@ def main() -> int:
     use_pdl = pdl.configure(dev, True)
     recs = []
     best = {}
+    table: dict = {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fh = open(out / "exp_w4_cuda.jsonl", "w")
@@ -152,6 +156,8 @@ def main() -> int:
         print(f"  best {bcfg.describe()} {bus:.2f} us (x{tus / bus:.2f} vs triton); asym "
               f"{zus:.2f} us err {zerr:.2e}; no PDL {nus:.2f} us", flush=True)
         best[name] = (tcfg, bcfg)
+        table[f"w4cuda:1:{n}:{k}"] = {"backend": "cuda", "config": bcfg.__dict__,
+                                      "us": round(bus, 2), "model": f"llama-3.2-3b:{name}"}
         # the shape's fused decode variant (as DecoderLayer.forward_fused calls it)
         fkw = fused_kwargs(name, n, k, dev)
         if fkw is not None:
@@ -215,6 +221,13 @@ def main() -> int:
         for kind, v in res.items():
             us = min(v)
             print(f"| {kind} | {us:.1f} | {us / 28:.2f} | {total_bytes / us / 1e6:.3f} |")
+    if args.out_table:
+        from llmaccel.kernels.gemm_tuning import write_table
+
+        path = write_table(args.out_table, torch.cuda.get_device_name(), table,
+                           torch=torch.__version__,
+                           commit=os.environ.get("LLMACCEL_COMMIT", "unknown"))
+        print(f"wrote {len(table)} w4cuda entries into {path}")
     print("\n| shape | triton us | best cuda | cuda us | x | asym us | no-PDL us |")
     print("|---|---|---|---|---|---|---|")
     for r in recs:

@@ -376,3 +376,25 @@ def test_gpu_norm_tail(n, k):
     torch.cuda.synchronize()
     assert (out2.float() - want.float()).norm() / want.float().norm() < 8e-3
     assert int(counter) == 0
+
+
+def test_tuned_tile_from_the_table(tmp_path, monkeypatch):
+    """A "w4cuda:1:N:K" entry of the GPU's table (exp_w4_cuda.py --out-table) wins over the
+    default tile; one that does not fit K is ignored; other shapes keep the default."""
+    import json
+
+    from llmaccel.kernels import gemm_tuning
+    from llmaccel.kernels.gemv_w4_cuda import tile_for
+
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"entries": {
+        "w4cuda:1:3072:8192": {"config": {"rows": 6, "chunks": 1, "math": 1}},
+        "w4cuda:1:3072:3072": {"config": {"rows": 16, "chunks": 4, "math": 1}}}}))
+    monkeypatch.setenv("LLMACCEL_GEMM_CONFIGS", str(path))
+    gemm_tuning.clear_cache()
+    try:
+        assert tile_for(3072, 8192) == (CudaGemvW4Config(6, 1, 1), True)
+        assert tile_for(3072, 3072) == (default_config(3072, 3072), False)  # 64 > 16 registers
+        assert tile_for(5120, 3072) == (default_config(5120, 3072), False)
+    finally:
+        gemm_tuning.clear_cache()

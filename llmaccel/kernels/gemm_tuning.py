@@ -125,6 +125,25 @@ def gemv_w4_config(n: int, k: int, group: int, device: torch.device | None = Non
     return None if path is None else _gemv_w4_lookup(str(path), n, k, group)
 
 
+def gemv_w4_cuda_config(n: int, k: int, device: torch.device | None = None):
+    """The tuned tile of the CUDA C batch-1 int4 GEMV (`kernels/gemv_w4_cuda.py`, entries
+    "w4cuda:1:N:K" from `benchmarks/exp_w4_cuda.py --out-table`), or None when the table has
+    none or it does not fit K."""
+    path = table_path(device)
+    return None if path is None else _gemv_w4_cuda_lookup(str(path), n, k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemv_w4_cuda_lookup(path: str, n: int, k: int):
+    from llmaccel.kernels.gemv_w4_cuda import CudaGemvW4Config
+
+    entry = _load(path).get(f"w4cuda:1:{n}:{k}")
+    if entry is None:
+        return None
+    cfg = CudaGemvW4Config(**entry["config"])
+    return cfg if cfg.fits(k) else None
+
+
 @functools.lru_cache(maxsize=4096)
 def _gemv_w4_lookup(path: str, n: int, k: int, group: int) -> GemvW4Config | None:
     entry = _load(path).get(f"w4gemv:1:{n}:{k}")
@@ -236,4 +255,5 @@ def clear_cache() -> None:
     _load.cache_clear()
     _lookup.cache_clear()
     _gemv_w4_lookup.cache_clear()
+    _gemv_w4_cuda_lookup.cache_clear()
     _gemv_fp8_lookup.cache_clear()

@@ -40,6 +40,11 @@ class CudaGemvW4Config:
         per_thread = -(-(k // 32) // self.chunks)
         return max(32, -(-per_thread // 32) * 32)
 
+    def fits(self, k: int) -> bool:
+        """The block needs at most 1024 threads, and the codes fit the register budget."""
+        return (self.rows >= 1 and self.chunks >= 1 and self.math in (0, 1)
+                and self.threads(k) <= MAX_THREADS and self.rows * self.chunks <= MAX_REGS_PRODUCT)
+
 
 def default_config(n: int, k: int) -> CudaGemvW4Config:
     """The untuned tile, from an H100 sweep on the llama-3.2-3b shapes
@@ -51,6 +56,15 @@ def default_config(n: int, k: int) -> CudaGemvW4Config:
     while CudaGemvW4Config(2, chunks).threads(k) > MAX_THREADS:
         chunks *= 2
     return CudaGemvW4Config(2 if n * k < 12_000_000 else 4, chunks, 1)
+
+
+def tile_for(n: int, k: int, device: torch.device | None = None) -> tuple[CudaGemvW4Config, bool]:
+    """(the tile for an N x K layer, whether it is tuned): the GPU table's "w4cuda:1:N:K"
+    entry (benchmarks/exp_w4_cuda.py --out-table), else `default_config`."""
+    from llmaccel.kernels.gemm_tuning import gemv_w4_cuda_config
+
+    tuned = gemv_w4_cuda_config(n, k, device)
+    return (tuned, True) if tuned is not None else (default_config(n, k), False)
 
 
 @functools.lru_cache(maxsize=1)
@@ -114,10 +128,12 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
             raise ValueError(f"norm_weight must be [{k}] in {x.dtype}")
         norm_weight = _aligned(norm_weight)
-    cfg = config or default_config(n, k)
+    cfg = config or tile_for(n, k, x.device)[0]
+    if config is None and silu_out and cfg.rows % 2:  # the epilogue pairs rows: round up
+        even = CudaGemvW4Config(cfg.rows + 1, cfg.chunks, cfg.math)
+        cfg = even if even.fits(k) else default_config(n, k)
     threads = cfg.threads(k)
-    if (threads > MAX_THREADS or cfg.rows * cfg.chunks > MAX_REGS_PRODUCT
-            or (silu_out and cfg.rows % 2)):
+    if not cfg.fits(k) or (silu_out and cfg.rows % 2):
         raise ValueError(f"config {cfg.describe()} does not fit K={k}"
                          + (" with silu_out (rows must be even)" if silu_out else ""))
     y = gemv_output(x, n, residual, silu_out)

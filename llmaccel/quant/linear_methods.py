@@ -158,11 +158,12 @@ class PackedLinearMethod(LinearMethodBase):
             order = ", act-order permuted" if layer.kernel_perm is not None else ""
             kernel = f"Triton W{self.bits}A16 (kernels/gemm.py{order})"
             if self.bits == 4 and _cuda_gemv_available(layer):
-                from llmaccel.kernels.gemv_w4_cuda import default_config
+                from llmaccel.kernels.gemv_w4_cuda import tile_for
 
-                cfg = default_config(layer.output_size, layer.input_size)
+                cfg, tuned = tile_for(layer.output_size, layer.input_size,
+                                      layer.kernel_weight.device)
                 kernel += (f"; batch 1: CUDA C W4A16 GEMV (kernels/csrc/gemv_w4.cu via NVRTC, "
-                           f"default tile {cfg.describe()})")
+                           f"{'tuned' if tuned else 'default'} tile {cfg.describe()})")
             elif self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
                                                     layer.kernel_weight.device) is not None:
                 tuned = _tuned_w4(layer)
@@ -255,9 +256,9 @@ class PackedLinearMethod(LinearMethodBase):
                 or layer.kernel_perm is not None or not kind):
             return None
         if FUSED_CUDA and _cuda_gemv_available(layer):
-            from llmaccel.kernels.gemv_w4_cuda import default_config
+            from llmaccel.kernels.gemv_w4_cuda import tile_for
 
-            return default_config(layer.output_size, layer.input_size)
+            return tile_for(layer.output_size, layer.input_size, layer.kernel_weight.device)[0]
         from llmaccel.kernels.gemm_tuning import fused_w4_config
 
         return fused_w4_config(kind, layer.output_size, layer.input_size,
@@ -288,12 +289,11 @@ class PackedLinearMethod(LinearMethodBase):
                 or not residual.is_contiguous() or layer.output_size % 32
                 or norm_weight.dtype != x.dtype or not _use_cuda_gemv(layer, x, bias)):
             return None
-        from llmaccel.kernels.gemv_w4_cuda import default_config, w4a16_gemv_add_rmsnorm
+        from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_add_rmsnorm
 
         got = w4a16_gemv_add_rmsnorm(x, layer.kernel_weight, layer.kernel_scales,
                                      layer.kernel_zeros, layer.kernel_group_size, bias,
-                                     residual, norm_weight, eps,
-                                     default_config(layer.output_size, layer.input_size))
+                                     residual, norm_weight, eps)
         return None if got is None else got[0]
 
     def apply_silu_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
@@ -308,11 +308,10 @@ class PackedLinearMethod(LinearMethodBase):
         if (x_scale is not None or not CUDA_SILU_OUT or not hasattr(layer, "kernel_weight")
                 or layer.kernel_perm is not None or not _use_cuda_gemv(layer, x, bias)):
             return None
-        from llmaccel.kernels.gemv_w4_cuda import default_config, w4a16_gemv_cuda
+        from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_cuda
 
-        cfg = default_config(layer.output_size, layer.input_size)
         return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                               layer.kernel_group_size, bias, cfg, silu_out=True)
+                               layer.kernel_group_size, bias, silu_out=True)
 
     def _unpack(self, layer: nn.Module) -> None:
         """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""
