@@ -398,3 +398,15 @@ def test_tuned_tile_from_the_table(tmp_path, monkeypatch):
         assert tile_for(5120, 3072) == (default_config(5120, 3072), False)
     finally:
         gemm_tuning.clear_cache()
+
+
+def test_probe_failure_turns_cuda_kernels_off(monkeypatch, caplog):
+    """A probe kernel NVRTC or the driver refuses (e.g. code from an NVRTC newer than the
+    driver) turns the CUDA C kernels off with a warning, instead of failing the first layer."""
+    def refuse(*a, **kw):
+        raise cuda_rtc.CudaRtcError("cuModuleLoadData failed: device kernel image is invalid")
+
+    monkeypatch.setattr(cuda_rtc, "get_kernel", refuse)
+    with caplog.at_level("WARNING"):
+        assert cuda_rtc._probe.__wrapped__(0) is False
+    assert "device kernel image is invalid" in caplog.text

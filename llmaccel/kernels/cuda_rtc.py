@@ -59,10 +59,12 @@ def _nvrtc_candidates() -> list[str]:
     major = (torch.version.cuda or "12").split(".")[0]
     names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
     site = Path(torch.__file__).resolve().parent.parent
+    found = []
     for pattern in (f"{site}/nvidia/*/lib/libnvrtc.so*", "/usr/local/cuda/lib64/libnvrtc.so*",
                     "/usr/local/cuda-*/lib64/libnvrtc.so*"):
-        names += sorted(p for p in glob.glob(pattern) if "builtins" not in p and "alt" not in p)
-    return names
+        found += sorted(p for p in glob.glob(pattern) if "builtins" not in p and "alt" not in p)
+    # torch's own CUDA major first (a newer NVRTC can emit code an older driver refuses)
+    return names + sorted(found, key=lambda p: f".so.{major}" not in p)
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,7 +98,31 @@ def available(device: torch.device | str | None = None) -> bool:
     except OSError as e:
         logger.info("CUDA C kernels unavailable (%s); Triton kernels instead", e)
         return False
-    return True
+    return _probe(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_PROBE = 'extern "C" __global__ void probe(int* p) { if (threadIdx.x == 0) p[0] += 1; }'
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(index: int) -> bool:
+    """Compile, load and run a one-line kernel once per device (like pdl's probe): an NVRTC
+    whose code the driver refuses, or a driver without cuLaunchKernelEx, turns the CUDA C
+    kernels off with a warning instead of failing the first layer. Under graph capture the
+    run (a synchronization) is skipped: compiling and loading are checked."""
+    device = torch.device("cuda", index)
+    try:
+        kernel = get_kernel(_PROBE, "probe", device, {})
+        if not torch.cuda.is_current_stream_capturing():
+            x = torch.zeros(1, dtype=torch.int32, device=device)
+            kernel.launch(1, 32, [ctypes.c_void_p(x.data_ptr())])
+            if int(x.item()) != 1:
+                raise CudaRtcError("the probe kernel computed a wrong value")
+        return True
+    except (CudaRtcError, OSError, AttributeError) as e:
+        logger.warning("CUDA C kernels unavailable on cuda:%d (%s); Triton kernels instead",
+                       index, e)
+        return False
 
 
 def _check_cu(cuda: ctypes.CDLL, result: int, what: str) -> None:
