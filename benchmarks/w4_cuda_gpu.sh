@@ -19,13 +19,13 @@ w1() {  # W1 on the 3B shape: NAME VARIANT QUANTS, env from the caller
     echo "== exp_w4_cuda.py"
     python3 benchmarks/exp_w4_cuda.py --out "$out" 2>&1 | grep -v "^  cuda-"
   fi
-  echo "== decode A/B (graph replay, greedy tokens): o projection + add + RMSNorm in one kernel"
-  bash benchmarks/exp_env_ab.sh "$out/ab" gptq-int4-g128 tail=LLMACCEL_CUDA_NORM_TAIL=1 \
-    no-tail=LLMACCEL_CUDA_NORM_TAIL=0 2>&1 | tail -1
+  echo "== decode A/B (graph replay, greedy tokens): CUDA GEMV vs Triton GEMV"
+  bash benchmarks/exp_env_ab.sh "$out/ab" gptq-int4-g128 cuda=LLMACCEL_CUDA_KERNELS=1 \
+    triton=LLMACCEL_CUDA_KERNELS=0 2>&1 | tail -1
   rm -rf "$out/ab"
   echo "== W1"
   w1 default default bf16,gptq-int4-g128,gptq-int4-g128-lm-head
-  LLMACCEL_CUDA_NORM_TAIL=0 w1 no-norm-tail no-norm-tail gptq-int4-g128,gptq-int4-g128-lm-head
+  LLMACCEL_CUDA_KERNELS=0 w1 triton-gemv triton-gemv gptq-int4-g128,gptq-int4-g128-lm-head
   echo "== profile of a decode step (gptq-int4-g128-lm-head, CUDA GEMV)"
   python3 benchmarks/profile_decode.py --shape llama-3.2-3b --quantization gptq-int4-g128-lm-head \
     --kernels --rows 16 --steps 50 2>&1 | tail -24

@@ -97,7 +97,7 @@ def test_source_compiles_with_nvrtc(arch, monkeypatch):
                     {"ROWS": 4, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
                      "HAS_ZEROS": 0, "HAS_BIAS": 0, "MATH": 1, "PROLOGUE": 1, "SILU_OUT": 1},
                     {"ROWS": 2, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
-                     "HAS_ZEROS": 0, "HAS_BIAS": 1, "MATH": 1, "RESIDUAL": 1, "NORM_TAIL": 1}):
+                     "HAS_ZEROS": 0, "HAS_BIAS": 1, "MATH": 1, "RESIDUAL": 1}):
         cubin = cuda_rtc.compile_cubin(_source()[0], "gemv_w4", arch, defines, _source()[1])
         assert cubin[:4] == b"\x7fELF"
     with pytest.raises(cuda_rtc.CudaRtcError, match="could not compile"):
@@ -297,85 +297,6 @@ def test_gpu_silu_out_epilogue(cfg, n_out):
     assert got.shape == (1, n_out)
     assert (got.float() - want).norm() / want.norm() < 8e-3
 
-
-def test_decoder_layer_takes_the_norm_tail(tmp_path, monkeypatch):
-    """The unfused decode layer hands its o projection, residual add and second RMSNorm to
-    the method's `apply_add_norm` where it has one (the CUDA GEMV's norm tail on a GPU), and
-    the model's logits stay those of the plain checkpoint. On CPU a reference stands in for
-    the kernel, with the kernel's contract: the residual updated in place, the norm
-    returned."""
-    from test_quant_loading import CASES as QCASES
-    from test_quant_loading import write_checkpoints
-
-    from llmaccel.kernels.rmsnorm import rms_norm_ref
-    from llmaccel.models.attention import AttentionMetadata
-    from llmaccel.models.layers.linear import Linear
-    from llmaccel.models.loader import load_model
-
-    calls = []
-
-    def add_norm_ref(self, layer, x, bias, residual, norm_weight, eps):
-        calls.append(layer.prefix)
-        residual.copy_(self.apply(layer, x, bias) + residual)
-        return rms_norm_ref(residual, norm_weight, eps)
-
-    monkeypatch.setattr(linear_methods.PackedLinearMethod, "apply_add_norm", add_norm_ref)
-    packed_dir, plain_dir = write_checkpoints(QCASES["gptq-w4-sym"], tmp_path, family="llama")
-    _, ours = load_model(str(packed_dir), dtype="float32", device="cpu")
-    _, ref = load_model(str(plain_dir), dtype="float32", device="cpu")
-    for module in ours.modules():
-        if isinstance(module, Linear) and hasattr(module, "codes"):
-            module.quant_method._prepare_kernel(module)
-    ours.set_fused_kernels(True, fuse_decode=False)
-
-    def logits(model, token):
-        meta = AttentionMetadata.for_prefill([1], "cpu")
-        with torch.no_grad():
-            return model.compute_logits(model(torch.tensor([token]), torch.tensor([0]), meta))
-
-    for token in (7, 31):
-        torch.testing.assert_close(logits(ours, token), logits(ref, token), atol=1e-4, rtol=0)
-    n_layers = ours.config.num_hidden_layers
-    assert calls == [f"model.layers.{i}.self_attn.o_proj" for i in range(n_layers)] * 2
-
-
-@gpu
-@pytest.mark.parametrize("n,k", [(3072, 3072), (96, 1536), (2048, 8192)])
-def test_gpu_norm_tail(n, k):
-    """GEMV + residual add + RMSNorm by the last block equals the GEMV, then
-    `fused_add_rms_norm_ref`; the arrival counter is back at 0, so a second call (here inside
-    a replayed graph) is right too."""
-    from llmaccel.kernels import gemv_w4_cuda as gc
-    from llmaccel.kernels.rmsnorm import fused_add_rms_norm_ref
-
-    if not cuda_rtc.available():
-        pytest.skip("no CUDA C kernels here")
-    w, s, z = _weights(n, k, 128, False, "cuda", seed=n)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
-    res0 = (torch.randn(1, n, device="cuda", generator=g) * 3).to(torch.bfloat16)
-    nw = (torch.rand(n, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
-    prod = linear_ref(x.float(), w, 4, s.float(), z, 128).to(torch.bfloat16)
-    want_res = res0.clone()
-    want, _ = fused_add_rms_norm_ref(prod, want_res, nw, 1e-5)
-    res = res0.clone()
-    got, got_res = gc.w4a16_gemv_add_rmsnorm(x, w, s, z, 128, None, res, nw, 1e-5)
-    assert got_res.data_ptr() == res.data_ptr()
-    assert (got_res.float() - want_res.float()).norm() / want_res.float().norm() < 5e-3
-    assert (got.float() - want.float()).norm() / want.float().norm() < 8e-3
-    (counter,) = [c for (dev, ptr), c in gc._tail_counters.items() if ptr == w.data_ptr()]
-    torch.cuda.synchronize()
-    assert int(counter) == 0
-    res.copy_(res0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out2, _ = gc.w4a16_gemv_add_rmsnorm(x, w, s, z, 128, None, res, nw, 1e-5)
-    for _ in range(2):
-        res.copy_(res0)
-        graph.replay()
-    torch.cuda.synchronize()
-    assert (out2.float() - want.float()).norm() / want.float().norm() < 8e-3
-    assert int(counter) == 0
 
 
 def test_tuned_tile_from_the_table(tmp_path, monkeypatch):

@@ -102,7 +102,7 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None = None, config: CudaGemvW4Config | None = None,
                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                     silu: bool = False, residual: torch.Tensor | None = None,
-                    silu_out: bool = False, _tail: tuple | None = None) -> torch.Tensor:
+                    silu_out: bool = False) -> torch.Tensor:
     """y [..., N] = x @ dequant(weight)^T (+ bias), in x's dtype (see the module docstring).
 
     The fused decode variants of `gemv_w4.w4a16_gemv`, rounded the same way: `norm_weight`
@@ -112,8 +112,6 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     [..., I], the activation computed in the epilogue (the tile's rows must be even)."""
     if silu and norm_weight is not None:
         raise ValueError("one prologue at a time: silu or norm_weight")
-    if _tail is not None and (residual is None or norm_weight is not None or silu_out):
-        raise ValueError("the norm tail goes with a residual and no norm prologue")
     if silu_out and (silu or residual is not None or weight.shape[0] % 2):
         raise ValueError("silu_out needs an even N ([gate; up] rows), no silu prologue and no "
                          "residual")
@@ -145,8 +143,7 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         "X_BF16": int(x.dtype == torch.bfloat16), "SCALE_KIND": _SCALE_KIND[scales.dtype],
         "HAS_ZEROS": int(zeros is not None), "HAS_BIAS": int(bias is not None),
         "MATH": cfg.math, "PROLOGUE": 1 if norm_weight is not None else (2 if silu else 0),
-        "RESIDUAL": int(residual is not None), "SILU_OUT": int(silu_out),
-        "NORM_TAIL": int(_tail is not None)}, _source()[1])
+        "RESIDUAL": int(residual is not None), "SILU_OUT": int(silu_out)}, _source()[1])
     ptr = ctypes.c_void_p
     args = [ptr(x1.data_ptr()), ptr(weight.data_ptr()), ptr(scales.data_ptr()),
             ptr(zeros.data_ptr() if zeros is not None else 0),
@@ -155,51 +152,9 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             ctypes.c_longlong(weight.stride(0) // 4), ctypes.c_longlong(scales.stride(0)),
             ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0),
             ctypes.c_uint(MAGIC_2_23),
-            # the prologue's norm weight, or the tail's (the two never come together)
-            ptr(norm_weight.data_ptr() if norm_weight is not None else
-                _tail[2].data_ptr() if _tail is not None else 0),
-            ctypes.c_float(eps),
-            ptr(_tail[0].data_ptr() if _tail is not None else 0),
-            ptr(_tail[1].data_ptr() if _tail is not None else 0)]
+            ptr(norm_weight.data_ptr() if norm_weight is not None else 0),
+            ctypes.c_float(eps)]
     grid = -(-(n // 2) // (cfg.rows // 2)) if silu_out else -(-n // cfg.rows)
     kern.launch(grid, threads, args, pdl=pdl.enabled())
     return y
 
-
-# Arrival counters of the norm tail, one int32 per weight (so two layers, or a draft model's
-# layer on another stream, never share one). Zeroed once outside graph capture; each call
-# leaves its counter at 0 again.
-_tail_counters: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _tail_counter(weight: torch.Tensor) -> torch.Tensor | None:
-    key = (weight.device.index or 0, weight.data_ptr())
-    c = _tail_counters.get(key)
-    if c is None and not torch.cuda.is_current_stream_capturing():
-        c = _tail_counters[key] = torch.zeros(1, dtype=torch.int32, device=weight.device)
-    return c
-
-
-def w4a16_gemv_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                           zeros: torch.Tensor | None, group_size: int,
-                           bias: torch.Tensor | None, residual: torch.Tensor,
-                           norm_weight: torch.Tensor, eps: float,
-                           config: CudaGemvW4Config | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(RMSNorm(residual + x @ W^T) * norm_weight, residual + x @ W^T) in one kernel: the
-    GEMV adds its product into `residual` in place, and its last block normalizes the row,
-    rounded as `fused_add_rms_norm` rounds (the `NORM_TAIL` of the .cu). None where it
-    cannot run now (its arrival counter would have to be allocated under graph capture; the
-    caller then runs the two steps)."""
-    n = weight.shape[0]
-    if (norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or n % 32
-            or not supports(x, weight, scales, zeros, group_size, bias)):
-        raise ValueError(f"the norm tail needs norm_weight [{n}] in {x.dtype} and N a "
-                         "multiple of 32")
-    counter = _tail_counter(weight)
-    if counter is None:
-        return None
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    w4a16_gemv_cuda(x, weight, scales, zeros, group_size, bias, config, eps=eps,
-                    residual=residual, _tail=(out, counter, _aligned(norm_weight)))
-    return out, residual

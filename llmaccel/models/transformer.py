@@ -26,7 +26,6 @@ from llmaccel.models.layers.quantization import (
     fused_gemv_config,
     fused_linear,
     gate_up_silu,
-    linear_add_norm,
     linear_on,
     wants_quantized_row,
 )
@@ -127,13 +126,9 @@ class DecoderLayer(nn.Module):
             x, residual = residual, None
         attn = self.self_attn
         x, residual = self._norm(self.input_layernorm, x, residual, attn.qkv_proj)
-        h = attn.attend(positions, linear_on(attn.qkv_proj, x), meta)
-        # o projection, residual add and the second norm in one kernel where it has one
-        x = linear_add_norm(attn.o_proj, h, residual, self.post_attention_layernorm)
-        if x is None:
-            x = attn.o_proj(h)
-            x, residual = self._norm(self.post_attention_layernorm, x, residual,
-                                     self.mlp.gate_up_proj)
+        x = attn.o_proj(attn.attend(positions, linear_on(attn.qkv_proj, x), meta))
+        x, residual = self._norm(self.post_attention_layernorm, x, residual,
+                                 self.mlp.gate_up_proj)
         return self.mlp(x), residual
 
     @staticmethod

@@ -101,12 +101,6 @@ FUSED_CUDA = os.environ.get("LLMACCEL_CUDA_FUSED_DECODE", "0") == "1"
 # SiLU-and-mul in the epilogue of the CUDA C GEMV of an unfused int4 gate_up layer at batch 1
 # (LLMACCEL_CUDA_SILU_OUT=0 turns it off, to measure it).
 CUDA_SILU_OUT = os.environ.get("LLMACCEL_CUDA_SILU_OUT", "1") == "1"
-# The add + RMSNorm after an unfused int4 o projection in the last block of its CUDA C GEMV:
-# off unless LLMACCEL_CUDA_NORM_TAIL=1. The serial tail (an arrival atomic, then one block
-# reading and normalizing the row) cost more than the PDL-launched RMSNorm kernel it replaces:
-# W1 GPTQ int4 on the 3B shape 690.6 against 725.0 tok/s on an H100
-# (2026-11-26-w4-cuda-gemv-h100.md, run 7), as a Triton tail did in session 20.
-CUDA_NORM_TAIL = os.environ.get("LLMACCEL_CUDA_NORM_TAIL", "0") == "1"
 
 
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -126,13 +120,10 @@ def _cuda_gemv_available(layer: nn.Module) -> bool:
     activations assumed: the model's dtype)."""
     if not layer.kernel_weight.is_cuda:
         return False
-    from llmaccel.kernels.gemv_w4_cuda import supports
-
     dt = torch.bfloat16 if layer.kernel_scales.dtype == torch.float32 else \
         layer.kernel_scales.dtype
     x = torch.empty(layer.input_size, device=layer.kernel_weight.device, dtype=dt)
-    return supports(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                    layer.kernel_group_size)
+    return _use_cuda_gemv(layer, x, None)
 
 
 def _tuned_w4(layer: nn.Module) -> bool:
@@ -276,25 +267,6 @@ class PackedLinearMethod(LinearMethodBase):
 
         return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
                           layer.kernel_group_size, bias, config, **fusion)
-
-    def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                       ) -> torch.Tensor | None:
-        """RMSNorm(residual + layer(x)) * norm_weight for one row, `residual` updated in place,
-        in the CUDA C GEMV (its last block normalizes: one kernel instead of the GEMV and the
-        add + RMSNorm kernel), or None where that GEMV does not run."""
-        if (not CUDA_NORM_TAIL or not hasattr(layer, "kernel_weight")
-                or layer.kernel_perm is not None
-                or residual.shape != (*x.shape[:-1], layer.output_size)
-                or not residual.is_contiguous() or layer.output_size % 32
-                or norm_weight.dtype != x.dtype or not _use_cuda_gemv(layer, x, bias)):
-            return None
-        from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_add_rmsnorm
-
-        got = w4a16_gemv_add_rmsnorm(x, layer.kernel_weight, layer.kernel_scales,
-                                     layer.kernel_zeros, layer.kernel_group_size, bias,
-                                     residual, norm_weight, eps)
-        return None if got is None else got[0]
 
     def apply_silu_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                        x_scale: torch.Tensor | None = None) -> torch.Tensor | None:

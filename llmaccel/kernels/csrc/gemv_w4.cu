@@ -29,8 +29,7 @@
 // with `eps`; the block's threads hold the whole row, so the mean square is one block sum),
 // PROLOGUE 2 (x is [gate | up], 2K wide; the input is silu(gate) * up), RESIDUAL (Y holds
 // the residual stream and gets the product added in place), SILU_OUT (a [gate; up] layer
-// whose output is silu(gate) * up, N / 2 wide; ROWS even), NORM_TAIL (with RESIDUAL: also
-// RMSNorm(Y) * NormW into NormOut, by the last block; see norm_tail).
+// whose output is silu(gate) * up, N / 2 wide; ROWS even).
 
 #include "common.cuh"
 
@@ -95,15 +94,6 @@ __device__ __forceinline__ void load_chunk(const u16* p, float* out) {
   unpack_chunk(v, out);
 }
 
-// 32 activations that other blocks of this kernel wrote: through L2 only
-__device__ __forceinline__ void load_chunk_cg(const u16* p, float* out) {
-  uint4 v[4];
-  const uint4* vp = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) v[q] = __ldcg(vp + q);
-  unpack_chunk(v, out);
-}
-
 // The sum of v over the block, the same value in every thread (same order everywhere).
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float red[NWARPS];
@@ -145,49 +135,6 @@ __device__ __forceinline__ float word_dot_sub(u32 w, const float* xs) {
   return s;
 }
 
-#if NORM_TAIL
-// RMSNorm of the whole output row Y (N wide, the residual stream after the RESIDUAL epilogue)
-// into NormOut, rounded as the RMSNorm kernel rounds (weight * round(y * rstd)), by the last
-// block to finish: the blocks count their arrivals on Counter (threadFenceReduction's
-// pattern: each writer fences, a barrier, one atomic per block; the last block fences again
-// and reads Y through L2). The last block sets Counter back to 0 for the next call. This
-// replaces the separate add + RMSNorm kernel after the o projection.
-__device__ __forceinline__ void norm_tail(const u16* Y, int N, const u16* __restrict__ NormW,
-                                          float eps, u16* __restrict__ NormOut, int* Counter) {
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(Counter, 1) == (int)gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < (N >> 5); c += THREADS) {
-    float v[32];
-    load_chunk_cg(Y + 32 * c, v);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) ss = fmaf(v[i], v[i], ss);
-  }
-  const float rstd = rsqrtf(block_sum(ss) / (float)N + eps);
-  for (int c = threadIdx.x; c < (N >> 5); c += THREADS) {
-    float v[32], wn[32];
-    load_chunk_cg(Y + 32 * c, v);
-    load_chunk(NormW + 32 * c, wn);
-    uint4 o[4];
-    u32* ow = reinterpret_cast<u32*>(o);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const u32 lo = float_to_act(round_act(wn[2 * i] * round_act(v[2 * i] * rstd)));
-      const u32 hi = float_to_act(round_act(wn[2 * i + 1] * round_act(v[2 * i + 1] * rstd)));
-      ow[i] = lo | (hi << 16);
-    }
-    uint4* op = reinterpret_cast<uint4*>(NormOut + 32 * c);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) op[q] = o[q];
-  }
-  if (threadIdx.x == 0) *Counter = 0;
-}
-#endif
-
 // The weight row of the block's row r. Rows past the end re-read the last valid one (their
 // results are not stored). SILU_OUT: the layer is [gate; up] (N = 2I) and the block's rows
 // interleave them, gate row j then up row j for ROWS / 2 outputs j, so one thread can pair
@@ -206,8 +153,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __restrict__ S,
         const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
         int N, int K, int group, long long stride_w16, long long stride_s, long long stride_z,
-        u32 magic0, const u16* __restrict__ NormW, float eps, u16* __restrict__ NormOut,
-        int* __restrict__ Counter) {
+        u32 magic0, const u16* __restrict__ NormW, float eps) {
   const int chunks = K >> 5;
   // magic0 = 0x4B000000, the bit pattern of 2^23
   const u32 magic[5] = {magic0, magic0 - (4u << 23), magic0 - (8u << 23), magic0 - (12u << 23),
@@ -374,12 +320,6 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
     y = round_act(y) + act_to_float(__ldcg(Y + row0 + threadIdx.x));
 #endif
     Y[row0 + threadIdx.x] = float_to_act(y);
-#if NORM_TAIL
-    __threadfence();  // this row is visible GPU-wide before the block's arrival below
-#endif
   }
-#if NORM_TAIL
-  norm_tail(Y, N, NormW, eps, NormOut, Counter);
-#endif
 }
 #endif

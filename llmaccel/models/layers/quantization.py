@@ -115,21 +115,6 @@ def fused_linear(layer: nn.Module, x: torch.Tensor, config, **fusion) -> torch.T
 SILU_EPILOGUE = os.environ.get("LLMACCEL_GEMV_SILU_EPILOGUE", "1") == "1"
 
 
-def linear_add_norm(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                    norm: nn.Module) -> torch.Tensor | None:
-    """norm(layer(x) + residual) with `residual` updated in place to layer(x) + residual, as
-    `norm(layer(x), residual)` would, in one kernel: a quantized batch-1 GEMV whose last block
-    runs the RMSNorm (`apply_add_norm`). None where the method has none for this call (more
-    than one row, Triton off, no CUDA C GEMV), and the caller runs the two steps."""
-    if (residual is None or not getattr(layer, "use_triton", False)
-            or not getattr(norm, "use_triton", False) or x.numel() != x.shape[-1]):
-        return None
-    apply_add_norm = getattr(layer.quant_method, "apply_add_norm", None)
-    if apply_add_norm is None:
-        return None
-    return apply_add_norm(layer, x, layer.bias, residual, norm.weight, norm.eps)
-
-
 def gate_up_silu(layer: nn.Module, x: torch.Tensor,
                  x_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """silu_and_mul(layer(x)) in one kernel, for a [gate; up] layer whose quantized method has
