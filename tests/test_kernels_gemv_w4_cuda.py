@@ -19,8 +19,8 @@ import torch
 
 from llmaccel.kernels import cuda_rtc
 from llmaccel.kernels.gemm import linear_ref, pack_int4_rows
-from llmaccel.kernels.gemv_w4_cuda import (CudaGemvW4Config, _source, default_config,
-                                           supports, w4a16_gemv_cuda)
+from llmaccel.kernels.gemv_w4_cuda import (CudaGemvW4Config, RopeCache, _source,
+                                           default_config, supports, w4a16_gemv_cuda)
 from llmaccel.quant import linear_methods
 
 
@@ -97,7 +97,11 @@ def test_source_compiles_with_nvrtc(arch, monkeypatch):
                     {"ROWS": 4, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
                      "HAS_ZEROS": 0, "HAS_BIAS": 0, "MATH": 1, "PROLOGUE": 1, "SILU_OUT": 1},
                     {"ROWS": 2, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
-                     "HAS_ZEROS": 0, "HAS_BIAS": 1, "MATH": 1, "RESIDUAL": 1}):
+                     "HAS_ZEROS": 0, "HAS_BIAS": 1, "MATH": 1, "RESIDUAL": 1},
+                    {"ROWS": 4, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
+                     "HAS_ZEROS": 1, "HAS_BIAS": 1, "MATH": 1, "ROPE": 1, "HEAD_DIM": 128},
+                    {"ROWS": 2, "CHUNKS": 1, "THREADS": 32, "X_BF16": 0, "SCALE_KIND": 1,
+                     "HAS_ZEROS": 0, "HAS_BIAS": 0, "MATH": 0, "ROPE": 1, "HEAD_DIM": 64}):
         cubin = cuda_rtc.compile_cubin(_source()[0], "gemv_w4", arch, defines, _source()[1])
         assert cubin[:4] == b"\x7fELF"
     with pytest.raises(cuda_rtc.CudaRtcError, match="could not compile"):
@@ -331,3 +335,113 @@ def test_probe_failure_turns_cuda_kernels_off(monkeypatch, caplog):
     with caplog.at_level("WARNING"):
         assert cuda_rtc._probe.__wrapped__(0) is False
     assert "device kernel image is invalid" in caplog.text
+
+
+def _rope_case(nq, nkv, hd, dev, dtype=torch.bfloat16, pos=37, slot=21, blocks=4, bs=16):
+    """A qkv layer's inputs and a RopeCache over a random paged cache."""
+    from llmaccel.models.layers.rotary import RotaryEmbedding
+
+    n, k, group = (nq + 2 * nkv) * hd, 512, 128
+    w, s, z = _weights(n, k, group, True, dev, seed=hd)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, k, generator=g).to(dev, dtype)
+    bias = torch.randn(n, generator=g).to(dev, dtype)
+    rot = RotaryEmbedding(hd, 256, {"rope_theta": 10000.0, "rope_type": "default"}).to(dev)
+    kv = torch.randn(2, blocks, bs, nkv, hd, generator=g).to(dev, dtype)
+    rope = RopeCache(torch.tensor([pos], device=dev), rot.cos_sin_cache, kv,
+                     torch.tensor([slot], device=dev), nq, nkv, hd)
+    return (w, s, z, group, bias), x, rope
+
+
+def test_rope_epilogue_not_taken_off_cuda_and_checks_its_inputs():
+    """The int4 method's rope hook gives None (GEMV, then rope) where the CUDA GEMV does not
+    run; the epilogue's inputs are checked with errors that name the problem."""
+    (w, s, z, group, bias), x, rope = _rope_case(4, 2, 64, "cpu")
+    layer = SimpleNamespace(kernel_weight=w, kernel_scales=s, kernel_zeros=z,
+                            kernel_group_size=group, kernel_perm=None, output_size=w.shape[0],
+                            input_size=512)
+    method = linear_methods.GPTQLinearMethod(4, 128, False, "gptq")
+    assert method.apply_qkv_rope(layer, x, bias, rope) is None
+    rope.check(x, w.shape[0])  # consistent: no error
+    with pytest.raises(ValueError, match="not \\(q heads"):
+        rope.check(x, w.shape[0] - 64)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        RopeCache(rope.positions, rope.cos_sin_cache, rope.kv_cache.float(), rope.slot_mapping,
+                  4, 2, 64).check(x, w.shape[0])
+    with pytest.raises(ValueError, match="positions must be one int64"):
+        RopeCache(rope.positions.int(), rope.cos_sin_cache, rope.kv_cache, rope.slot_mapping,
+                  4, 2, 64).check(x, w.shape[0])
+    with pytest.raises(ValueError, match="the rope epilogue takes no"):
+        w4a16_gemv_cuda(x, w, s, z, group, bias, silu_out=True, rope=rope)
+
+
+@gpu
+@pytest.mark.parametrize("nq,nkv,hd", [(24, 8, 128), (9, 3, 64), (2, 1, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [None, CudaGemvW4Config(2, 1, 1), CudaGemvW4Config(6, 1, 0)],
+                         ids=lambda c: "default" if c is None else c.describe())
+def test_gpu_rope_epilogue_equals_gemv_then_rotary_and_cache(nq, nkv, hd, dtype, cfg):
+    """q and the cache after the fused qkv GEMV equal, bit for bit, the plain CUDA GEMV then
+    `rotary_and_cache` (the path it replaces); a padding slot (-1) writes nothing."""
+    from llmaccel.kernels.rotary import rotary_and_cache
+
+    if not cuda_rtc.available():
+        pytest.skip("no CUDA C kernels here")
+    (w, s, z, group, bias), x, rope = _rope_case(nq, nkv, hd, "cuda", dtype)
+    if dtype == torch.float16:
+        s = s.half()
+    cache0 = rope.kv_cache.clone()
+    qkv = w4a16_gemv_cuda(x, w, s, z, group, bias, cfg)
+    q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+    want_cache = cache0.clone()
+    rotary_and_cache(rope.positions, q.view(1, nq, hd), k.view(1, nkv, hd), v.view(1, nkv, hd),
+                     rope.cos_sin_cache, want_cache, rope.slot_mapping)
+    got_q = w4a16_gemv_cuda(x, w, s, z, group, bias, cfg, rope=rope)
+    assert got_q.shape == (1, nq * hd)
+    assert torch.equal(got_q, q)
+    assert torch.equal(rope.kv_cache, want_cache)
+    assert not torch.equal(want_cache, cache0)  # the slot was written
+    pad = RopeCache(rope.positions, rope.cos_sin_cache, cache0.clone(),
+                    torch.tensor([-1], device="cuda"), nq, nkv, hd)
+    assert torch.equal(w4a16_gemv_cuda(x, w, s, z, group, bias, cfg, rope=pad), q)
+    assert torch.equal(pad.kv_cache, cache0)
+
+
+@gpu
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2.5-1.5b"])
+def test_gpu_engine_rope_epilogue_same_tokens(shape, monkeypatch):
+    """Batch-1 decode through CUDA graphs on a dummy GPTQ int4 model: the qkv GEMV with rope and
+    the cache write in its epilogue (taken on every layer) gives the same greedy tokens as the
+    GEMV, then `rotary_and_cache` (Qwen2: with the qkv bias)."""
+    from llmaccel import LLM, SamplingParams
+    from llmaccel.models.layers import quantization as lq
+    from llmaccel.quant.presets import preset_config
+
+    if not cuda_rtc.available():
+        pytest.skip("no CUDA C kernels here")
+    taken = []
+    real = linear_methods.PackedLinearMethod.apply_qkv_rope
+
+    def spy(self, layer, x, bias, rope):
+        q = real(self, layer, x, bias, rope)
+        taken.append(q is not None)
+        return q
+
+    monkeypatch.setattr(linear_methods.PackedLinearMethod, "apply_qkv_rope", spy)
+    tokens = {}
+    for fused in (True, False):
+        monkeypatch.setattr(lq, "QKV_ROPE_EPILOGUE", fused)
+        llm = LLM(shape, load_format="dummy", dtype="bfloat16", max_model_len=512,
+                  hf_overrides={"quantization_config": preset_config("gptq-int4-g128")},
+                  skip_tokenizer_init=True, enable_prefix_caching=False,
+                  cudagraph_capture_sizes=[1], seed=0)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        tokens[fused] = [list(llm.generate({"prompt_token_ids": [(17 * i + 5 * j) % 900 + 10
+                                                                 for j in range(40)]},
+                                           params)[0].outputs[0].token_ids) for i in range(3)]
+        del llm
+        torch.cuda.empty_cache()
+        if fused:
+            layers = 30 if shape == "smollm2-135m" else 28
+            assert taken.count(True) >= layers  # every layer's capture took it
+    assert tokens[True] == tokens[False]

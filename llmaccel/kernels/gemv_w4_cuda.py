@@ -92,6 +92,56 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             and cuda_rtc.available(x.device))
 
 
+@dataclass(frozen=True)
+class RopeCache:
+    """The qkv GEMV's ROPE epilogue (the .cu file): rotary embedding of q and k for one decode
+    token and the write of rotated k and of v into the paged cache, as
+    `rotary.rotary_and_cache` does after a plain GEMV. The layer's rows are [q; k; v] heads."""
+    positions: torch.Tensor  # [1] int64, the token's position
+    cos_sin_cache: torch.Tensor  # [max_pos, head_dim] fp32 = cat(cos, sin)
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, kv_heads, head_dim], x's dtype
+    slot_mapping: torch.Tensor  # [1] int64, the token's cache slot (-1: write nothing)
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def check(self, x: torch.Tensor, n: int) -> None:
+        """A ValueError naming what this epilogue cannot take."""
+        hd, nkv = self.head_dim, self.num_kv_heads
+        problems = []
+        if hd % 2 or n != (self.num_q_heads + 2 * nkv) * hd:
+            problems.append(f"N={n} is not (q heads + 2 kv heads) x an even head_dim")
+        for name in ("positions", "slot_mapping"):
+            t = getattr(self, name)
+            if t.dtype != torch.int64 or t.numel() != 1 or t.device != x.device:
+                problems.append(f"{name} must be one int64 on {x.device}")
+        cs = self.cos_sin_cache
+        if cs.dtype != torch.float32 or cs.dim() != 2 or cs.shape[1] != hd or cs.stride(1) != 1:
+            problems.append(f"cos_sin_cache must be fp32 [max_pos, {hd}]")
+        kv = self.kv_cache
+        if (kv.dtype != x.dtype or kv.dim() != 5 or kv.shape[0] != 2
+                or tuple(kv.shape[-2:]) != (nkv, hd) or kv.stride(-1) != 1
+                or kv.device != x.device):
+            problems.append(f"kv_cache must be [2, blocks, block_size, {nkv}, {hd}] in {x.dtype}")
+        if problems:
+            raise ValueError("rope epilogue: " + "; ".join(problems))
+
+    def args(self) -> list:
+        """The kernel's trailing arguments."""
+        ptr, kv = ctypes.c_void_p, self.kv_cache
+        return [ptr(self.positions.data_ptr()), ptr(self.cos_sin_cache.data_ptr()),
+                ctypes.c_longlong(self.cos_sin_cache.stride(0)),
+                ptr(self.slot_mapping.data_ptr()), ptr(kv[0].data_ptr()), ptr(kv[1].data_ptr()),
+                ctypes.c_longlong(kv.stride(1)), ctypes.c_longlong(kv.stride(2)),
+                ctypes.c_longlong(kv.stride(3)), ctypes.c_int(kv.shape[2]),
+                ctypes.c_int(self.num_q_heads), ctypes.c_int(self.num_kv_heads)]
+
+
+_NO_ROPE = [ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_longlong(0), ctypes.c_void_p(0),
+            ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_longlong(0), ctypes.c_longlong(0),
+            ctypes.c_longlong(0), ctypes.c_int(1), ctypes.c_int(0), ctypes.c_int(0)]
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """A contiguous 16-byte-aligned copy where `t` is not one (the kernel loads 16 bytes)."""
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.contiguous().clone()
@@ -102,16 +152,21 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None = None, config: CudaGemvW4Config | None = None,
                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                     silu: bool = False, residual: torch.Tensor | None = None,
-                    silu_out: bool = False) -> torch.Tensor:
+                    silu_out: bool = False, rope: RopeCache | None = None) -> torch.Tensor:
     """y [..., N] = x @ dequant(weight)^T (+ bias), in x's dtype (see the module docstring).
 
     The fused decode variants of `gemv_w4.w4a16_gemv`, rounded the same way: `norm_weight`
     (the input is RMSNorm(x) * norm_weight with `eps`), `silu` (x is [gate | up], 2K wide; the
     input is silu(gate) * up), `residual` [..., N] (updated in place to residual + product and
     returned); `silu_out` (a [gate; up] layer, N = 2I) returns silu_and_mul of the product,
-    [..., I], the activation computed in the epilogue (the tile's rows must be even)."""
+    [..., I], the activation computed in the epilogue (the tile's rows must be even).
+    `rope` (a qkv layer of one decode token) returns q [..., num_q_heads * head_dim] rotated
+    and writes rotated k and v to the paged cache (see `RopeCache`)."""
     if silu and norm_weight is not None:
         raise ValueError("one prologue at a time: silu or norm_weight")
+    if rope is not None and (silu or norm_weight is not None or residual is not None
+                             or silu_out):
+        raise ValueError("the rope epilogue takes no prologue, residual or silu_out")
     if silu_out and (silu or residual is not None or weight.shape[0] % 2):
         raise ValueError("silu_out needs an even N ([gate; up] rows), no silu prologue and no "
                          "residual")
@@ -126,15 +181,23 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
             raise ValueError(f"norm_weight must be [{k}] in {x.dtype}")
         norm_weight = _aligned(norm_weight)
+    if rope is not None:
+        rope.check(x, n)
+    pairs = silu_out or rope is not None  # the epilogue pairs rows
     cfg = config or tile_for(n, k, x.device)[0]
-    if config is None and silu_out and cfg.rows % 2:  # the epilogue pairs rows: round up
+    if config is None and pairs and cfg.rows % 2:  # round up
         even = CudaGemvW4Config(cfg.rows + 1, cfg.chunks, cfg.math)
         cfg = even if even.fits(k) else default_config(n, k)
     threads = cfg.threads(k)
-    if not cfg.fits(k) or (silu_out and cfg.rows % 2):
+    if not cfg.fits(k) or (pairs and cfg.rows % 2):
         raise ValueError(f"config {cfg.describe()} does not fit K={k}"
-                         + (" with silu_out (rows must be even)" if silu_out else ""))
-    y = gemv_output(x, n, residual, silu_out)
+                         + (" with an epilogue that pairs rows (rows must be even)"
+                            if pairs else ""))
+    if rope is not None:
+        y = torch.empty(*x.shape[:-1], rope.num_q_heads * rope.head_dim, dtype=x.dtype,
+                        device=x.device)
+    else:
+        y = gemv_output(x, n, residual, silu_out)
     if n == 0:
         return y
     x1 = _aligned(x.reshape(x.shape[-1]))
@@ -143,7 +206,9 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         "X_BF16": int(x.dtype == torch.bfloat16), "SCALE_KIND": _SCALE_KIND[scales.dtype],
         "HAS_ZEROS": int(zeros is not None), "HAS_BIAS": int(bias is not None),
         "MATH": cfg.math, "PROLOGUE": 1 if norm_weight is not None else (2 if silu else 0),
-        "RESIDUAL": int(residual is not None), "SILU_OUT": int(silu_out)}, _source()[1])
+        "RESIDUAL": int(residual is not None), "SILU_OUT": int(silu_out),
+        "ROPE": int(rope is not None), "HEAD_DIM": rope.head_dim if rope is not None else 0},
+        _source()[1])
     ptr = ctypes.c_void_p
     args = [ptr(x1.data_ptr()), ptr(weight.data_ptr()), ptr(scales.data_ptr()),
             ptr(zeros.data_ptr() if zeros is not None else 0),
@@ -153,8 +218,8 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0),
             ctypes.c_uint(MAGIC_2_23),
             ptr(norm_weight.data_ptr() if norm_weight is not None else 0),
-            ctypes.c_float(eps)]
-    grid = -(-(n // 2) // (cfg.rows // 2)) if silu_out else -(-n // cfg.rows)
+            ctypes.c_float(eps)] + (rope.args() if rope is not None else _NO_ROPE)
+    grid = -(-(n // 2) // (cfg.rows // 2)) if pairs else -(-n // cfg.rows)
     kern.launch(grid, threads, args, pdl=pdl.enabled())
     return y
 

@@ -27,6 +27,7 @@ from llmaccel.models.layers.quantization import (
     fused_linear,
     gate_up_silu,
     linear_on,
+    qkv_rope,
     wants_quantized_row,
 )
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
@@ -65,7 +66,38 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.attend(positions, self.qkv_proj(x), meta))
+        return self.o_proj(self.qkv_attend(positions, x, meta))
+
+    def qkv_attend(self, positions: torch.Tensor, x: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """The qkv projection of x, then attention -> [T, q_size]. One decode token whose
+        quantized qkv GEMV can rotate q and k and write the K/V cache in its epilogue does
+        so (`qkv_rope`): one kernel fewer than the GEMV, then `rotary_and_cache`."""
+        q = self._qkv_rope(positions, x, meta)
+        if q is None:
+            return self.attend(positions, linear_on(self.qkv_proj, x), meta)
+        out = self.backend.attend_cached(q.view(-1, self.num_heads, self.head_dim),
+                                         self.kv_cache, meta, self.scale, self.k_scale,
+                                         self.v_scale)
+        return out.reshape(-1, self.q_size)
+
+    def _qkv_rope(self, positions: torch.Tensor, x: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor | None:
+        """q from the fused qkv + rope + cache-write GEMV, or None where it does not apply:
+        the same conditions as the backend's own rope + cache kernel (`forward_with_rope`),
+        a pure decode step of one token, a cache in the activations' dtype (not FP8)."""
+        kv = self.kv_cache
+        if (kv is None or not getattr(self.backend, "fuse_rope_cache", False)
+                or not self.rotary_emb.use_triton or not meta.uses_kv_cache
+                or not meta.is_pure_decode or not isinstance(x, torch.Tensor)
+                or x.numel() != x.shape[-1] or kv.dtype != x.dtype
+                or self.rotary_emb.cos_sin_cache.shape[-1] != self.head_dim):
+            return None
+        from llmaccel.kernels.gemv_w4_cuda import RopeCache
+
+        rope = RopeCache(positions, self.rotary_emb.cos_sin_cache, kv, meta.slot_mapping,
+                         self.num_heads, self.num_kv_heads, self.head_dim)
+        return qkv_rope(self.qkv_proj, x, rope)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
@@ -126,7 +158,7 @@ class DecoderLayer(nn.Module):
             x, residual = residual, None
         attn = self.self_attn
         x, residual = self._norm(self.input_layernorm, x, residual, attn.qkv_proj)
-        x = attn.o_proj(attn.attend(positions, linear_on(attn.qkv_proj, x), meta))
+        x = attn.o_proj(attn.qkv_attend(positions, x, meta))
         x, residual = self._norm(self.post_attention_layernorm, x, residual,
                                  self.mlp.gate_up_proj)
         return self.mlp(x), residual

@@ -126,6 +126,19 @@ def _cuda_gemv_available(layer: nn.Module) -> bool:
     return _use_cuda_gemv(layer, x, None)
 
 
+def _qkv_layer(layer: nn.Module) -> bool:
+    """A fused [q; k; v] projection (for the log: it takes the rope epilogue at decode)."""
+    from llmaccel.models.layers.quantization import QKV_ROPE_EPILOGUE
+
+    return (QKV_ROPE_EPILOGUE and len(getattr(layer, "output_sizes", ())) == 3
+            and getattr(layer, "prefix", "").endswith("qkv_proj"))
+
+
+def _gate_up_layer(layer: nn.Module) -> bool:
+    sizes = getattr(layer, "output_sizes", ())
+    return len(sizes) == 2 and sizes[0] == sizes[1]
+
+
 def _tuned_w4(layer: nn.Module) -> bool:
     """Whether the GPU's table holds a batch-1 GEMV tile for this layer (for the log)."""
     from llmaccel.kernels.gemm_tuning import gemv_w4_config
@@ -154,7 +167,11 @@ class PackedLinearMethod(LinearMethodBase):
                 cfg, tuned = tile_for(layer.output_size, layer.input_size,
                                       layer.kernel_weight.device)
                 kernel += (f"; batch 1: CUDA C W4A16 GEMV (kernels/csrc/gemv_w4.cu via NVRTC, "
-                           f"{'tuned' if tuned else 'default'} tile {cfg.describe()})")
+                           f"{'tuned' if tuned else 'default'} tile {cfg.describe()}"
+                           + (", rope and the K/V cache write in its epilogue"
+                              if _qkv_layer(layer) else "")
+                           + (", SiLU-and-mul in its epilogue" if _gate_up_layer(layer)
+                              and CUDA_SILU_OUT else "") + ")")
             elif self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
                                                     layer.kernel_weight.device) is not None:
                 tuned = _tuned_w4(layer)
@@ -284,6 +301,19 @@ class PackedLinearMethod(LinearMethodBase):
 
         return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
                                layer.kernel_group_size, bias, silu_out=True)
+
+    def apply_qkv_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       rope) -> torch.Tensor | None:
+        """q [1, q_size] of one decode token of a [q; k; v] int4 layer through the CUDA C
+        GEMV with rope and the K/V cache write in its epilogue (`kernels/gemv_w4_cuda.py`,
+        `RopeCache`), or None where that GEMV does not run."""
+        if (not hasattr(layer, "kernel_weight") or layer.kernel_perm is not None
+                or not _use_cuda_gemv(layer, x, bias)):
+            return None
+        from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_cuda
+
+        return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+                               layer.kernel_group_size, bias, rope=rope)
 
     def _unpack(self, layer: nn.Module) -> None:
         """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""

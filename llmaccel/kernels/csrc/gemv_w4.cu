@@ -29,7 +29,8 @@
 // with `eps`; the block's threads hold the whole row, so the mean square is one block sum),
 // PROLOGUE 2 (x is [gate | up], 2K wide; the input is silu(gate) * up), RESIDUAL (Y holds
 // the residual stream and gets the product added in place), SILU_OUT (a [gate; up] layer
-// whose output is silu(gate) * up, N / 2 wide; ROWS even).
+// whose output is silu(gate) * up, N / 2 wide; ROWS even), and ROPE (a fused qkv layer of
+// one decode token: rotary embedding and the paged K/V cache write in the epilogue, below).
 
 #include "common.cuh"
 
@@ -139,8 +140,16 @@ __device__ __forceinline__ float word_dot_sub(u32 w, const float* xs) {
 // results are not stored). SILU_OUT: the layer is [gate; up] (N = 2I) and the block's rows
 // interleave them, gate row j then up row j for ROWS / 2 outputs j, so one thread can pair
 // them in the epilogue.
+//
+// ROPE: the layer is qkv, N = (num_q_heads + 2 num_kv_heads) * HEAD_DIM, and the block's rows
+// pair element j of a head with element j + HEAD_DIM / 2 (the two halves rotate-half mixes),
+// ROWS / 2 pairs a block, pair p = head * HEAD_DIM / 2 + j, so one thread rotates a pair.
 __device__ __forceinline__ long long weight_row(int r, int N) {
-#if SILU_OUT
+#if ROPE
+  const int p = min((int)blockIdx.x * (ROWS / 2) + r / 2, (N >> 1) - 1);
+  const int h = p / (HEAD_DIM / 2), j = p - h * (HEAD_DIM / 2);
+  return (long long)h * HEAD_DIM + j + (r & 1) * (HEAD_DIM / 2);
+#elif SILU_OUT
   const int half = N >> 1;
   const int j = min((int)blockIdx.x * (ROWS / 2) + r / 2, half - 1);
   return (long long)j + (r & 1) * half;
@@ -153,7 +162,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __restrict__ S,
         const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
         int N, int K, int group, long long stride_w16, long long stride_s, long long stride_z,
-        u32 magic0, const u16* __restrict__ NormW, float eps) {
+        u32 magic0, const u16* __restrict__ NormW, float eps,
+        const long long* __restrict__ Positions, const float* __restrict__ CosSin,
+        long long stride_c, const long long* __restrict__ Slots, u16* __restrict__ KCache,
+        u16* __restrict__ VCache, long long stride_cb, long long stride_cs,
+        long long stride_ch, int block_size, int num_q_heads, int num_kv_heads) {
   const int chunks = K >> 5;
   // magic0 = 0x4B000000, the bit pattern of 2^23
   const u32 magic[5] = {magic0, magic0 - (4u << 23), magic0 - (8u << 23), magic0 - (12u << 23),
@@ -305,6 +318,52 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
     u += act_to_float(__ldg(Bias + j + (N >> 1)));
 #endif
     Y[j] = float_to_act(silu_mul(round_act(g), round_act(u)));
+  }
+}
+#elif ROPE
+  // Pair p of head h: q heads are rotated into Y (the attention's q, [num_q_heads *
+  // HEAD_DIM]); k heads rotated and v heads as they are go to the paged cache at the token's
+  // slot (-1: a padding row, nothing written). Rounded as the unfused layers round: the
+  // product (+ bias) once, then kernels/rotary.py's rope (cos/sin in the activation dtype,
+  // every product and each sum rounded), then the cache's dtype, which is the activations'.
+  const int half = HEAD_DIM / 2;
+  const int p = blockIdx.x * (ROWS / 2) + threadIdx.x;
+  if (threadIdx.x < ROWS / 2 && p < (N >> 1)) {
+    float a = 0.f, b = 0.f;
+#pragma unroll
+    for (int i = 0; i < NWARPS; ++i) {
+      a += partial[i][2 * threadIdx.x];
+      b += partial[i][2 * threadIdx.x + 1];
+    }
+    const int h = p / half, j = p - h * half;
+    const int row = h * HEAD_DIM + j;
+#if HAS_BIAS
+    a += act_to_float(__ldg(Bias + row));
+    b += act_to_float(__ldg(Bias + row + half));
+#endif
+    a = round_act(a);
+    b = round_act(b);
+    if (h < num_q_heads + num_kv_heads) {  // q or k: rotate
+      const float* cs = CosSin + Positions[0] * stride_c;
+      const float c = round_act(cs[j]), s = round_act(cs[half + j]);
+      const float o1 = round_act(round_act(a * c) - round_act(b * s));
+      b = round_act(round_act(b * c) + round_act(a * s));
+      a = o1;
+    }
+    if (h < num_q_heads) {
+      Y[row] = float_to_act(a);
+      Y[row + half] = float_to_act(b);
+    } else {
+      const long long slot = Slots[0];
+      if (slot >= 0) {
+        const bool is_k = h < num_q_heads + num_kv_heads;
+        const int kvh = h - num_q_heads - (is_k ? 0 : num_kv_heads);
+        u16* dst = (is_k ? KCache : VCache) + (slot / block_size) * stride_cb
+                   + (slot % block_size) * stride_cs + kvh * stride_ch + j;
+        dst[0] = float_to_act(a);
+        dst[half] = float_to_act(b);
+      }
+    }
   }
 }
 #else

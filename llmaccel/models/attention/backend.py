@@ -75,7 +75,7 @@ class TritonAttentionBackend(AttentionBackend):
             return pf.varlen_prefill_attention(q, k, v, meta.query_start_loc, scale,
                                                meta.max_query_len)
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
-        return self._attend_cached(q, kv_cache, meta, scale, k_scale, v_scale)
+        return self.attend_cached(q, kv_cache, meta, scale, k_scale, v_scale)
 
     def forward_with_rope(self, positions, rotary_emb, q, k, v, kv_cache, meta, scale,
                           k_scale=1.0, v_scale=1.0):
@@ -86,9 +86,9 @@ class TritonAttentionBackend(AttentionBackend):
         from llmaccel.kernels.rotary import rotary_and_cache
         rotary_and_cache(positions, q, k, v, rotary_emb.cos_sin_cache, kv_cache,
                          meta.slot_mapping, k_scale, v_scale)
-        return self._attend_cached(q, kv_cache, meta, scale, k_scale, v_scale)
+        return self.attend_cached(q, kv_cache, meta, scale, k_scale, v_scale)
 
-    def _attend_cached(self, q, kv_cache, meta, scale, k_scale, v_scale):
+    def attend_cached(self, q, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         """Attention of q over the paged cache, which already holds this step's K/V."""
         from llmaccel.kernels import prefill_attention as pf
         from llmaccel.kernels.paged_attention import choose_num_splits, paged_decode_attention

@@ -129,6 +129,23 @@ def gate_up_silu(layer: nn.Module, x: torch.Tensor,
     return None if apply_silu_out is None else apply_silu_out(layer, x, layer.bias, x_scale)
 
 
+# Rope and the paged K/V cache write in the epilogue of a quantized qkv GEMV at batch-1
+# decode (one kernel less per layer); LLMACCEL_QKV_ROPE_EPILOGUE=0 turns it off, to measure it.
+QKV_ROPE_EPILOGUE = os.environ.get("LLMACCEL_QKV_ROPE_EPILOGUE", "1") == "1"
+
+
+def qkv_rope(layer: nn.Module, x: torch.Tensor, rope) -> torch.Tensor | None:
+    """q for one decode token of a [q; k; v] layer whose quantized method has a batch-1 GEMV
+    with rope and the K/V cache write in its epilogue (`apply_qkv_rope`; `rope` is a
+    `kernels.gemv_w4_cuda.RopeCache`), the rotated k and v written to the cache; None where
+    it has none, and the caller runs the GEMV, then rope and the cache write."""
+    if (not QKV_ROPE_EPILOGUE or not getattr(layer, "use_triton", False)
+            or not isinstance(x, torch.Tensor) or x.numel() != x.shape[-1]):
+        return None
+    apply_qkv_rope = getattr(layer.quant_method, "apply_qkv_rope", None)
+    return None if apply_qkv_rope is None else apply_qkv_rope(layer, x, layer.bias, rope)
+
+
 # RMSNorm and the FP8 quantization of its row in one kernel, before a batch-1 FP8 GEMV that
 # takes its row quantized; LLMACCEL_NORM_QUANT=0 turns it off, to measure it.
 NORM_QUANT = os.environ.get("LLMACCEL_NORM_QUANT", "1") == "1"
