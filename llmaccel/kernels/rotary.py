@@ -5,9 +5,11 @@ One program per token loads cos/sin for its position once and rotates every head
 The rotary dimension is the full head dim (d even). q and k may be strided views (e.g. slices
 of a fused qkv projection) as long as the head dim is contiguous.
 
-Rounding follows `llmaccel.models.layers.rotary.RotaryEmbedding`: the fp32 cos/sin cache is
-cast to the input dtype, and each product and the sum are rounded to that dtype, so bf16/fp16
-results match the layer.
+Rounding is meant to follow `llmaccel.models.layers.rotary.RotaryEmbedding`: the fp32 cos/sin
+cache cast to the input dtype, each product and the sum rounded to that dtype. fp32 matches the
+layer exactly (tests); in bf16 on an H100 this kernel measured one ulp off the layer in about
+17% of elements (benchmarks/results/2026-11-26-qkv-rope-h100.md; the cause is not found), while
+the CUDA C qkv GEMV's rope epilogue (csrc/gemv_w4.cu) equals the layer bit for bit.
 """
 
 from __future__ import annotations

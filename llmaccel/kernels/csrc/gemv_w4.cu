@@ -206,6 +206,31 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
                             : make_uint4(0, 0, 0, 0);
   }
 #endif
+#if ROPE
+  // The epilogue's inputs, loaded before the wait too, so its rope and cache write add no
+  // dependent global loads to the step's critical path: cos/sin (constant), bias, and the
+  // token's position and slot. Those two are written before the step's first kernel (the
+  // graph's input copy, or a kernel of an earlier step); within a step they are never
+  // written after it starts, and every kernel here releases its dependent only after its
+  // own wait, so whatever ran two launches back (the norm before this GEMV is one) is
+  // complete and visible when this kernel starts.
+  float rope_c = 0.f, rope_s = 0.f, bias_a = 0.f, bias_b = 0.f;
+  (void)bias_a;
+  (void)bias_b;
+  long long rope_slot = -1;
+  if (threadIdx.x < ROWS / 2) {
+    const int p = min((int)blockIdx.x * (ROWS / 2) + (int)threadIdx.x, (N >> 1) - 1);
+    const int h = p / (HEAD_DIM / 2), j = p - h * (HEAD_DIM / 2);
+    const float* cs = CosSin + Positions[0] * stride_c;  // plain loads: not constant data
+    rope_c = round_act(__ldg(cs + j));
+    rope_s = round_act(__ldg(cs + HEAD_DIM / 2 + j));
+    rope_slot = Slots[0];
+#if HAS_BIAS
+    bias_a = act_to_float(__ldg(Bias + h * HEAD_DIM + j));
+    bias_b = act_to_float(__ldg(Bias + h * HEAD_DIM + j + HEAD_DIM / 2));
+#endif
+  }
+#endif
   // 2. The input, written by the previous kernel.
   pdl_wait();
   float xv[CHUNKS][32];
@@ -338,14 +363,13 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
     const int h = p / half, j = p - h * half;
     const int row = h * HEAD_DIM + j;
 #if HAS_BIAS
-    a += act_to_float(__ldg(Bias + row));
-    b += act_to_float(__ldg(Bias + row + half));
+    a += bias_a;
+    b += bias_b;
 #endif
     a = round_act(a);
     b = round_act(b);
     if (h < num_q_heads + num_kv_heads) {  // q or k: rotate
-      const float* cs = CosSin + Positions[0] * stride_c;
-      const float c = round_act(cs[j]), s = round_act(cs[half + j]);
+      const float c = rope_c, s = rope_s;
       const float o1 = round_act(round_act(a * c) - round_act(b * s));
       b = round_act(round_act(b * c) + round_act(a * s));
       a = o1;
@@ -354,7 +378,7 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
       Y[row] = float_to_act(a);
       Y[row + half] = float_to_act(b);
     } else {
-      const long long slot = Slots[0];
+      const long long slot = rope_slot;
       if (slot >= 0) {
         const bool is_k = h < num_q_heads + num_kv_heads;
         const int kvh = h - num_q_heads - (is_k ? 0 : num_kv_heads);
