@@ -1,7 +1,7 @@
 """Compile every decode-graph kernel with USE_PDL=True for sm_90 (no GPU needed: Triton's own
 ptxas) and check the PTX keeps the PDL rule of kernels/pdl.py: `griddepcontrol.wait` comes
-before any global store (and, except in the GEMV, which prefetches its weights, before any
-global load), and `griddepcontrol.launch_dependents` comes after the wait.
+before any global store (and, except in the GEMV and the RMSNorm, which prefetch their
+weights, before any global load), and `griddepcontrol.launch_dependents` comes after the wait.
 
 Run as a script without TRITON_INTERPRET (the interpreter replaces @triton.jit functions);
 prints one JSON object per kernel. tests/test_kernels_fused_decode.py runs it."""
@@ -45,7 +45,7 @@ CASES = [
         Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=32, FP8=False, SOFT_ROUND=False), False),
     ("reshape_and_cache", cache._reshape_and_cache_kernel, dict(
         HEADS_PAD=8, DIM_PAD=64, FP8=False, SOFT_ROUND=False), False),
-    ("rms_norm", rmsnorm._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=2048), False),
+    ("rms_norm", rmsnorm._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=2048), True),
     ("silu_and_mul", activation._silu_and_mul_kernel, dict(BLOCK=1024), False),
     ("paged_decode", paged_attention._paged_decode_kernel, dict(
         GROUP=4, GROUP_PAD=16, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=16, BLOCK_N=32,
@@ -75,13 +75,18 @@ def _signature(fn, consts, types):
     return params, sig
 
 
+# Compile options the launch sites pass: rope rounds every product as the eager layer does,
+# which FP fusion breaks (it turns x1 * cos - x2 * sin into one bf16 FMA; kernels/rotary.py).
+OPTIONS = {"rotary": {"enable_fp_fusion": False}, "rotary_and_cache": {"enable_fp_fusion": False}}
+
+
 def check(name, fn, consts, prefetches, types=None):
     consts = {**consts, "USE_PDL": True}
     params, sig = _signature(fn, consts, types or {})
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(params.index(k),): v for k, v in consts.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "num_stages": 3})
+                            options={"num_warps": 4, "num_stages": 3, **OPTIONS.get(name, {})})
     lines = kernel.asm["ptx"].splitlines()
     where = {key: [i for i, line in enumerate(lines) if key in line]
              for key in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
@@ -94,7 +99,8 @@ def check(name, fn, consts, prefetches, types=None):
           and (prefetches or all(i > wait for i in where["ld.global"])))
     return {"kernel": name, "ok": ok, "wait": wait, "launch_dependents": launch,
             "loads_before_wait": sum(i < wait for i in where["ld.global"]) if wait else None,
-            "stores_before_wait": sum(i < wait for i in where["st.global"]) if wait else None}
+            "stores_before_wait": sum(i < wait for i in where["st.global"]) if wait else None,
+            "fma": sum(line.strip().startswith("fma.") for line in lines)}
 
 
 if __name__ == "__main__":

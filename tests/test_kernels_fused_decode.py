@@ -233,6 +233,9 @@ def test_pdl_kernels_compile_for_hopper_and_wait_before_touching_data():
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
     assert all(r["loads_before_wait"] > 0 for r in results if r["kernel"].startswith("linear"))
+    # bf16 rope compiled as launched (no FP fusion) rounds each product: no FMA contraction
+    rope = [r for r in results if r["kernel"] in ("rotary", "rotary_and_cache")]
+    assert len(rope) == 2 and all(r["fma"] == 0 for r in rope), rope
 
 
 def test_fused_table_entries_come_first_at_batch_one(tmp_path, monkeypatch):

@@ -30,10 +30,14 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     FP8_OUT: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # The norm's weight is read-only: loaded before the PDL wait, its read (from device
+    # memory: a decode step's weight stream evicts it from L2) overlaps the previous kernel
+    # instead of following the row's reduction on the step's critical path.
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0)
@@ -43,7 +47,6 @@ def _rms_norm_kernel(
     h = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
     normed = (h * rstd).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     out = (w * normed).to(Out.dtype.element_ty)
     if FP8_OUT:
         # the normalized row quantized per token as quantize_fp8_per_token does it (what

@@ -5,11 +5,11 @@ One program per token loads cos/sin for its position once and rotates every head
 The rotary dimension is the full head dim (d even). q and k may be strided views (e.g. slices
 of a fused qkv projection) as long as the head dim is contiguous.
 
-Rounding is meant to follow `llmaccel.models.layers.rotary.RotaryEmbedding`: the fp32 cos/sin
-cache cast to the input dtype, each product and the sum rounded to that dtype. fp32 matches the
-layer exactly (tests); in bf16 on an H100 this kernel measured one ulp off the layer in about
-17% of elements (benchmarks/results/2026-11-26-qkv-rope-h100.md; the cause is not found), while
-the CUDA C qkv GEMV's rope epilogue (csrc/gemv_w4.cu) equals the layer bit for bit.
+Rounding follows `llmaccel.models.layers.rotary.RotaryEmbedding`: the fp32 cos/sin cache is
+cast to the input dtype, and each product and the sum are rounded to that dtype, so bf16/fp16
+results match the layer. That needs the launches' `enable_fp_fusion=False`: Triton narrows the
+math to bf16 and with FP fusion turned x1 * cos - x2 * sin into one FMA, which on an H100 left
+17% of bf16 outputs one ulp off the layer (benchmarks/results/2026-11-26-qkv-rope-h100.md).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         cos_sin_cache.stride(0), num_q_heads, k.shape[1], half,
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         K_HEADS_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(half),
-        USE_PDL=pdl.enabled(), num_warps=4, **pdl.launch_kwargs(),
+        USE_PDL=pdl.enabled(), num_warps=4, enable_fp_fusion=False, **pdl.launch_kwargs(),
     )
     return q, k
 
@@ -168,7 +168,7 @@ def rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF_PAD=triton.next_power_of_2(half),
         FP8=fp8, SOFT_ROUND=fp8 and kv_cache.device.type != "cuda",  # see kernels/cache.py
-        USE_PDL=pdl.enabled(), num_warps=4, **pdl.launch_kwargs(),
+        USE_PDL=pdl.enabled(), num_warps=4, enable_fp_fusion=False, **pdl.launch_kwargs(),
     )
     return q, k
 
