@@ -404,12 +404,12 @@ def test_gpu_rope_epilogue_equals_gemv_then_rope_and_cache_write(nq, nkv, hd, dt
         s = s.half()
     cache0 = rope.kv_cache.clone()
     qkv = w4a16_gemv_cuda(x, w, s, z, group, bias, cfg)
-    q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+    tq, tk, tv = (t.clone() for t in qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1))
+    q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)  # rotated in place below
     want_cache = cache0.clone()
     _exact_rotary_and_cache(rope.positions, q.view(1, nq, hd), k.view(1, nkv, hd),
                             v.view(1, nkv, hd), rope.cos_sin_cache, want_cache,
                             rope.slot_mapping)
-    tq, tk, tv = (t.clone() for t in qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1))
     triton_cache = cache0.clone()
     rotary_and_cache(rope.positions, tq.view(1, nq, hd), tk.view(1, nkv, hd), tv.view(1, nkv, hd),
                      rope.cos_sin_cache, triton_cache, rope.slot_mapping)
