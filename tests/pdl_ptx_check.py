@@ -1,7 +1,7 @@
 """Compile every decode-graph kernel with USE_PDL=True for sm_90 (no GPU needed: Triton's own
 ptxas) and check the PTX keeps the PDL rule of kernels/pdl.py: `griddepcontrol.wait` comes
 before any global store (and, except in the GEMV and the RMSNorm, which prefetch their
-weights, and the paged decode attention's prefetch of older K/V, before any global load), and `griddepcontrol.launch_dependents` comes after the wait.
+weights, before any global load), and `griddepcontrol.launch_dependents` comes after the wait.
 
 Run as a script without TRITON_INTERPRET (the interpreter replaces @triton.jit functions);
 prints one JSON object per kernel. tests/test_kernels_fused_decode.py runs it."""
@@ -49,12 +49,8 @@ CASES = [
     ("silu_and_mul", activation._silu_and_mul_kernel, dict(BLOCK=1024), False),
     ("paged_decode", paged_attention._paged_decode_kernel, dict(
         GROUP=4, GROUP_PAD=16, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=16, BLOCK_N=32,
-        NUM_SPLITS=16, PRECISION="tf32", KV_FP8=False, FUSED_COMBINE=True, SPLITS_PAD=16,
-        PREFETCH=False), False),
-    ("paged_decode-prefetch", paged_attention._paged_decode_kernel, dict(
-        GROUP=4, GROUP_PAD=16, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=16, BLOCK_N=32,
-        NUM_SPLITS=16, PRECISION="tf32", KV_FP8=False, FUSED_COMBINE=True, SPLITS_PAD=16,
-        PREFETCH=True), True),
+        NUM_SPLITS=16, PRECISION="tf32", KV_FP8=False, FUSED_COMBINE=True, SPLITS_PAD=16),
+     False),
     ("combine_splits", paged_attention._combine_splits_kernel, dict(
         HEAD_DIM=64, DIM_PAD=64, NUM_SPLITS=16, SPLITS_PAD=16), False),
     ("greedy_chunk", greedy._chunk_kernel, dict(CHUNK=4096), False),

@@ -34,13 +34,12 @@ def _case(lens, heads, kv_heads, head_dim, block_size, dtype, device, seed=0):
 
 
 def _check(lens, heads, kv_heads, head_dim, block_size, dtype, device, atol, num_splits=1,
-           block_n=32, prefetch=False):
+           block_n=32):
     from llmaccel.kernels.paged_attention import paged_decode_attention
     q, cache, bt, sl = _case(lens, heads, kv_heads, head_dim, block_size, dtype, device)
     scale = head_dim ** -0.5
     want = paged_decode_attention_ref(q.float(), cache.float(), bt, sl, scale)
-    got = paged_decode_attention(q, cache, bt, sl, scale, num_splits=num_splits, block_n=block_n,
-                                 prefetch=prefetch)
+    got = paged_decode_attention(q, cache, bt, sl, scale, num_splits=num_splits, block_n=block_n)
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
 
 
@@ -48,23 +47,18 @@ def _device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# prefetch: each split's first tile of older K/V loaded before the PDL wait, the tile's last
-# (this step's) positions after it; the result must not change.
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 1, 32), (3, 3, 16)])
-def test_paged_decode_small(heads, kv_heads, head_dim, prefetch):
-    _check([1, 5, 17, 33], heads, kv_heads, head_dim, 4, torch.float32, _device(), atol=2e-3,
-           prefetch=prefetch)
+def test_paged_decode_small(heads, kv_heads, head_dim):
+    _check([1, 5, 17, 33], heads, kv_heads, head_dim, 4, torch.float32, _device(), atol=2e-3)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 24), (3, 1, 32)])
-def test_paged_decode_split_k(num_splits, heads, kv_heads, head_dim, prefetch):
+def test_paged_decode_split_k(num_splits, heads, kv_heads, head_dim):
     # block_n 16: 33 tokens make 3 tiles, so splits get 1-2 tiles, a partial one, or none
     # (seq_len 1 with 8 splits leaves 7 empty splits, which must not produce NaN).
     _check([1, 5, 17, 33], heads, kv_heads, head_dim, 4, torch.float32, _device(), atol=2e-3,
-           num_splits=num_splits, block_n=16, prefetch=prefetch)
+           num_splits=num_splits, block_n=16)
 
 
 def test_paged_decode_split_k_replays_with_new_lengths():
@@ -107,11 +101,9 @@ def test_split_heuristic():
 @pytest.mark.parametrize("num_splits", [1, 3, 16, None])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 64), (24, 8, 128), (12, 2, 128),
                                                      (9, 3, 64), (10, 2, 80), (7, 7, 24)])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_paged_decode_gpu(dtype, num_splits, heads, kv_heads, head_dim, prefetch):
+def test_paged_decode_gpu(dtype, num_splits, heads, kv_heads, head_dim):
     lens = [1, 15, 16, 17, 255, 1000, 3999, 4097]
-    _check(lens, heads, kv_heads, head_dim, 16, dtype, "cuda", atol=2e-2, num_splits=num_splits,
-           prefetch=prefetch)
+    _check(lens, heads, kv_heads, head_dim, 16, dtype, "cuda", atol=2e-2, num_splits=num_splits)
 
 
 @pytest.mark.gpu

@@ -187,7 +187,7 @@ SCALES = [(1.0, 1.0), (0.5, 3.0)]
 
 
 def _check_decode(lens, heads, kv_heads, head_dim, block_size, dtype, device, atol,
-                  num_splits, k_scale, v_scale, block_n=16, prefetch=False):
+                  num_splits, k_scale, v_scale, block_n=16):
     from llmaccel.kernels.paged_attention import paged_decode_attention
     cache, bt = _fp8_cache(lens, kv_heads, head_dim, block_size, device)
     gen = torch.Generator().manual_seed(1)
@@ -195,8 +195,7 @@ def _check_decode(lens, heads, kv_heads, head_dim, block_size, dtype, device, at
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
     got = paged_decode_attention(q, cache, bt, sl, scale, num_splits=num_splits,
-                                 block_n=block_n, k_scale=k_scale, v_scale=v_scale,
-                                 prefetch=prefetch)
+                                 block_n=block_n, k_scale=k_scale, v_scale=v_scale)
     want = paged_decode_attention_ref(q.float(), cache, bt, sl, scale, k_scale, v_scale)
     assert want.isfinite().all()
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
@@ -208,21 +207,10 @@ def _check_decode(lens, heads, kv_heads, head_dim, block_size, dtype, device, at
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 2, 24), (3, 3, 32)])
 def test_paged_decode_reads_fp8_cache(heads, kv_heads, head_dim, num_splits, k_scale,
                                       v_scale):
-    _fp8_decode_case(heads, kv_heads, head_dim, num_splits, k_scale, v_scale, False)
-
-
-@needs_triton
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_reads_fp8_cache_with_prefetch(num_splits):
-    """The first tile's older K/V loaded before the PDL wait (fp8 tiles merged with the rest)."""
-    _fp8_decode_case(4, 2, 16, num_splits, 0.5, 3.0, True)
-
-
-def _fp8_decode_case(heads, kv_heads, head_dim, num_splits, k_scale, v_scale, prefetch):
     # 33 tokens with block_n 16: three tiles, the last partial; 3 splits leave one empty for
     # the short sequences. v_scale 3 triples the output: a kernel ignoring it cannot pass.
     _check_decode([1, 5, 17, 33], heads, kv_heads, head_dim, 4, torch.float32, _device(),
-                  2e-3, num_splits, k_scale, v_scale, prefetch=prefetch)
+                  2e-3, num_splits, k_scale, v_scale)
 
 
 def _check_prefill(seq_lens, q_lens, heads, kv_heads, head_dim, block_size, dtype, device,

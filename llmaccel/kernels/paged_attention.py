@@ -41,111 +41,56 @@ MAX_SPLITS = 16
 # A split shorter than this costs more in its extra K/V tile loop, workspace traffic and the
 # combine pass than the parallelism it adds.
 MIN_TOKENS_PER_SPLIT = 256
-# Each split's first K/V tile loaded before the PDL wait (`paged_decode_attention`'s
-# prefetch); LLMACCEL_ATTN_PREFETCH=0 turns it off, to measure it.
-PREFETCH = os.environ.get("LLMACCEL_ATTN_PREFETCH", "1") == "1"
-
-
-@triton.jit
-def _kv_tile(K, V, BlockTables, seq, kv_head, pos, mask, d, d_mask, stride_kb, stride_ks,
-             stride_kh, stride_bt, BLOCK_SIZE: tl.constexpr):
-    """K and V [BLOCK_N, DIM_PAD] of cached positions `pos` where `mask` (0 elsewhere), in the
-    cache's dtype, gathered through the block table."""
-    block = tl.load(BlockTables + seq * stride_bt + pos // BLOCK_SIZE, mask=mask, other=0)
-    offs = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-    kv_mask = mask[:, None] & d_mask[None, :]
-    k = tl.load(K + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _online_softmax_step(q, k, v, p_mask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
-    """One tile of online softmax: (m_i, l_i, acc) updated with keys k and values v where
-    p_mask."""
-    k = k.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * qk_scale
-    s = tl.where(p_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                         input_precision=PRECISION).to(tl.float32)
-    return m_new, l_i, acc
 
 
 @triton.jit
 def _paged_decode_kernel(
     Q, K, V, BlockTables, SeqLens, Out, PartOut, PartLse, Counters, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, num_new,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr, FUSED_COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + seq)
+    # Whole tiles per split, so every split but the last starts and ends on a tile boundary.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     heads = kv_head * GROUP + g
-    if PREFETCH:
-        # Before the PDL wait: the split's first tile of K/V, but only positions that no
-        # kernel of this step writes. The step's new K/V (at most num_new positions per
-        # sequence, the step's rows, at the end of each context) come from the kernel just
-        # before this one; everything older was written by a kernel at least two launches
-        # back, complete when this one starts (kernels/pdl.py's rule), and seq_lens and the
-        # block tables are copied in before the step. So the tile's read overlaps the
-        # previous kernel instead of following it.
-        seq_len = tl.load(SeqLens + seq)
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-        start = split * tiles_per_split * BLOCK_N
-        end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-        pos0 = start + tl.arange(0, BLOCK_N)
-        old0 = pos0 < tl.minimum(end, seq_len - num_new)
-        k_old, v_old = _kv_tile(K, V, BlockTables, seq, kv_head, pos0, old0, d, d_mask,
-                                stride_kb, stride_ks, stride_kh, stride_bt, BLOCK_SIZE)
-        pdl_enter(USE_PDL)
-    else:
-        pdl_enter(USE_PDL)
-        seq_len = tl.load(SeqLens + seq)
-        # Whole tiles per split, so every split but the last starts and ends on a tile
-        # boundary.
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-        start = split * tiles_per_split * BLOCK_N
-        end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    first = start
-    if PREFETCH:
-        if start < end:
-            # the first tile: the prefetched positions, plus the rest (this step's) now
-            p0 = pos0 < end
-            k_new, v_new = _kv_tile(K, V, BlockTables, seq, kv_head, pos0, p0 & ~old0, d,
-                                    d_mask, stride_kb, stride_ks, stride_kh, stride_bt,
-                                    BLOCK_SIZE)
-            k0 = tl.where(old0[:, None], k_old.to(q.dtype), k_new.to(q.dtype))  # (fp8: exact)
-            v0 = tl.where(old0[:, None], v_old.to(q.dtype), v_new.to(q.dtype))
-            m_i, l_i, acc = _online_softmax_step(q, k0, v0, p0, m_i, l_i, acc, qk_scale,
-                                                 PRECISION)
-        first = start + BLOCK_N
-    # An empty range (first >= end: a short sequence with many splits) runs no iterations.
-    for tile in range(first, end, BLOCK_N):
+    # An empty range (start >= end: a short sequence with many splits) runs no iterations.
+    for tile in range(start, end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         p_mask = pos < end
-        k, v = _kv_tile(K, V, BlockTables, seq, kv_head, pos, p_mask, d, d_mask, stride_kb,
-                        stride_ks, stride_kh, stride_bt, BLOCK_SIZE)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, p_mask, m_i, l_i, acc, qk_scale,
-                                             PRECISION)
+        block = tl.load(BlockTables + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
+        offs = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * qk_scale
+        s = tl.where(p_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                             input_precision=PRECISION).to(tl.float32)
+        m_i = m_new
     # l_i >= 1 whenever a key was seen; 0 only for an empty range (or seq_len 0): output 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if KV_FP8:
@@ -294,7 +239,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len_hint: int | 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                            block_n: int | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0, prefetch: bool | None = None) -> torch.Tensor:
+                           v_scale: float = 1.0) -> torch.Tensor:
     """q [B, H, d]; kv_cache [2, num_blocks, block_size, kv_heads, d]; block_tables
     [B, max_blocks] int32; seq_lens [B] int32 -> [B, H, d].
 
@@ -302,19 +247,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     graph-safe); 1 is the single-pass kernel. A sequence with seq_len 0 gets zeros. block_n:
     cached tokens per tile (None: 32; 16 for fp32 q, whose wider tiles spill registers; 128, or
     64 with splits, for an fp8 cache).
-    k_scale/v_scale: per-tensor scales of an FP8 cache (ignored otherwise).
-    prefetch (None: with PDL, unless LLMACCEL_ATTN_PREFETCH=0): load each split's first tile of
-    the K/V that earlier steps wrote before the PDL wait (see the kernel). The step's new K/V
-    are taken to be among each row's last B positions, B = q's rows: true of every decode-
-    kernel step (a row's new positions end its context, and it has at most B of them)."""
+    k_scale/v_scale: per-tensor scales of an FP8 cache (ignored otherwise)."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert q.stride(2) == 1 and kv_cache.stride(-1) == 1, "head dim must be contiguous"
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, device=q.device)
-    if prefetch is None:
-        prefetch = pdl.enabled() and PREFETCH
     num_splits = max(1, int(num_splits))
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
@@ -353,14 +292,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         counters if counters is not None else seq_lens,
         scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), *part_strides, num_seqs,
+        block_tables.stride(0), out.stride(0), out.stride(1), *part_strides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         # fp32 models get full-precision dots (the default would round inputs to TF32).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         USE_PDL=pdl.enabled(), FUSED_COMBINE=counters is not None,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), PREFETCH=bool(prefetch),
-        **pdl.launch_kwargs(),
+        SPLITS_PAD=triton.next_power_of_2(num_splits), **pdl.launch_kwargs(),
     )
     if num_splits > 1 and counters is None:
         _combine_splits_kernel[(num_seqs, num_heads)](
