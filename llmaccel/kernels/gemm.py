@@ -37,9 +37,13 @@ from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
 @triton.jit
 def _weight_tile(W, Scales, Zeros, rn64, mask_n, k0, K, stride_wn, stride_sn, stride_zn,
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEQ16: tl.constexpr = False,
+                 DT: tl.constexpr = tl.float32):
     """The [BLOCK_N, BLOCK_K] weight tile at k0: the stored values (BITS 16) or the
-    dequantized codes in fp32."""
+    dequantized codes in fp32; with DEQ16 (4-bit, one group per tile, scales in DT, the
+    activation dtype) dequantized in DT: a code OR-ed into the bits of 128.0 is 128 + code, so
+    (128 + code) - (128 + zero) is exact and the product with the scale rounds once, as the
+    fp32 dequantization does when it is cast to DT."""
     rk = k0 + tl.arange(0, BLOCK_K)
     mask_k = rk < K
     wmask = mask_n[:, None] & mask_k[None, :]
@@ -58,6 +62,19 @@ def _weight_tile(W, Scales, Zeros, rn64, mask_n, k0, K, stride_wn, stride_sn, st
             shifts = tl.arange(0, 8) * 4
             q = (word[:, :, None] >> shifts[None, None, :]) & 0xF
             q = tl.reshape(q, (BLOCK_N, BLOCK_K))
+        if DEQ16:
+            g = k0 // GROUP
+            s = tl.load(Scales + rn64 * stride_sn + g, mask=mask_n, other=0.0).to(DT)
+            if DT == tl.bfloat16:
+                qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            else:
+                qh = ((q << 3) | 0x5800).to(tl.int16).to(tl.float16, bitcast=True)
+            if HAS_ZEROS:
+                z = tl.load(Zeros + rn64 * stride_zn + g, mask=mask_n, other=0)
+                zh = (z.to(tl.int32) + 128).to(DT)
+            else:
+                zh = tl.full((BLOCK_N,), 128 + (1 << (BITS - 1)), DT)
+            return (qh - zh[:, None]) * s[:, None]
         # Codes to exact fp32 integers without the slow int-to-float instruction: OR them
         # into the mantissa of 2^23 and subtract 2^23 + zero in one step (exact: < 2^24).
         qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
@@ -137,7 +154,9 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr,
     PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    DEQ16: tl.constexpr = False,
 ):
+    DT: tl.constexpr = X.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -151,7 +170,7 @@ def _linear_kernel(
         # Weights are read-only during a step: start streaming the first tile while the
         # previous kernel (which produces X) finishes.
         w_first = _weight_tile(W, Scales, Zeros, rn64, mask_n, 0, K, stride_wn, stride_sn,
-                               stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
+                               stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K, DEQ16, DT)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -172,7 +191,7 @@ def _linear_kernel(
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         w = _weight_tile(W, Scales, Zeros, rn64, mask_n, k0, K, stride_wn, stride_sn,
-                         stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
+                         stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K, DEQ16, DT)
         x = _input_tile(X, NormW, rm64, mask_m, k0, K, stride_xm, rstd, PROLOGUE, BLOCK_K)
         acc = _tile_product(acc, x, w, USE_DOT, IEEE)
     if HAS_BIAS:
@@ -200,11 +219,12 @@ class GemmConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
+    deq16: bool = False  # 4-bit tiles dequantized in the activation dtype (_weight_tile)
 
     def describe(self) -> str:
         mode = "dot" if self.use_dot else "fma"
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}-{mode}"
-                f"-w{self.num_warps}s{self.num_stages}")
+                f"-w{self.num_warps}s{self.num_stages}" + ("-d16" if self.deq16 else ""))
 
 
 def pick_config(m: int, n: int, k: int, bits: int, group: int) -> GemmConfig:
@@ -281,6 +301,10 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bits: int = 16,
     if m == 0:
         return y.reshape(*lead, n)
     cfg = config or pick_config(m, n, k, bits, group)
+    # the 16-bit dequantization is exact only with scales in the activation dtype, one group
+    # per tile, and feeds tensor cores only
+    deq16 = (cfg.deq16 and bits == 4 and cfg.use_dot and cfg.block_k <= group
+             and scales.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16))
     # One scale column (per channel) compiles once for every K: a group larger than any K.
     group_const = PER_CHANNEL_GROUP if bits == 16 or group == k else group
     dummy = weight  # pointer arguments the constexpr flags switch off
@@ -300,7 +324,7 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bits: int = 16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, IEEE=x.dtype == torch.float32,
         PROLOGUE=1 if norm_weight is not None else (2 if silu else 0),
-        RESIDUAL=residual is not None, USE_PDL=pdl.enabled(),
+        RESIDUAL=residual is not None, USE_PDL=pdl.enabled(), DEQ16=deq16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y.reshape(*lead, n)
