@@ -307,6 +307,28 @@ def test_fp16_activations(bits, cfg):
     torch.testing.assert_close(got, want, atol=2e-3 * want.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("zeros", [False, True])
+def test_deq16_tile_equals_fp32_dequantization(zeros):
+    """4-bit tiles dequantized in the activation dtype (GemmConfig.deq16) give the same output,
+    bit for bit, as the fp32 dequantization (fp16 here; bf16 on the GPU); a tile spanning two
+    groups falls back to the fp32 path."""
+    m, n, k, group = 20, 64, 256, 128
+    codes, s, z = _quantized(n, k, 4, group, zeros, seed=3)
+    w = pack_int4_rows(codes).to(DEVICE)
+    x = torch.randn(m, k, generator=_gen(5)).to(DEVICE, torch.float16)
+    s16 = (s * 0.05).to(DEVICE, torch.float16)
+    z = z.to(DEVICE) if z is not None else None
+    for bk in (64, 256):
+        plain = GemmConfig(16, 32, bk, True, 4, 2)
+        a = triton_linear(x, w, 4, s16, z, group, None, plain)
+        b = triton_linear(x, w, 4, s16, z, group, None, GemmConfig(16, 32, bk, True, 4, 2, True))
+        assert torch.equal(a, b)
+    want = linear_ref(x.float().cpu(), w.cpu(), 4, s16.float().cpu(), None if z is None else
+                      z.cpu(), group)
+    torch.testing.assert_close(b.float().cpu(), want, atol=2e-3 * want.abs().max().item(),
+                               rtol=0)
+
+
 # ------------------------------------------------------------------------------------- GPU
 
 GPU_SHAPES = [(1, 3072, 2048), (7, 2048, 8192), (16, 5000, 1536), (200, 1152, 896)]
@@ -330,11 +352,15 @@ def test_gpu_kernel_matches_reference(bits, dtype):
         want = linear_ref(x.float(), w.float() if bits == 16 else w, bits,
                           None if s is None else s.float(), z, group)
         for cfg in (None, GemmConfig(1 if m == 1 else 16, 16, 256, use_dot=m > 1),
-                    GemmConfig(64, 64, 64, True)):
+                    GemmConfig(64, 64, 64, True), GemmConfig(64, 128, 64, True, 4, 3, True)):
             got = triton_linear(x, w, bits, s, z, group, None, cfg).float()
             err = (got - want).abs().max().item()
             scale = want.abs().max().item()
             assert err <= 2e-2 * scale, (m, n, k, cfg, err, scale)
+            if cfg is not None and cfg.deq16:  # the same bits as the fp32 dequantization
+                plain = GemmConfig(64, 128, 64, True, 4, 3)
+                assert torch.equal(got, triton_linear(x, w, bits, s, z, group, None,
+                                                      plain).float())
 
 
 @pytest.mark.gpu

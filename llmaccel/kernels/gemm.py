@@ -74,37 +74,38 @@ def _weight_tile(W, Scales, Zeros, rn64, mask_n, k0, K, stride_wn, stride_sn, st
                 zh = (z.to(tl.int32) + 128).to(DT)
             else:
                 zh = tl.full((BLOCK_N,), 128 + (1 << (BITS - 1)), DT)
-            return (qh - zh[:, None]) * s[:, None]
-        # Codes to exact fp32 integers without the slow int-to-float instruction: OR them
-        # into the mantissa of 2^23 and subtract 2^23 + zero in one step (exact: < 2^24).
-        qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
-        if BLOCK_K <= GROUP:
-            # the whole tile lies in one group (GROUP is a multiple of BLOCK_K)
-            g = k0 // GROUP
-            s = tl.load(Scales + rn64 * stride_sn + g, mask=mask_n, other=0.0)
-            if HAS_ZEROS:
-                z = tl.load(Zeros + rn64 * stride_zn + g, mask=mask_n, other=0)
-                z = z.to(tl.float32) + 8388608.0
-            else:
-                z = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
-            w = (qf - z[:, None]) * s.to(tl.float32)[:, None]
+            w = (qh - zh[:, None]) * s[:, None]
         else:
-            # The tile spans BLOCK_K // GROUP groups: one scale (and zero) per row and
-            # group, broadcast over the group's codes.
-            gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            smask = mask_n[:, None] & (gi * GROUP < K)[None, :]
-            s = tl.load(Scales + rn64[:, None] * stride_sn + gi[None, :], mask=smask,
-                        other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                z = tl.load(Zeros + rn64[:, None] * stride_zn + gi[None, :], mask=smask,
-                            other=0).to(tl.float32) + 8388608.0
+            # Codes to exact fp32 integers without the slow int-to-float instruction: OR them
+            # into the mantissa of 2^23 and subtract 2^23 + zero in one step (exact: < 2^24).
+            qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
+            if BLOCK_K <= GROUP:
+                # the whole tile lies in one group (GROUP is a multiple of BLOCK_K)
+                g = k0 // GROUP
+                s = tl.load(Scales + rn64 * stride_sn + g, mask=mask_n, other=0.0)
+                if HAS_ZEROS:
+                    z = tl.load(Zeros + rn64 * stride_zn + g, mask=mask_n, other=0)
+                    z = z.to(tl.float32) + 8388608.0
+                else:
+                    z = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
+                w = (qf - z[:, None]) * s.to(tl.float32)[:, None]
             else:
-                z = tl.full((BLOCK_N, BLOCK_K // GROUP), 8388608.0 + (1 << (BITS - 1)),
-                            tl.float32)
-            qf3 = tl.reshape(qf, (BLOCK_N, BLOCK_K // GROUP, GROUP))
-            w = tl.reshape((qf3 - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_K))
-        # (the broadcast product takes w in fp32: no rounding to the activation dtype and
-        # back, a little more exact than the dequantize-then-matmul reference)
+                # The tile spans BLOCK_K // GROUP groups: one scale (and zero) per row and
+                # group, broadcast over the group's codes.
+                gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                smask = mask_n[:, None] & (gi * GROUP < K)[None, :]
+                s = tl.load(Scales + rn64[:, None] * stride_sn + gi[None, :], mask=smask,
+                            other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    z = tl.load(Zeros + rn64[:, None] * stride_zn + gi[None, :], mask=smask,
+                                other=0).to(tl.float32) + 8388608.0
+                else:
+                    z = tl.full((BLOCK_N, BLOCK_K // GROUP), 8388608.0 + (1 << (BITS - 1)),
+                                tl.float32)
+                qf3 = tl.reshape(qf, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+                w = tl.reshape((qf3 - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_K))
+            # (the broadcast product takes w in fp32: no rounding to the activation dtype and
+            # back, a little more exact than the dequantize-then-matmul reference)
     return w
 
 
