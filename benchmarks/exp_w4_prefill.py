@@ -1,20 +1,24 @@
-"""Experiment: the Triton W4A16 GEMM (`kernels/gemm.py`) at prefill sizes against cuBLAS bf16
-on the llama-3.2-3b shapes, with the weight tile dequantized in fp32 (as before) or in the
-activation dtype (`GemmConfig.deq16`), over a grid of tiles.
+"""Experiment: quantized linear layers at prefill sizes on the llama-3.2-3b shapes. Three ways
+to compute x @ W^T for a W4A16 (group 128) or W8A16 (per channel) layer, each against cuBLAS
+bf16 on the same shape:
+  - the fused Triton GEMM (`kernels/gemm.py`) with this GPU table's tile for the shape;
+  - dequantize the weight to bf16 (`gemm.dequantize_packed`), then cuBLAS (F.linear): what
+    `PackedLinearMethod` runs from LLMACCEL_DEQUANT_GEMM_MIN_M rows;
+  - cuBLAS bf16 alone (the floor).
 
-    python benchmarks/exp_w4_prefill.py --out DIR [--m 128,512] [--out-table auto]
+    python benchmarks/exp_w4_prefill.py --out DIR [--m 16,32,64,128,256,512]
 
 Every timing replays a CUDA graph of calls cycling through > 256 MB of weights
-(`tune_gemm.time_graph`). Each deq16 tile's output is checked equal, bit for bit, to the same
-tile dequantized in fp32. With --out-table, a shape's fastest tile replaces the table's
-"4:M:N:K" entry where it beat it in this run. Writes exp_w4_prefill.jsonl under --out.
+(`tune_gemm.time_graph`). The dequantized weight is checked equal, bit for bit, to
+`gemm.linear_ref`'s. Writes exp_w4_prefill.jsonl under --out and prints a table.
+(Session 25's first version also swept GEMM tiles and a 16-bit dequantization inside the
+GEMM: `2026-11-26-w4-prefill-tiles-h100.*`.)
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import json
 import os
 import sys
@@ -26,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072),
           "down": (3072, 8192)}
-GROUP = 128
 CYCLE_BYTES = 256 * 2**20
 
 
@@ -38,98 +41,77 @@ def _tg():
     return mod
 
 
-def tiles():
-    from llmaccel.kernels.gemm import GemmConfig
-
-    for bm, bn, bk, w, st in itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8),
-                                               (3, 4)):
-        if bm * bn > 128 * 128 and w == 4:
-            continue  # too many accumulator registers per thread
-        yield GemmConfig(bm, bn, bk, True, w, st)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--m", default="128")
-    ap.add_argument("--out-table", default=None)
+    ap.add_argument("--m", default="16,32,64,128,256,512")
     args = ap.parse_args()
-    from dataclasses import replace
+    import torch.nn.functional as F
 
-    from llmaccel.kernels.gemm import pack_int4_rows, triton_linear
-    from llmaccel.kernels.gemm_tuning import lookup, write_table
+    from llmaccel.kernels.gemm import dequantize_packed, linear_ref, pack_int4_rows, \
+        triton_linear
+    from llmaccel.kernels.gemm_tuning import packed_config
 
     tg = _tg()
     dev = torch.device("cuda")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    recs, table = [], {}
-    for name, (n, k) in SHAPES.items():
-        copies = max(2, CYCLE_BYTES // (n * k // 2))
-        ws = []
-        for i in range(copies):
-            g = torch.Generator().manual_seed(i)
-            codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-            scales = (torch.rand(n, k // GROUP, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
-            zeros = torch.randint(0, 16, (n, k // GROUP), generator=g, dtype=torch.uint8)
-            ws.append((pack_int4_rows(codes).to(dev), scales.to(dev), zeros.to(dev)))
-        dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-                 for _ in range(max(2, CYCLE_BYTES // (n * k * 2)))]
-        for m in (int(v) for v in args.m.split(",")):
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            cub = tg.time_graph(lambda i: torch.nn.functional.linear(x, dense[i]), len(dense))
-            hit = lookup(4, m, n, k, dev)
-            table_cfg = hit[1] if hit is not None else None
-
-            def run(cfg, i=0):
-                w, s, z = ws[i]
-                return triton_linear(x, w, 4, s, z, GROUP, config=cfg)
-
-            table_us = tg.time_graph(lambda i: run(table_cfg, i), copies) if table_cfg else None
-            best = {}
-            for cfg in tiles():
-                for deq in (False, True):
-                    c = replace(cfg, deq16=deq)
-                    try:
-                        us = tg.time_graph(lambda i: run(c, i), copies)
-                    except Exception as e:  # out of shared memory / registers: skip the tile
-                        print(f"  {c.describe()}: {type(e).__name__}")
-                        continue
-                    if deq and not torch.equal(run(c), run(cfg)):
-                        print(f"  {c.describe()}: NOT EQUAL to its fp32 dequantization")
-                        continue
-                    if deq not in best or us < best[deq][1]:
-                        best[deq] = (c, us)
-            rec = {"shape": name, "n": n, "k": k, "m": m, "cublas_bf16_us": round(cub, 2),
-                   "table": table_cfg.describe() if table_cfg else None,
-                   "table_us": round(table_us, 2) if table_us else None,
-                   "best_fp32_deq": best[False][0].describe(),
-                   "best_fp32_deq_us": round(best[False][1], 2),
-                   "best_deq16": best[True][0].describe() if True in best else None,
-                   "best_deq16_us": round(best[True][1], 2) if True in best else None,
-                   "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "commit": os.environ.get("LLMACCEL_COMMIT", "unknown")}
-            recs.append(rec)
-            print(json.dumps(rec), flush=True)
-            winner = min(best.values(), key=lambda t: t[1])
-            if table_us is None or winner[1] < table_us:
-                table[f"4:{m}:{n}:{k}"] = {
-                    "backend": "triton", "config": winner[0].__dict__,
-                    "triton_us": round(winner[1], 2), "cublas_bf16_us": round(cub, 2)}
+    ms = [int(v) for v in args.m.split(",")]
+    recs = []
+    for bits, group in ((4, 128), (8, -1)):
+        for name, (n, k) in SHAPES.items():
+            per_copy = n * k // 2 if bits == 4 else n * k
+            copies = max(2, CYCLE_BYTES // per_copy)
+            ws = []
+            for i in range(copies):
+                g = torch.Generator().manual_seed(i)
+                ng = 1 if group == -1 else k // group
+                codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
+                scales = (torch.rand(n, ng, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+                zeros = torch.randint(0, 1 << bits, (n, ng), generator=g, dtype=torch.uint8)
+                w = pack_int4_rows(codes) if bits == 4 else codes
+                ws.append((w.to(dev), scales.to(dev), zeros.to(dev)))
+            w0, s0, z0 = ws[0]
+            deq = dequantize_packed(w0, bits, s0, z0, group, torch.bfloat16)
+            eye = torch.eye(k, device=dev)
+            exact = torch.equal(deq, linear_ref(eye, w0, bits, s0.float(), z0, group).t()
+                                .contiguous().to(torch.bfloat16))
+            del eye
+            dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+                     for _ in range(max(2, CYCLE_BYTES // (n * k * 2)))]
+            for m in ms:
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                cfg = packed_config(m, n, k, bits, k if group == -1 else group, dev)
+                cub = tg.time_graph(lambda i: F.linear(x, dense[i]), len(dense))
+                tri = tg.time_graph(lambda i: triton_linear(x, ws[i][0], bits, ws[i][1],
+                                                            ws[i][2], group, config=cfg),
+                                    copies)
+                dq = tg.time_graph(lambda i: F.linear(x, dequantize_packed(
+                    ws[i][0], bits, ws[i][1], ws[i][2], group, torch.bfloat16)), copies)
+                rec = {"bits": bits, "group": group, "shape": name, "n": n, "k": k, "m": m,
+                       "cublas_bf16_us": round(cub, 2), "triton_gemm_us": round(tri, 2),
+                       "triton_tile": cfg.describe(), "dequant_cublas_us": round(dq, 2),
+                       "dequant_exact": exact, "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__,
+                       "commit": os.environ.get("LLMACCEL_COMMIT", "unknown")}
+                recs.append(rec)
+                print(json.dumps(rec), flush=True)
+            del ws, dense
+            torch.cuda.empty_cache()
     with open(out / "exp_w4_prefill.jsonl", "w") as f:
         for r in recs:
             f.write(json.dumps(r) + "\n")
-    if args.out_table and table:
-        path = write_table(args.out_table, torch.cuda.get_device_name(), table,
-                           torch=torch.__version__,
-                           commit=os.environ.get("LLMACCEL_COMMIT", "unknown"))
-        print(f"wrote {len(table)} entries into {path}")
-    print("\n| shape | M | cuBLAS bf16 us | table tile us | best fp32-dequant us | best deq16 us |")
-    print("|---|---|---|---|---|---|")
-    for r in recs:
-        print(f"| {r['shape']} | {r['m']} | {r['cublas_bf16_us']} | {r['table_us']} "
-              f"({r['table']}) | {r['best_fp32_deq_us']} ({r['best_fp32_deq']}) | "
-              f"{r['best_deq16_us']} ({r['best_deq16']}) |")
+    print("\n| bits | M | layers | cuBLAS bf16 us | Triton GEMM us | dequant + cuBLAS us | "
+          "x (Triton / dequant) |")
+    print("|---|---|---|---|---|---|---|")
+    for bits in (4, 8):
+        for m in ms:
+            rows = [r for r in recs if r["bits"] == bits and r["m"] == m]
+            c, t, d = (sum(r[key] for r in rows) for key in
+                       ("cublas_bf16_us", "triton_gemm_us", "dequant_cublas_us"))
+            print(f"| {bits} | {m} | qkv+o+gate_up+down | {c:.1f} | {t:.1f} | {d:.1f} | "
+                  f"{t / d:.2f} |")
+    print("dequantized weights equal linear_ref's:", all(r["dequant_exact"] for r in recs))
     return 0
 
 

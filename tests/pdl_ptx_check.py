@@ -30,15 +30,15 @@ LINEAR_SIZES = {"M": "i32", "N": "i32", "K": "i32"}  # scalars, though capitaliz
 CASES = [
     ("linear-norm", gemm._linear_kernel, dict(
         BITS=16, GROUP=1 << 30, HAS_ZEROS=False, HAS_BIAS=True, BLOCK_M=1, BLOCK_N=4,
-        BLOCK_K=1024, USE_DOT=False, IEEE=False, PROLOGUE=1, RESIDUAL=False, DEQ16=False), True,
+        BLOCK_K=1024, USE_DOT=False, IEEE=False, PROLOGUE=1, RESIDUAL=False), True,
      LINEAR_SIZES),
     ("linear-silu-residual", gemm._linear_kernel, dict(
         BITS=16, GROUP=1 << 30, HAS_ZEROS=False, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=4,
-        BLOCK_K=1024, USE_DOT=False, IEEE=False, PROLOGUE=2, RESIDUAL=True, DEQ16=False), True,
+        BLOCK_K=1024, USE_DOT=False, IEEE=False, PROLOGUE=2, RESIDUAL=True), True,
      LINEAR_SIZES),
     ("linear-int4-dot", gemm._linear_kernel, dict(
         BITS=4, GROUP=128, HAS_ZEROS=True, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=32,
-        BLOCK_K=128, USE_DOT=True, IEEE=False, PROLOGUE=0, RESIDUAL=False, DEQ16=True), True,
+        BLOCK_K=128, USE_DOT=True, IEEE=False, PROLOGUE=0, RESIDUAL=False), True,
      {**LINEAR_SIZES, "W": "*i32", "Zeros": "*u8"}),
     ("rotary", rotary._rotary_kernel, dict(Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=32), False),
     ("rotary_and_cache", rotary._rotary_and_cache_kernel, dict(

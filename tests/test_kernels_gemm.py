@@ -307,26 +307,26 @@ def test_fp16_activations(bits, cfg):
     torch.testing.assert_close(got, want, atol=2e-3 * want.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("zeros", [False, True])
-def test_deq16_tile_equals_fp32_dequantization(zeros):
-    """4-bit tiles dequantized in the activation dtype (GemmConfig.deq16) give the same output,
-    bit for bit, as the fp32 dequantization (fp16 here; bf16 on the GPU); a tile spanning two
-    groups falls back to the fp32 path."""
-    m, n, k, group = 20, 64, 256, 128
-    codes, s, z = _quantized(n, k, 4, group, zeros, seed=3)
-    w = pack_int4_rows(codes).to(DEVICE)
-    x = torch.randn(m, k, generator=_gen(5)).to(DEVICE, torch.float16)
-    s16 = (s * 0.05).to(DEVICE, torch.float16)
-    z = z.to(DEVICE) if z is not None else None
-    for bk in (64, 256):
-        plain = GemmConfig(16, 32, bk, True, 4, 2)
-        a = triton_linear(x, w, 4, s16, z, group, None, plain)
-        b = triton_linear(x, w, 4, s16, z, group, None, GemmConfig(16, 32, bk, True, 4, 2, True))
-        assert torch.equal(a, b)
-    want = linear_ref(x.float().cpu(), w.cpu(), 4, s16.float().cpu(), None if z is None else
-                      z.cpu(), group)
-    torch.testing.assert_close(b.float().cpu(), want, atol=2e-3 * want.abs().max().item(),
-                               rtol=0)
+@pytest.mark.parametrize("bits,group,zeros", [(4, 32, True), (4, 128, False), (4, -1, True),
+                                              (8, -1, False), (8, 64, True)])
+def test_dequantize_packed_equals_the_reference_weight(bits, group, zeros):
+    """The prefill path's weight (`dequantize_packed`) is, bit for bit, the weight linear_ref
+    multiplies by: (code - zero) * scale in fp32, rounded once. fp16 on the CPU (the
+    interpreter truncates to bf16), bf16 and fp16 on a GPU; N not a multiple of the tile."""
+    from llmaccel.kernels.gemm import dequantize_packed
+
+    n, k = 70, 256
+    codes, s, z = _quantized(n, k, bits, group, zeros, seed=bits + k)
+    w = codes if bits == 8 else pack_int4_rows(codes)
+    s = s * 0.01
+    for dtype in ((torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float16,)):
+        got = dequantize_packed(w.to(DEVICE), bits, s.to(DEVICE), None if z is None else
+                                z.to(DEVICE), group, dtype).cpu()
+        want = linear_ref(torch.eye(k), w, bits, s, z, group).t().to(dtype)
+        assert torch.equal(got, want), dtype
+    with pytest.raises(ValueError, match="scales"):
+        dequantize_packed(w, bits, s[:, :1] if s.shape[1] > 1 else s[:1], None, group,
+                          torch.float16)
 
 
 # ------------------------------------------------------------------------------------- GPU
@@ -352,15 +352,11 @@ def test_gpu_kernel_matches_reference(bits, dtype):
         want = linear_ref(x.float(), w.float() if bits == 16 else w, bits,
                           None if s is None else s.float(), z, group)
         for cfg in (None, GemmConfig(1 if m == 1 else 16, 16, 256, use_dot=m > 1),
-                    GemmConfig(64, 64, 64, True), GemmConfig(64, 128, 64, True, 4, 3, True)):
+                    GemmConfig(64, 64, 64, True)):
             got = triton_linear(x, w, bits, s, z, group, None, cfg).float()
             err = (got - want).abs().max().item()
             scale = want.abs().max().item()
             assert err <= 2e-2 * scale, (m, n, k, cfg, err, scale)
-            if cfg is not None and cfg.deq16:  # the same bits as the fp32 dequantization
-                plain = GemmConfig(64, 128, 64, True, 4, 3)
-                assert torch.equal(got, triton_linear(x, w, bits, s, z, group, None,
-                                                      plain).float())
 
 
 @pytest.mark.gpu
@@ -387,3 +383,39 @@ def test_gpu_engine_loads_packed_with_kernel(case, tmp_path, caplog):
         a = ours.compute_logits(ours(torch.cat(seqs), pos, meta))
         b = ref.compute_logits(ref(torch.cat(seqs), pos, meta))
     torch.testing.assert_close(a, b, atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_prefill_rows_take_dequantize_then_cublas(bits, monkeypatch):
+    """From DEQUANT_GEMM_MIN_M rows a packed layer dequantizes and runs cuBLAS: its output is
+    F.linear on the reference weight exactly, near the fused GEMM's; fewer rows keep the GEMM."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from llmaccel.kernels import gemm
+    from llmaccel.quant import linear_methods as lm
+
+    n, k, group = 384, 512, 128 if bits == 4 else -1
+    codes, s, z = _quantized(n, k, bits, group, True, seed=11)
+    w = (codes if bits == 8 else pack_int4_rows(codes)).cuda()
+    s, z = (s * 0.01).to("cuda", torch.bfloat16), z.cuda()
+    layer = SimpleNamespace(kernel_weight=w, kernel_scales=s, kernel_zeros=z,
+                            kernel_group_size=group, kernel_perm=None, use_triton=True,
+                            output_size=n, input_size=k)
+    method = lm.GPTQLinearMethod(bits, group, False, "gptq")
+    calls = []
+    real = gemm.dequantize_packed
+    monkeypatch.setattr(gemm, "dequantize_packed", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(lm, "DEQUANT_GEMM_MIN_M", 64)
+    x = torch.randn(100, k, device="cuda", dtype=torch.bfloat16)
+    got = method.apply(layer, x)
+    assert calls == [1]
+    ref_w = linear_ref(torch.eye(k, device="cuda"), w, bits, s.float(), z, group).t()
+    assert torch.equal(got, F.linear(x, ref_w.to(torch.bfloat16)))
+    monkeypatch.setattr(lm, "DEQUANT_GEMM_MIN_M", 0)
+    fused = method.apply(layer, x)
+    assert calls == [1]
+    torch.testing.assert_close(got.float(), fused.float(), atol=2e-2 * got.abs().max().item(),
+                               rtol=0)

@@ -37,13 +37,9 @@ from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
 @triton.jit
 def _weight_tile(W, Scales, Zeros, rn64, mask_n, k0, K, stride_wn, stride_sn, stride_zn,
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEQ16: tl.constexpr = False,
-                 DT: tl.constexpr = tl.float32):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight tile at k0: the stored values (BITS 16) or the
-    dequantized codes in fp32; with DEQ16 (4-bit, one group per tile, scales in DT, the
-    activation dtype) dequantized in DT: a code OR-ed into the bits of 128.0 is 128 + code, so
-    (128 + code) - (128 + zero) is exact and the product with the scale rounds once, as the
-    fp32 dequantization does when it is cast to DT."""
+    dequantized codes in fp32."""
     rk = k0 + tl.arange(0, BLOCK_K)
     mask_k = rk < K
     wmask = mask_n[:, None] & mask_k[None, :]
@@ -62,50 +58,36 @@ def _weight_tile(W, Scales, Zeros, rn64, mask_n, k0, K, stride_wn, stride_sn, st
             shifts = tl.arange(0, 8) * 4
             q = (word[:, :, None] >> shifts[None, None, :]) & 0xF
             q = tl.reshape(q, (BLOCK_N, BLOCK_K))
-        if DEQ16:
+        # Codes to exact fp32 integers without the slow int-to-float instruction: OR them
+        # into the mantissa of 2^23 and subtract 2^23 + zero in one step (exact: < 2^24).
+        qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
+        if BLOCK_K <= GROUP:
+            # the whole tile lies in one group (GROUP is a multiple of BLOCK_K)
             g = k0 // GROUP
-            s = tl.load(Scales + rn64 * stride_sn + g, mask=mask_n, other=0.0).to(DT)
-            if DT == tl.bfloat16:
-                qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            else:
-                qh = ((q << 3) | 0x5800).to(tl.int16).to(tl.float16, bitcast=True)
+            s = tl.load(Scales + rn64 * stride_sn + g, mask=mask_n, other=0.0)
             if HAS_ZEROS:
                 z = tl.load(Zeros + rn64 * stride_zn + g, mask=mask_n, other=0)
-                zh = (z.to(tl.int32) + 128).to(DT)
+                z = z.to(tl.float32) + 8388608.0
             else:
-                zh = tl.full((BLOCK_N,), 128 + (1 << (BITS - 1)), DT)
-            w = (qh - zh[:, None]) * s[:, None]
+                z = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
+            w = (qf - z[:, None]) * s.to(tl.float32)[:, None]
         else:
-            # Codes to exact fp32 integers without the slow int-to-float instruction: OR them
-            # into the mantissa of 2^23 and subtract 2^23 + zero in one step (exact: < 2^24).
-            qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
-            if BLOCK_K <= GROUP:
-                # the whole tile lies in one group (GROUP is a multiple of BLOCK_K)
-                g = k0 // GROUP
-                s = tl.load(Scales + rn64 * stride_sn + g, mask=mask_n, other=0.0)
-                if HAS_ZEROS:
-                    z = tl.load(Zeros + rn64 * stride_zn + g, mask=mask_n, other=0)
-                    z = z.to(tl.float32) + 8388608.0
-                else:
-                    z = tl.full((BLOCK_N,), 8388608.0 + (1 << (BITS - 1)), tl.float32)
-                w = (qf - z[:, None]) * s.to(tl.float32)[:, None]
+            # The tile spans BLOCK_K // GROUP groups: one scale (and zero) per row and
+            # group, broadcast over the group's codes.
+            gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            smask = mask_n[:, None] & (gi * GROUP < K)[None, :]
+            s = tl.load(Scales + rn64[:, None] * stride_sn + gi[None, :], mask=smask,
+                        other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(Zeros + rn64[:, None] * stride_zn + gi[None, :], mask=smask,
+                            other=0).to(tl.float32) + 8388608.0
             else:
-                # The tile spans BLOCK_K // GROUP groups: one scale (and zero) per row and
-                # group, broadcast over the group's codes.
-                gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                smask = mask_n[:, None] & (gi * GROUP < K)[None, :]
-                s = tl.load(Scales + rn64[:, None] * stride_sn + gi[None, :], mask=smask,
-                            other=0.0).to(tl.float32)
-                if HAS_ZEROS:
-                    z = tl.load(Zeros + rn64[:, None] * stride_zn + gi[None, :], mask=smask,
-                                other=0).to(tl.float32) + 8388608.0
-                else:
-                    z = tl.full((BLOCK_N, BLOCK_K // GROUP), 8388608.0 + (1 << (BITS - 1)),
-                                tl.float32)
-                qf3 = tl.reshape(qf, (BLOCK_N, BLOCK_K // GROUP, GROUP))
-                w = tl.reshape((qf3 - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_K))
-            # (the broadcast product takes w in fp32: no rounding to the activation dtype and
-            # back, a little more exact than the dequantize-then-matmul reference)
+                z = tl.full((BLOCK_N, BLOCK_K // GROUP), 8388608.0 + (1 << (BITS - 1)),
+                            tl.float32)
+            qf3 = tl.reshape(qf, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+            w = tl.reshape((qf3 - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_K))
+        # (the broadcast product takes w in fp32: no rounding to the activation dtype and
+        # back, a little more exact than the dequantize-then-matmul reference)
     return w
 
 
@@ -155,9 +137,7 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr,
     PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
-    DEQ16: tl.constexpr = False,
 ):
-    DT: tl.constexpr = X.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -171,7 +151,7 @@ def _linear_kernel(
         # Weights are read-only during a step: start streaming the first tile while the
         # previous kernel (which produces X) finishes.
         w_first = _weight_tile(W, Scales, Zeros, rn64, mask_n, 0, K, stride_wn, stride_sn,
-                               stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K, DEQ16, DT)
+                               stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -192,7 +172,7 @@ def _linear_kernel(
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         w = _weight_tile(W, Scales, Zeros, rn64, mask_n, k0, K, stride_wn, stride_sn,
-                         stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K, DEQ16, DT)
+                         stride_zn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
         x = _input_tile(X, NormW, rm64, mask_m, k0, K, stride_xm, rstd, PROLOGUE, BLOCK_K)
         acc = _tile_product(acc, x, w, USE_DOT, IEEE)
     if HAS_BIAS:
@@ -220,12 +200,11 @@ class GemmConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
-    deq16: bool = False  # 4-bit tiles dequantized in the activation dtype (_weight_tile)
 
     def describe(self) -> str:
         mode = "dot" if self.use_dot else "fma"
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}-{mode}"
-                f"-w{self.num_warps}s{self.num_stages}" + ("-d16" if self.deq16 else ""))
+                f"-w{self.num_warps}s{self.num_stages}")
 
 
 def pick_config(m: int, n: int, k: int, bits: int, group: int) -> GemmConfig:
@@ -302,10 +281,6 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bits: int = 16,
     if m == 0:
         return y.reshape(*lead, n)
     cfg = config or pick_config(m, n, k, bits, group)
-    # the 16-bit dequantization is exact only with scales in the activation dtype, one group
-    # per tile, and feeds tensor cores only
-    deq16 = (cfg.deq16 and bits == 4 and cfg.use_dot and cfg.block_k <= group
-             and scales.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16))
     # One scale column (per channel) compiles once for every K: a group larger than any K.
     group_const = PER_CHANNEL_GROUP if bits == 16 or group == k else group
     dummy = weight  # pointer arguments the constexpr flags switch off
@@ -325,10 +300,53 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bits: int = 16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, IEEE=x.dtype == torch.float32,
         PROLOGUE=1 if norm_weight is not None else (2 if silu else 0),
-        RESIDUAL=residual is not None, USE_PDL=pdl.enabled(), DEQ16=deq16,
+        RESIDUAL=residual is not None, USE_PDL=pdl.enabled(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y.reshape(*lead, n)
+
+
+@triton.jit
+def _dequant_kernel(W, Scales, Zeros, Out, N, K, stride_wn, stride_sn, stride_zn, stride_on,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    rn64 = rn.to(tl.int64)
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _weight_tile(W, Scales, Zeros, rn64, mask_n, k0, K, stride_wn, stride_sn, stride_zn,
+                     BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    tl.store(Out + rn64[:, None] * stride_on + rk[None, :], w.to(Out.dtype.element_ty),
+             mask=mask_n[:, None] & (rk < K)[None, :])
+
+
+def dequantize_packed(weight: torch.Tensor, bits: int, scales: torch.Tensor,
+                      zeros: torch.Tensor | None, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in `dtype` from the BITS 4/8 layout of the module docstring: (code - zero) *
+    scale in fp32, rounded once to `dtype`, which is the weight `linear_ref` multiplies by. One
+    memory-bound Triton kernel; for prefill-sized batches, where this plus a cuBLAS GEMM beats
+    the fused W4A16 GEMM (`quant/linear_methods.py`)."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    n = weight.shape[0]
+    k = weight.shape[1] * (8 if bits == 4 else 1)
+    group = k if group_size == -1 else group_size
+    if scales.shape != (n, k // group) or (zeros is not None and zeros.shape != scales.shape):
+        raise ValueError("scales (and zeros) must be [N, K // group_size]")
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    if n == 0 or k == 0:
+        return out
+    block_k = max(16, min(128, _pow2_floor(group)))
+    block_n = 64
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    _dequant_kernel[grid](
+        weight, scales, zeros if zeros is not None else scales, out, n, k, weight.stride(0),
+        scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
+        BITS=bits, GROUP=PER_CHANNEL_GROUP if group == k else group,
+        HAS_ZEROS=zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
 
 
 def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

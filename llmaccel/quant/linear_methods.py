@@ -103,6 +103,14 @@ FUSED_CUDA = os.environ.get("LLMACCEL_CUDA_FUSED_DECODE", "0") == "1"
 CUDA_SILU_OUT = os.environ.get("LLMACCEL_CUDA_SILU_OUT", "1") == "1"
 
 
+# Prefill-sized batches dequantize the layer's weight to the activation dtype (one memory-
+# bound kernel, `gemm.dequantize_packed`) and run cuBLAS: on an H100 that beat the fused
+# W4A16 GEMM's best tiles 1.7x at 128 rows and 2.7x at 512 on the llama-3.2-3b shapes
+# (2026-11-26-w4-prefill-h100.md). LLMACCEL_DEQUANT_GEMM_MIN_M sets the row count from which
+# it runs (0: never).
+DEQUANT_GEMM_MIN_M = int(os.environ.get("LLMACCEL_DEQUANT_GEMM_MIN_M", "64"))
+
+
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Batch-1 int4 layers take the CUDA C GEMV (`kernels/gemv_w4_cuda.py`) where it can run:
     on an H100 it streamed a llama-3.2-3b layer's four GEMVs in 29 us against the Triton
@@ -177,6 +185,9 @@ class PackedLinearMethod(LinearMethodBase):
                 tuned = _tuned_w4(layer)
                 kernel += (f"; batch 1: Triton W4A16 GEMV (kernels/gemv_w4.py, "
                            f"{'tuned' if tuned else 'default'} tile)")
+            if DEQUANT_GEMM_MIN_M:
+                kernel += (f"; from {DEQUANT_GEMM_MIN_M} rows: dequantize (kernels/gemm.py "
+                           "dequantize_packed) + cuBLAS")
             if self.fused_decode_config(layer, 1, "norm") is not None:
                 kernel += ("; fused decode layers at batch 1: the GEMV with the norm, "
                            "SiLU-and-mul and residual add folded in")
@@ -336,6 +347,13 @@ class PackedLinearMethod(LinearMethodBase):
         if not layer.use_triton:  # fused kernels switched off: the same layout, in PyTorch
             return linear_ref(x, *args)
         x2 = x.reshape(-1, x.shape[-1])
+        if (DEQUANT_GEMM_MIN_M and x2.shape[0] >= DEQUANT_GEMM_MIN_M and x.is_cuda
+                and x.dtype in (torch.bfloat16, torch.float16)):
+            from llmaccel.kernels.gemm import dequantize_packed
+
+            w = dequantize_packed(layer.kernel_weight, self.bits, layer.kernel_scales,
+                                  layer.kernel_zeros, layer.kernel_group_size, x.dtype)
+            return F.linear(x, w, bias)
         group = x.shape[-1] if layer.kernel_group_size == -1 else layer.kernel_group_size
         if self.bits == 4 and x2.shape[0] == 1:
             if _use_cuda_gemv(layer, x, bias):  # batch-1 decode: the CUDA C GEMV
