@@ -408,13 +408,13 @@ def test_gpu_prefill_rows_take_dequantize_then_cublas(bits, monkeypatch):
     calls = []
     real = gemm.dequantize_packed
     monkeypatch.setattr(gemm, "dequantize_packed", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(lm, "DEQUANT_GEMM_MIN_M", 64)
+    monkeypatch.setattr(lm, "DEQUANT_GEMM_MIN_M", {bits: 64})
     x = torch.randn(100, k, device="cuda", dtype=torch.bfloat16)
     got = method.apply(layer, x)
     assert calls == [1]
     ref_w = linear_ref(torch.eye(k, device="cuda"), w, bits, s.float(), z, group).t()
     assert torch.equal(got, F.linear(x, ref_w.to(torch.bfloat16)))
-    monkeypatch.setattr(lm, "DEQUANT_GEMM_MIN_M", 0)
+    monkeypatch.setattr(lm, "DEQUANT_GEMM_MIN_M", {bits: 0})
     fused = method.apply(layer, x)
     assert calls == [1]
     torch.testing.assert_close(got.float(), fused.float(), atol=2e-2 * got.abs().max().item(),

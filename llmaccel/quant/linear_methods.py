@@ -103,12 +103,16 @@ FUSED_CUDA = os.environ.get("LLMACCEL_CUDA_FUSED_DECODE", "0") == "1"
 CUDA_SILU_OUT = os.environ.get("LLMACCEL_CUDA_SILU_OUT", "1") == "1"
 
 
-# Prefill-sized batches dequantize the layer's weight to the activation dtype (one memory-
-# bound kernel, `gemm.dequantize_packed`) and run cuBLAS: on an H100 that beat the fused
-# W4A16 GEMM's best tiles 1.7x at 128 rows and 2.7x at 512 on the llama-3.2-3b shapes
-# (2026-11-26-w4-prefill-h100.md). LLMACCEL_DEQUANT_GEMM_MIN_M sets the row count from which
-# it runs (0: never).
-DEQUANT_GEMM_MIN_M = int(os.environ.get("LLMACCEL_DEQUANT_GEMM_MIN_M", "64"))
+# Batches of this many rows or more dequantize the layer's weight to the activation dtype
+# (one memory-bound kernel, `gemm.dequantize_packed`) and run cuBLAS, per bit width. On an
+# H100, over a llama-3.2-3b layer's four shapes, against the fused Triton GEMM with the table's
+# tiles (2026-11-26-w4-prefill-h100.md):
+# - int4: 1.04x at 16 rows, 1.57x at 32, 1.61x at 128, 4.2x at 512;
+# - int8: 0.80x at 32 and 0.77x at 128, 1.18x at 256, 1.68x at 512.
+# LLMACCEL_DEQUANT_GEMM_MIN_M sets one threshold for both (0: never).
+_DEQUANT_ENV = os.environ.get("LLMACCEL_DEQUANT_GEMM_MIN_M")
+DEQUANT_GEMM_MIN_M = ({4: 32, 8: 256} if _DEQUANT_ENV is None
+                      else {4: int(_DEQUANT_ENV), 8: int(_DEQUANT_ENV)})
 
 
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -185,9 +189,9 @@ class PackedLinearMethod(LinearMethodBase):
                 tuned = _tuned_w4(layer)
                 kernel += (f"; batch 1: Triton W4A16 GEMV (kernels/gemv_w4.py, "
                            f"{'tuned' if tuned else 'default'} tile)")
-            if DEQUANT_GEMM_MIN_M:
-                kernel += (f"; from {DEQUANT_GEMM_MIN_M} rows: dequantize (kernels/gemm.py "
-                           "dequantize_packed) + cuBLAS")
+            if DEQUANT_GEMM_MIN_M.get(self.bits, 0):
+                kernel += (f"; from {DEQUANT_GEMM_MIN_M[self.bits]} rows: dequantize "
+                           "(kernels/gemm.py dequantize_packed) + cuBLAS")
             if self.fused_decode_config(layer, 1, "norm") is not None:
                 kernel += ("; fused decode layers at batch 1: the GEMV with the norm, "
                            "SiLU-and-mul and residual add folded in")
@@ -347,7 +351,8 @@ class PackedLinearMethod(LinearMethodBase):
         if not layer.use_triton:  # fused kernels switched off: the same layout, in PyTorch
             return linear_ref(x, *args)
         x2 = x.reshape(-1, x.shape[-1])
-        if (DEQUANT_GEMM_MIN_M and x2.shape[0] >= DEQUANT_GEMM_MIN_M and x.is_cuda
+        min_m = DEQUANT_GEMM_MIN_M.get(self.bits, 0)
+        if (min_m and x2.shape[0] >= min_m and x.is_cuda
                 and x.dtype in (torch.bfloat16, torch.float16)):
             from llmaccel.kernels.gemm import dequantize_packed
 
