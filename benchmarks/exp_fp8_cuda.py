@@ -76,19 +76,19 @@ def main() -> int:
         tus = tg.time_graph(lambda i: fp8_gemv(xq, ws[i][0], ws[i][1], None, tcfg, x_scale=xs),
                             copies, max(24, copies))
         timed = []
-        for loads in (2, 3, 4, 6, 8, 12, 16):
-            for rg in (1, 2, 4):
-                cfg = CudaGemvFp8Config(loads, rg)
-                if not cfg.fits(k):
-                    continue
-                got = fp8_gemv_cuda(xq, xs, *ws[0], config=cfg).float()
-                err = ((got - ref).norm() / ref.norm()).item()
-                if not err < 5e-3:
-                    print(f"  {cfg.describe()}: WRONG {err:.3g}")
-                    continue
-                us = tg.time_graph(lambda i, cfg=cfg: fp8_gemv_cuda(
-                    xq, xs, ws[i][0], ws[i][1], config=cfg), copies, max(24, copies))
-                timed.append((us, cfg, err))
+        cfgs = [CudaGemvFp8Config(loads, rg) for loads in (2, 3, 4, 6, 8, 12, 16)
+                for rg in (1, 2, 4)] + [CudaGemvFp8Config(cc_rows=r) for r in (1, 2, 3, 4, 6, 8)]
+        for cfg in cfgs:
+            if not cfg.fits(k):
+                continue
+            got = fp8_gemv_cuda(xq, xs, *ws[0], config=cfg).float()
+            err = ((got - ref).norm() / ref.norm()).item()
+            if not err < 5e-3:
+                print(f"  {cfg.describe()}: WRONG {err:.3g}")
+                continue
+            us = tg.time_graph(lambda i, cfg=cfg: fp8_gemv_cuda(
+                xq, xs, ws[i][0], ws[i][1], config=cfg), copies, max(24, copies))
+            timed.append((us, cfg, err))
         bus, bcfg, berr = min(timed, key=lambda t: t[0])
         best[name] = (tcfg, bcfg)
         rec = {"exp": "fp8cuda", "shape": name, "n": n, "k": k, "triton": tcfg.describe(),

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from llmaccel.kernels import cuda_rtc
-from llmaccel.kernels.gemv_fp8_cuda import (CudaGemvFp8Config, _source, default_config,
-                                            fp8_gemv_cuda, supports)
+from llmaccel.kernels.gemv_fp8_cuda import (CudaGemvFp8Config, _source, _source_cc,
+                                            default_cc_config, default_config, fp8_gemv_cuda,
+                                            supports)
 from llmaccel.quant import fp8_linear
 
 
@@ -26,6 +27,11 @@ def test_tiles():
     assert default_config(1536, 8960).fits(8960)  # qwen2.5-1.5b's down projection
     assert default_config(64, 96) is None  # K not a multiple of 64
     assert not CudaGemvFp8Config(16, 2).fits(2048)  # too many registers
+    # the CUDA-core kernel: K/16 threads, 2 rows below 12M weights, else 4
+    assert default_cc_config(3072, 3072) == CudaGemvFp8Config(cc_rows=2)
+    assert default_cc_config(16384, 3072) == CudaGemvFp8Config(cc_rows=4)
+    assert default_cc_config(3072, 8192).warps(8192) == 16
+    assert default_cc_config(64, 20000) is None  # over 1024 threads
 
 
 def test_not_taken_off_cuda():
@@ -52,6 +58,11 @@ def test_source_compiles_with_nvrtc(arch, monkeypatch):
                      "SILU_OUT": 1}):
         source, headers = _source()
         assert cuda_rtc.compile_cubin(source, "gemv_fp8", arch, defines, headers)[:4] == b"\x7fELF"
+    for defines in ({"THREADS": 192, "ROWS": 4, "X_BF16": 1, "HAS_BIAS": 0, "SILU_OUT": 0},
+                    {"THREADS": 512, "ROWS": 2, "X_BF16": 0, "HAS_BIAS": 1, "SILU_OUT": 1}):
+        source, headers = _source_cc()
+        assert cuda_rtc.compile_cubin(source, "gemv_fp8_cc", arch, defines,
+                                      headers)[:4] == b"\x7fELF"
 
 
 gpu = pytest.mark.gpu
@@ -72,7 +83,7 @@ def _case(n, k, dtype, seed):
 @pytest.mark.parametrize("n,k", [(5120, 3072), (37, 1536), (3072, 8192), (1000, 8960),
                                  (8, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rg", [1, 2])
+@pytest.mark.parametrize("rg", [1, 2, "cc2", "cc4", "cc3"])
 def test_gpu_matches_reference(n, k, dtype, rg):
     from llmaccel.kernels.gemv_fp8 import fp8_gemv_ref, quantize_row_fp8
 
@@ -80,14 +91,17 @@ def test_gpu_matches_reference(n, k, dtype, rg):
         pytest.skip("no FP8 CUDA C kernels here")
     w, ws, x, bias = _case(n, k, dtype, n + k)
     cfg = default_config(n, k)
-    cfg = CudaGemvFp8Config(cfg.loads, rg) if CudaGemvFp8Config(cfg.loads, rg).fits(k) else cfg
+    if isinstance(rg, str):  # the CUDA-core kernel with this many rows per block
+        cfg = CudaGemvFp8Config(cc_rows=int(rg[2:]))
+    elif CudaGemvFp8Config(cfg.loads, rg).fits(k):
+        cfg = CudaGemvFp8Config(cfg.loads, rg)
     x_q, x_scale = quantize_row_fp8(x)
     for b in (None, bias):
         want = fp8_gemv_ref(x, w, ws, b).float()
         got = fp8_gemv_cuda(x_q, x_scale, w, ws, b, cfg)
         assert got.shape == want.shape and got.dtype == dtype
         assert (got.float() - want).norm() / want.norm() < 5e-3
-    if n % 2 == 0:
+    if n % 2 == 0 and cfg.cc_rows % 2 == 0:
         want = fp8_gemv_ref(x, w, ws, bias, silu_out=True).float()
         got = fp8_gemv_cuda(x_q, x_scale, w, ws, bias, cfg, silu_out=True).float()
         assert got.shape == (1, n // 2)

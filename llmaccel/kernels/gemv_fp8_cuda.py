@@ -1,4 +1,6 @@
-"""Batch-1 FP8 W8A8 GEMV on the tensor cores, in CUDA C (`csrc/gemv_fp8.cu`, NVRTC).
+"""Batch-1 FP8 W8A8 GEMV in CUDA C (NVRTC): on the tensor cores (`csrc/gemv_fp8.cu`) or on the
+CUDA cores (`csrc/gemv_fp8_cc.cu`, a config with `cc_rows`: a block of K/16 threads owns
+`cc_rows` rows, one 16-byte load of each per thread, laid out like the int4 GEMV).
 
 y = fp8_linear's product for one activation row that is already quantized per token
 (`gemv_fp8.quantize_row_fp8`, or the RMSNorm kernel's FP8 output): e4m3 weights [N, K] with an
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,9 @@ import torch
 from llmaccel.kernels import cuda_rtc, pdl
 
 MIN_CAPABILITY = (8, 9)
+# Which kernel an untuned call takes: "cc" (CUDA cores, gemv_fp8_cc.cu) or "mma" (tensor
+# cores, gemv_fp8.cu); LLMACCEL_CUDA_FP8_MODE picks, to measure both.
+MODE = os.environ.get("LLMACCEL_CUDA_FP8_MODE", "cc")
 MAX_WARPS = 32
 MAX_LOADS = 16  # 16-byte loads per lane and row group (4 registers each)
 _LOAD_CHOICES = (8, 4, 6, 12, 16, 10, 7, 5, 14, 3, 2, 9, 11, 13, 15, 1)
@@ -33,14 +39,21 @@ _LOAD_CHOICES = (8, 4, 6, 12, 16, 10, 7, 5, 14, 3, 2, 9, 11, 13, 15, 1)
 class CudaGemvFp8Config:
     loads: int = 8  # 16-byte loads per lane and row group: K = 64 * warps * loads
     rg: int = 1  # groups of 8 rows per block
+    cc_rows: int = 0  # > 0: the CUDA-core kernel, this many rows per block (loads, rg unused)
 
     def describe(self) -> str:
+        if self.cc_rows:
+            return f"cuda-cc-r{self.cc_rows}"
         return f"cuda-mma-l{self.loads}g{self.rg}"
 
     def warps(self, k: int) -> int:
+        if self.cc_rows:
+            return -(-(k // 16) // 32)
         return k // (64 * self.loads)
 
     def fits(self, k: int) -> bool:
+        if self.cc_rows:
+            return k % 16 == 0 and 1 <= self.warps(k) <= MAX_WARPS and 1 <= self.cc_rows <= 8
         return (k % (64 * self.loads) == 0 and 1 <= self.warps(k) <= MAX_WARPS
                 and self.loads * self.rg <= MAX_LOADS)
 
@@ -54,10 +67,23 @@ def default_config(n: int, k: int) -> CudaGemvFp8Config | None:
     return None
 
 
+def default_cc_config(n: int, k: int) -> CudaGemvFp8Config | None:
+    """The CUDA-core kernel's untuned tile: 2 rows per block below 12M weights, else 4 (the
+    int4 GEMV's rule); None where K is not a multiple of 16 or needs over 1024 threads."""
+    cfg = CudaGemvFp8Config(cc_rows=2 if n * k < 12_000_000 else 4)
+    return cfg if cfg.fits(k) else None
+
+
 @functools.lru_cache(maxsize=1)
 def _source() -> tuple[str, dict[str, str]]:
     """The kernel's source and the header it includes."""
     return cuda_rtc.source_files("gemv_fp8.cu", "common.cuh")
+
+
+@functools.lru_cache(maxsize=1)
+def _source_cc() -> tuple[str, dict[str, str]]:
+    """The CUDA-core kernel's source and the header it includes."""
+    return cuda_rtc.source_files("gemv_fp8_cc.cu", "common.cuh")
 
 
 @functools.lru_cache(maxsize=8)
@@ -94,9 +120,10 @@ def fp8_gemv_cuda(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
         raise ValueError(f"bias must be [{n}] in {x_q.dtype}")
     if silu_out and n % 2:
         raise ValueError("silu_out needs an even N ([gate; up] rows)")
-    cfg = config or default_config(n, k)
-    if not cfg.fits(k):
-        raise ValueError(f"config {cfg.describe()} does not fit K={k}")
+    cfg = config or (MODE == "cc" and default_cc_config(n, k)) or default_config(n, k)
+    if not cfg.fits(k) or (silu_out and cfg.cc_rows % 2):
+        raise ValueError(f"config {cfg.describe()} does not fit K={k}"
+                         + (" with silu_out (rows must be even)" if silu_out else ""))
     y = torch.empty(*x_q.shape[:-1], n // 2 if silu_out else n, dtype=x_q.dtype,
                     device=x_q.device)
     if n == 0:
@@ -107,16 +134,20 @@ def fp8_gemv_cuda(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     ws = weight_scale.reshape(n)
     if not ws.is_contiguous():
         ws = ws.contiguous()
-    kern = cuda_rtc.get_kernel(_source()[0], "gemv_fp8", x_q.device, {
-        "WARPS": cfg.warps(k), "LOADS": cfg.loads, "RG": cfg.rg,
-        "X_BF16": int(x_q.dtype == torch.bfloat16), "HAS_BIAS": int(bias is not None),
-        "SILU_OUT": int(silu_out)}, _source()[1])
+    common = {"X_BF16": int(x_q.dtype == torch.bfloat16), "HAS_BIAS": int(bias is not None),
+              "SILU_OUT": int(silu_out)}
+    if cfg.cc_rows:
+        kern = cuda_rtc.get_kernel(_source_cc()[0], "gemv_fp8_cc", x_q.device, {
+            "THREADS": 32 * cfg.warps(k), "ROWS": cfg.cc_rows, **common}, _source_cc()[1])
+    else:
+        kern = cuda_rtc.get_kernel(_source()[0], "gemv_fp8", x_q.device, {
+            "WARPS": cfg.warps(k), "LOADS": cfg.loads, "RG": cfg.rg, **common}, _source()[1])
     ptr = ctypes.c_void_p
     args = [ptr(x1.data_ptr()), ptr(x_scale.data_ptr()), ptr(weight.data_ptr()),
             ptr(ws.data_ptr()), ptr(bias.data_ptr() if bias is not None else 0),
             ptr(y.data_ptr()), ctypes.c_int(n), ctypes.c_int(k),
             ctypes.c_longlong(weight.stride(0))]
-    rows = 8 * cfg.rg
+    rows = cfg.cc_rows or 8 * cfg.rg
     grid = -(-(n // 2) // (rows // 2)) if silu_out else -(-n // rows)
     kern.launch(grid, 32 * cfg.warps(k), args, pdl=pdl.enabled())
     return y
