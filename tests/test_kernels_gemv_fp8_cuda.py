@@ -27,9 +27,9 @@ def test_tiles():
     assert default_config(1536, 8960).fits(8960)  # qwen2.5-1.5b's down projection
     assert default_config(64, 96) is None  # K not a multiple of 64
     assert not CudaGemvFp8Config(16, 2).fits(2048)  # too many registers
-    # the CUDA-core kernel: K/16 threads, 2 rows below 12M weights, else 4
+    # the CUDA-core kernel: K/16 threads, 2 rows a block
     assert default_cc_config(3072, 3072) == CudaGemvFp8Config(cc_rows=2)
-    assert default_cc_config(16384, 3072) == CudaGemvFp8Config(cc_rows=4)
+    assert default_cc_config(16384, 3072).warps(3072) == 6
     assert default_cc_config(3072, 8192).warps(8192) == 16
     assert default_cc_config(64, 20000) is None  # over 1024 threads
 

@@ -143,12 +143,12 @@ def _gemv_config(layer: nn.Module):
     return tuned or (untuned_gemv_fp8() if layer.weight.is_cuda else None)
 
 
-# Batch-1 FP8 products on the tensor-core CUDA C GEMV (`kernels/gemv_fp8_cuda.py`): off unless
-# LLMACCEL_CUDA_FP8=1. Unlike int4, FP8 weights cost the Triton GEMV few instructions, and it
-# already streamed a 3B layer at 2.0 TB/s; the CUDA GEMV chained 2% faster but was slower on
-# the down projection, and W1 FP8 ran at 441.7 against 491.1 tok/s on an H100
-# (2026-11-26-w4-cuda-gemv-h100.md, run 8).
-CUDA_FP8 = os.environ.get("LLMACCEL_CUDA_FP8", "0") == "1"
+# Batch-1 FP8 products on the CUDA C GEMV (`kernels/gemv_fp8_cuda.py`; LLMACCEL_CUDA_FP8=0 turns
+# it off). Its CUDA-core kernel (csrc/gemv_fp8_cc.cu, the default) streamed a llama-3.2-3b
+# layer's four GEMVs at 2.67 TB/s against the Triton GEMV's 2.0, and W1 FP8 ran 572 against
+# 495 tok/s on an H100 (2026-11-26-fp8-cc-h100.md). The tensor-core kernel
+# (LLMACCEL_CUDA_FP8_MODE=mma) was slower than Triton: ptxas lowers its e4m3 mma to fp16 HMMA.
+CUDA_FP8 = os.environ.get("LLMACCEL_CUDA_FP8", "1") == "1"
 
 
 def _cuda_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
@@ -263,7 +263,7 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         if getattr(layer, "use_triton", False) and x.numel() == x.shape[-1]:
-            if _cuda_gemv(layer, x):  # batch-1 decode: the tensor-core GEMV, row quantized first
+            if _cuda_gemv(layer, x):  # batch-1 decode: the CUDA C GEMV, row quantized first
                 from llmaccel.kernels.gemv_fp8 import quantize_row_fp8
                 from llmaccel.kernels.gemv_fp8_cuda import fp8_gemv_cuda
 
