@@ -1,4 +1,5 @@
-"""The tensor-core CUDA C batch-1 FP8 GEMV (`kernels/gemv_fp8_cuda.py`, `csrc/gemv_fp8.cu`).
+"""The CUDA C batch-1 FP8 GEMVs (`kernels/gemv_fp8_cuda.py`): CUDA cores (`csrc/gemv_fp8_cc.cu`,
+the default) and tensor cores (`csrc/gemv_fp8.cu`).
 
 CPU (CI): its tile choice, when the engine takes it (never off CUDA), and that its source
 compiles with NVRTC for sm_89 and sm_90 where an NVRTC library is installed. GPU (`pytest -m
@@ -15,8 +16,8 @@ import torch
 
 from llmaccel.kernels import cuda_rtc
 from llmaccel.kernels.gemv_fp8_cuda import (CudaGemvFp8Config, _source, _source_cc,
-                                            default_cc_config, default_config, fp8_gemv_cuda,
-                                            supports)
+                                            chosen_config, default_cc_config, default_config,
+                                            fp8_gemv_cuda, supports)
 from llmaccel.quant import fp8_linear
 
 
@@ -32,6 +33,9 @@ def test_tiles():
     assert default_cc_config(16384, 3072).warps(3072) == 6
     assert default_cc_config(3072, 8192).warps(8192) == 16
     assert default_cc_config(64, 20000) is None  # over 1024 threads
+    # untuned calls take the CUDA-core kernel where it fits, else the tensor-core one
+    assert chosen_config(5120, 3072) == CudaGemvFp8Config(cc_rows=2)
+    assert chosen_config(64, 20480) == default_config(64, 20480)
 
 
 def test_not_taken_off_cuda():

@@ -75,6 +75,12 @@ def default_cc_config(n: int, k: int) -> CudaGemvFp8Config | None:
     return cfg if cfg.fits(k) else None
 
 
+def chosen_config(n: int, k: int) -> CudaGemvFp8Config | None:
+    """The tile an untuned call takes: the CUDA-core kernel's (MODE "cc") where it fits, else
+    the tensor-core kernel's."""
+    return (MODE == "cc" and default_cc_config(n, k)) or default_config(n, k)
+
+
 @functools.lru_cache(maxsize=1)
 def _source() -> tuple[str, dict[str, str]]:
     """The kernel's source and the header it includes."""
@@ -121,7 +127,7 @@ def fp8_gemv_cuda(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
         raise ValueError(f"bias must be [{n}] in {x_q.dtype}")
     if silu_out and n % 2:
         raise ValueError("silu_out needs an even N ([gate; up] rows)")
-    cfg = config or (MODE == "cc" and default_cc_config(n, k)) or default_config(n, k)
+    cfg = config or chosen_config(n, k)
     if not cfg.fits(k) or (silu_out and cfg.cc_rows % 2):
         raise ValueError(f"config {cfg.describe()} does not fit K={k}"
                          + (" with silu_out (rows must be even)" if silu_out else ""))

@@ -346,11 +346,12 @@ class Fp8LinearMethod(LinearMethodBase):
         gemv = ""
         if layer is not None and getattr(layer, "use_triton", False):
             if _cuda_gemv_possible(layer):
-                from llmaccel.kernels.gemv_fp8_cuda import default_config
+                from llmaccel.kernels.gemv_fp8_cuda import chosen_config
 
-                cfg = default_config(layer.output_size, layer.input_size)
-                gemv = ("; batch 1: CUDA C FP8 GEMV on the tensor cores (kernels/csrc/"
-                        f"gemv_fp8.cu via NVRTC, tile {cfg.describe()})")
+                cfg = chosen_config(layer.output_size, layer.input_size)
+                where = ("on the CUDA cores (kernels/csrc/gemv_fp8_cc.cu" if cfg.cc_rows else
+                         "on the tensor cores (kernels/csrc/gemv_fp8.cu")
+                gemv = f"; batch 1: CUDA C FP8 GEMV {where} via NVRTC, tile {cfg.describe()})"
             elif _gemv_config(layer) is not None:
                 from llmaccel.kernels.gemm_tuning import gemv_fp8_config
 
