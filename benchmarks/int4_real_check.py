@@ -1,6 +1,7 @@
-"""Greedy tokens of a real int4 model on the GPU: our engine with the CUDA C GEMV, with the
-Triton GEMV (LLMACCEL_CUDA_KERNELS=0), and transformers on the same weights dequantized by
-the GPTQ decoder of tests/test_quant_smollm2.py, all in bf16.
+"""Greedy tokens of a real quantized model on the GPU: our engine with the CUDA C GEMV, with the
+Triton GEMV (LLMACCEL_CUDA_KERNELS=0), and (GPTQ int4) transformers on the same weights
+dequantized by the GPTQ decoder of tests/test_quant_smollm2.py, all in bf16. --no-reference
+skips transformers (FP8 checkpoints: the CUDA C FP8 GEMV against the Triton one).
 
     python benchmarks/int4_real_check.py --model GPTQ_DIR [--tokens 32] [--out result.json]
 
@@ -90,10 +91,14 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-reference", action="store_true",
+                    help="skip transformers (its reference decodes GPTQ v1 only): e.g. an FP8 "
+                         "checkpoint, where the CUDA C FP8 GEMV is checked against Triton's")
     args = ap.parse_args()
     cuda_ids, cuda_desc = ours(args.model, args.tokens, True)
     triton_ids, triton_desc = ours(args.model, args.tokens, False)
-    ref_ids = reference(args.model, args.tokens)
+    ref_ids = ([[-1]] * len(PROMPTS) if args.no_reference
+               else reference(args.model, args.tokens))
     rows = []
     for p, c, t, r in zip(PROMPTS, cuda_ids, triton_ids, ref_ids):
         rows.append({"prompt": p, "cuda_vs_triton": shared(c, t), "cuda_vs_hf": shared(c, r),
