@@ -97,21 +97,24 @@ def main() -> int:
     args = ap.parse_args()
     cuda_ids, cuda_desc = ours(args.model, args.tokens, True)
     triton_ids, triton_desc = ours(args.model, args.tokens, False)
-    ref_ids = ([[-1]] * len(PROMPTS) if args.no_reference
-               else reference(args.model, args.tokens))
+    ref_ids = [None] * len(PROMPTS) if args.no_reference else reference(args.model, args.tokens)
     rows = []
     for p, c, t, r in zip(PROMPTS, cuda_ids, triton_ids, ref_ids):
-        rows.append({"prompt": p, "cuda_vs_triton": shared(c, t), "cuda_vs_hf": shared(c, r),
-                     "triton_vs_hf": shared(t, r), "tokens": args.tokens})
+        rows.append({"prompt": p, "cuda_vs_triton": shared(c, t),
+                     "cuda_vs_hf": None if r is None else shared(c, r),
+                     "triton_vs_hf": None if r is None else shared(t, r), "tokens": args.tokens})
     result = {"model": args.model, "dtype": "bfloat16", "device": torch.cuda.get_device_name(),
               "cuda_kernel": cuda_desc, "triton_kernel": triton_desc, "prompts": rows,
               "commit": os.environ.get("LLMACCEL_COMMIT", "unknown"),
               "command": "python benchmarks/int4_real_check.py"}
     print(f"CUDA path: {cuda_desc}\nTriton path: {triton_desc}")
     print("| prompt | CUDA = Triton | CUDA = HF | Triton = HF |\n|---|---|---|---|")
+    def frac(v):
+        return "skipped" if v is None else f"{v}/{args.tokens}"
+
     for r in rows:
-        print(f"| {r['prompt']!r} | {r['cuda_vs_triton']}/{args.tokens} | "
-              f"{r['cuda_vs_hf']}/{args.tokens} | {r['triton_vs_hf']}/{args.tokens} |")
+        print(f"| {r['prompt']!r} | {frac(r['cuda_vs_triton'])} | {frac(r['cuda_vs_hf'])} | "
+              f"{frac(r['triton_vs_hf'])} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
