@@ -12,7 +12,6 @@ GEMVs chained in one graph with each kernel's best tile. Writes exp_fp8_cuda.jso
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -27,13 +26,6 @@ SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072),
 CYCLE_BYTES = 256 * 2**20
 
 
-def _tg():
-    spec = importlib.util.spec_from_file_location(
-        "tune_gemm", Path(__file__).with_name("tune_gemm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -46,7 +38,7 @@ def main() -> int:
     from llmaccel.quant.fp8 import FP8_DTYPE
     from llmaccel.quant.fp8_linear import untuned_gemv_fp8
 
-    tg = _tg()
+    import tune_gemm as tg  # run as a script, this folder is on sys.path
     dev = torch.device("cuda")
     use_pdl = pdl.configure(dev, True)
     out = Path(args.out)

@@ -14,7 +14,6 @@ Writes exp_w4_cuda.jsonl under --out.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -29,13 +28,6 @@ SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072),
 GROUP = 128
 CYCLE_BYTES = 256 * 2**20
 
-
-def _tg():
-    spec = importlib.util.spec_from_file_location(
-        "tune_gemm", Path(__file__).with_name("tune_gemm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def cuda_tiles(k: int):
@@ -78,7 +70,7 @@ def main() -> int:
     from llmaccel.kernels.gemv_w4 import default_gemv_w4_config, w4a16_gemv
     from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_cuda
 
-    tg = _tg()
+    import tune_gemm as tg  # run as a script, this folder is on sys.path
     dev = torch.device("cuda")
     use_pdl = pdl.configure(dev, True)
     recs = []

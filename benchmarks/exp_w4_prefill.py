@@ -18,7 +18,6 @@ GEMM: `2026-11-26-w4-prefill-tiles-h100.*`.)
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -33,13 +32,6 @@ SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072),
 CYCLE_BYTES = 256 * 2**20
 
 
-def _tg():
-    spec = importlib.util.spec_from_file_location(
-        "tune_gemm", Path(__file__).with_name("tune_gemm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -52,7 +44,7 @@ def main() -> int:
         triton_linear
     from llmaccel.kernels.gemm_tuning import packed_config
 
-    tg = _tg()
+    import tune_gemm as tg  # run as a script, this folder is on sys.path
     dev = torch.device("cuda")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
