@@ -87,7 +87,10 @@ class Attention(nn.Module):
         the same conditions as the backend's own rope + cache kernel (`forward_with_rope`),
         a pure decode step of one token, a cache in the activations' dtype (not FP8)."""
         kv = self.kv_cache
-        if (kv is None or not getattr(self.backend, "fuse_rope_cache", False)
+        # the cheap test first: most layers (unquantized, FP8) have no such GEMV, and eager
+        # decode steps come here for every layer
+        if (getattr(self.qkv_proj.quant_method, "apply_qkv_rope", None) is None
+                or kv is None or not getattr(self.backend, "fuse_rope_cache", False)
                 or not self.rotary_emb.use_triton or not meta.uses_kv_cache
                 or not meta.is_pure_decode or not isinstance(x, torch.Tensor)
                 or x.numel() != x.shape[-1] or kv.dtype != x.dtype
