@@ -67,3 +67,20 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 __device__ __forceinline__ float silu_mul(float gate, float up) {
   return round_act(round_act(__fdividef(gate, 1.f + __expf(-gate))) * up);
 }
+
+#ifndef SILU_OUT
+#define SILU_OUT 0  // a [gate; up] layer whose epilogue writes silu(gate) * up (block_row)
+#endif
+
+// The weight row a block's row r reads, for a block owning `rows` output rows: row
+// blockIdx.x * rows + r; with `gate_up_pairs` (a [gate; up] layer, N = 2I, whose epilogue pairs
+// them) gate row j then up row j for the block's rows / 2 outputs j. Rows past the end re-read
+// the last valid one (their results are not stored).
+__device__ __forceinline__ long long block_row(int r, int N, int rows, bool gate_up_pairs) {
+  if (gate_up_pairs) {
+    const int half = N >> 1;
+    const int j = min((int)blockIdx.x * (rows / 2) + r / 2, half - 1);
+    return (long long)j + (r & 1) * half;
+  }
+  return min((int)blockIdx.x * rows + r, N - 1);
+}

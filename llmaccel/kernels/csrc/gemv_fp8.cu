@@ -1,5 +1,5 @@
 // Batch-1 FP8 W8A8 GEMV on the tensor cores, in CUDA C (compiled by NVRTC, kernels/cuda_rtc.py;
-// compute capability 8.9+ for the e4m3 mma). No headers.
+// compute capability 8.9+ for the e4m3 mma). Includes common.cuh.
 //
 // y[n] = round(round(sum_k xq[k] * w[n, k] * x_scale * w_scale[n]) + bias[n]), for e4m3 weights
 // w [N, K] (row stride in bytes), one fp32 scale per row, and the activation row already
@@ -52,17 +52,6 @@ __device__ __forceinline__ void mma_e4m3(u32 a0, u32 a2, u32 b0, u32 b1, float& 
       : "r"(a0), "r"(zero), "r"(a2), "r"(zero), "r"(b0), "r"(b1), "f"(0.f));
 }
 
-// The weight row of the block's row r (rows past the end re-read the last valid one).
-__device__ __forceinline__ long long weight_row(int r, int N) {
-#if SILU_OUT
-  const int half = N >> 1;
-  const int j = min((int)blockIdx.x * (ROWS / 2) + r / 2, half - 1);
-  return (long long)j + (r & 1) * half;
-#else
-  return min((int)blockIdx.x * ROWS + r, N - 1);
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_fp8(const u16* __restrict__ Xq, const float* __restrict__ XScale,
          const u8* __restrict__ W, const float* __restrict__ WScale,
@@ -75,7 +64,7 @@ gemv_fp8(const u16* __restrict__ Xq, const float* __restrict__ XScale,
   float ws[RG];
 #pragma unroll
   for (int rg = 0; rg < RG; ++rg) {
-    const long long row = weight_row(8 * rg + g, N);
+    const long long row = block_row(8 * rg + g, N, ROWS, SILU_OUT);
     const u8* wp = W + row * stride_w + k0;
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) w[rg][i] = load_weights(wp + 64 * i);

@@ -48,17 +48,6 @@ __device__ __forceinline__ float dot16(uint4 w, const float* x) {
   return s;
 }
 
-// The weight row of the block's row r (rows past the end re-read the last valid one).
-__device__ __forceinline__ long long weight_row(int r, int N) {
-#if SILU_OUT
-  const int half = N >> 1;
-  const int j = min((int)blockIdx.x * (ROWS / 2) + r / 2, half - 1);
-  return (long long)j + (r & 1) * half;
-#else
-  return min((int)blockIdx.x * ROWS + r, N - 1);
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_fp8_cc(const u16* __restrict__ Xq, const float* __restrict__ XScale,
             const u8* __restrict__ W, const float* __restrict__ WScale,
@@ -71,7 +60,7 @@ gemv_fp8_cc(const u16* __restrict__ Xq, const float* __restrict__ XScale,
   float ws[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    const long long row = weight_row(r, N);
+    const long long row = block_row(r, N, ROWS, SILU_OUT);
     w[r] = ok ? load_weights(W + row * stride_w + 16 * c) : make_uint4(0, 0, 0, 0);
     ws[r] = __ldg(WScale + row);
   }

@@ -1,5 +1,5 @@
 // Batch-1 W4A16 GEMV in CUDA C: y[n] = sum_k x[k] * (code[n, k] - zero[n, g]) * scale[n, g]
-// (+ bias[n]). Compiled at run time by NVRTC (kernels/cuda_rtc.py); no headers.
+// (+ bias[n]). Compiled at run time by NVRTC (kernels/cuda_rtc.py); includes common.cuh.
 //
 // Weight layout of kernels/gemm.py BITS=4: int32 [N, K/8], word w of a row holds the codes of
 // k = 8w..8w+7, lowest nibble first. A "chunk" is 16 bytes = 4 words = 32 consecutive codes.
@@ -136,10 +136,8 @@ __device__ __forceinline__ float word_dot_sub(u32 w, const float* xs) {
   return s;
 }
 
-// The weight row of the block's row r. Rows past the end re-read the last valid one (their
-// results are not stored). SILU_OUT: the layer is [gate; up] (N = 2I) and the block's rows
-// interleave them, gate row j then up row j for ROWS / 2 outputs j, so one thread can pair
-// them in the epilogue.
+// The weight row of the block's row r (common.cuh's block_row; SILU_OUT: gate row j, then up
+// row j).
 //
 // ROPE: the layer is qkv, N = (num_q_heads + 2 num_kv_heads) * HEAD_DIM, and the block's rows
 // pair element j of a head with element j + HEAD_DIM / 2 (the two halves rotate-half mixes),
@@ -149,12 +147,8 @@ __device__ __forceinline__ long long weight_row(int r, int N) {
   const int p = min((int)blockIdx.x * (ROWS / 2) + r / 2, (N >> 1) - 1);
   const int h = p / (HEAD_DIM / 2), j = p - h * (HEAD_DIM / 2);
   return (long long)h * HEAD_DIM + j + (r & 1) * (HEAD_DIM / 2);
-#elif SILU_OUT
-  const int half = N >> 1;
-  const int j = min((int)blockIdx.x * (ROWS / 2) + r / 2, half - 1);
-  return (long long)j + (r & 1) * half;
 #else
-  return min((int)blockIdx.x * ROWS + r, N - 1);
+  return block_row(r, N, ROWS, SILU_OUT);
 #endif
 }
 
