@@ -142,6 +142,19 @@ def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int | st
                   headers: dict[str, str] | None = None) -> bytes:
     """NVRTC: `source` -> a cubin for `arch` (e.g. "sm_90"), with -D`defines`; `headers` are
     the files it may #include by name (given from memory, no include path)."""
+    return _compile(source, name, arch, defines, headers, "CUBIN")
+
+
+def compile_ptx(source: str, name: str, arch: str, defines: dict[str, int | str],
+                headers: dict[str, str] | None = None) -> str:
+    """As `compile_cubin`, but the PTX for the virtual architecture of `arch` (sm_90 ->
+    compute_90): for tests that look for an instruction."""
+    return _compile(source, name, arch.replace("sm_", "compute_"), defines, headers,
+                    "PTX").rstrip(b"\0").decode()
+
+
+def _compile(source: str, name: str, arch: str, defines: dict[str, int | str],
+             headers: dict[str, str] | None, output: str) -> bytes:
     nvrtc, _ = _libs()
     prog = ctypes.c_void_p()
     headers = headers or {}
@@ -165,10 +178,11 @@ def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int | st
             raise CudaRtcError(f"NVRTC could not compile {name} {defines}:\n"
                                f"{log.value.decode(errors='replace')}")
         size = ctypes.c_size_t()
-        _check_rtc(nvrtc, nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-        cubin = ctypes.create_string_buffer(size.value)
-        _check_rtc(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin.raw
+        get_size, get = f"nvrtcGet{output}Size", f"nvrtcGet{output}"
+        _check_rtc(nvrtc, getattr(nvrtc, get_size)(prog, ctypes.byref(size)), get_size)
+        out = ctypes.create_string_buffer(size.value)
+        _check_rtc(nvrtc, getattr(nvrtc, get)(prog, out), get)
+        return out.raw
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 

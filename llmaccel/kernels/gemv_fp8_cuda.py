@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmaccel.kernels import cuda_rtc, pdl
+from llmaccel.kernels import cuda_rtc, l2_prefetch, pdl
 
 MIN_CAPABILITY = (8, 9)
 # Which kernel an untuned call takes: "cc" (CUDA cores, gemv_fp8_cc.cu) or "mma" (tensor
@@ -113,10 +113,11 @@ def supports(x_q: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def fp8_gemv_cuda(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                   weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: CudaGemvFp8Config | None = None, silu_out: bool = False
-                  ) -> torch.Tensor:
+                  config: CudaGemvFp8Config | None = None, silu_out: bool = False,
+                  prefetch: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """y [..., N] in x_q's dtype (`silu_out`: a [gate; up] layer, N = 2I, returns
-    silu_and_mul(y) [..., I], computed in the epilogue)."""
+    silu_and_mul(y) [..., I], computed in the epilogue). `prefetch`: ranges of a later
+    kernel's weights for the blocks to prefetch into L2 (`kernels/l2_prefetch.py`)."""
     if not supports(x_q, weight, weight_scale):
         raise ValueError(f"fp8_gemv_cuda cannot take x {tuple(x_q.shape)} {x_q.dtype}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
@@ -153,7 +154,7 @@ def fp8_gemv_cuda(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     args = [ptr(x1.data_ptr()), ptr(x_scale.data_ptr()), ptr(weight.data_ptr()),
             ptr(ws.data_ptr()), ptr(bias.data_ptr() if bias is not None else 0),
             ptr(y.data_ptr()), ctypes.c_int(n), ctypes.c_int(k),
-            ctypes.c_longlong(weight.stride(0))]
+            ctypes.c_longlong(weight.stride(0))] + l2_prefetch.kernel_args(prefetch)
     rows = cfg.cc_rows or 8 * cfg.rg
     grid = -(-(n // 2) // (rows // 2)) if silu_out else -(-n // rows)
     kern.launch(grid, 32 * cfg.warps(k), args, pdl=pdl.enabled())

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmaccel.kernels import cuda_rtc, pdl
+from llmaccel.kernels import cuda_rtc, l2_prefetch, pdl
 from llmaccel.kernels.gemv_w4 import MAGIC_2_23, check_side_tensors, gemv_output
 
 MAX_THREADS = 1024
@@ -152,7 +152,8 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None = None, config: CudaGemvW4Config | None = None,
                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                     silu: bool = False, residual: torch.Tensor | None = None,
-                    silu_out: bool = False, rope: RopeCache | None = None) -> torch.Tensor:
+                    silu_out: bool = False, rope: RopeCache | None = None,
+                    prefetch: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """y [..., N] = x @ dequant(weight)^T (+ bias), in x's dtype (see the module docstring).
 
     The fused decode variants of `gemv_w4.w4a16_gemv`, rounded the same way: `norm_weight`
@@ -161,7 +162,8 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     returned); `silu_out` (a [gate; up] layer, N = 2I) returns silu_and_mul of the product,
     [..., I], the activation computed in the epilogue (the tile's rows must be even).
     `rope` (a qkv layer of one decode token) returns q [..., num_q_heads * head_dim] rotated
-    and writes rotated k and v to the paged cache (see `RopeCache`)."""
+    and writes rotated k and v to the paged cache (see `RopeCache`). `prefetch`: ranges of a
+    later kernel's weights for the blocks to prefetch into L2 (`kernels/l2_prefetch.py`)."""
     if silu and norm_weight is not None:
         raise ValueError("one prologue at a time: silu or norm_weight")
     if rope is not None and (silu or norm_weight is not None or residual is not None
@@ -218,7 +220,8 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0),
             ctypes.c_uint(MAGIC_2_23),
             ptr(norm_weight.data_ptr() if norm_weight is not None else 0),
-            ctypes.c_float(eps)] + (rope.args() if rope is not None else _NO_ROPE)
+            ctypes.c_float(eps)] + (rope.args() if rope is not None else _NO_ROPE) \
+        + l2_prefetch.kernel_args(prefetch)
     grid = -(-(n // 2) // (cfg.rows // 2)) if pairs else -(-n // cfg.rows)
     kern.launch(grid, threads, args, pdl=pdl.enabled())
     return y

@@ -16,6 +16,7 @@ from llmaccel.errors import CorruptCheckpointError, LLMAccelError
 from llmaccel.kernels import triton_available
 from llmaccel.models.attention.backend import resolve_backend_name
 from llmaccel.models.config import ModelConfig
+from llmaccel.models.l2_prefetch import link_l2_prefetch
 from llmaccel.models.layers.linear import Linear
 from llmaccel.models.layers.quantization import QuantizationConfig
 from llmaccel.models.transformer import TransformerForCausalLM
@@ -64,6 +65,8 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
     if fused_kernels is None:
         fused_kernels = device.type == "cuda" and triton_available()
     model.set_fused_kernels(fused_kernels)
+    if device.type == "cuda":  # after the kernel layouts exist: it records their addresses
+        link_l2_prefetch(model)
     if quant_config is not None:  # after set_fused_kernels: the log names the kernel in use
         from llmaccel.quant.quant_configs import log_linear_methods
         log_linear_methods(model, model_config.name)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from llmaccel.errors import CorruptCheckpointError
+from llmaccel.kernels.l2_prefetch import layer_ranges
 from llmaccel.models.layers.quantization import LinearMethodBase
 from llmaccel.quant.fp8 import FP8_DTYPE, quantize_fp8_per_token
 
@@ -268,7 +269,8 @@ class Fp8LinearMethod(LinearMethodBase):
                 from llmaccel.kernels.gemv_fp8_cuda import fp8_gemv_cuda
 
                 x_q, x_scale = quantize_row_fp8(x)
-                return fp8_gemv_cuda(x_q, x_scale, layer.weight, layer.weight_scale, bias)
+                return fp8_gemv_cuda(x_q, x_scale, layer.weight, layer.weight_scale, bias,
+                                     prefetch=layer_ranges(layer))
             cfg = _gemv_config(layer)
             if cfg is not None:  # batch-1 decode: the GEMV
                 from llmaccel.kernels.gemv_fp8 import fp8_gemv
@@ -288,7 +290,7 @@ class Fp8LinearMethod(LinearMethodBase):
             if x_scale is None:
                 x, x_scale = quantize_row_fp8(x)
             return fp8_gemv_cuda(x, x_scale, layer.weight, layer.weight_scale, bias,
-                                 silu_out=True)
+                                 silu_out=True, prefetch=layer_ranges(layer))
         cfg = _gemv_config(layer)
         if cfg is None or cfg.block_n < 2:
             return None
@@ -315,7 +317,8 @@ class Fp8LinearMethod(LinearMethodBase):
         if _cuda_gemv(layer, x_q):
             from llmaccel.kernels.gemv_fp8_cuda import fp8_gemv_cuda
 
-            return fp8_gemv_cuda(x_q, x_scale, layer.weight, layer.weight_scale, bias)
+            return fp8_gemv_cuda(x_q, x_scale, layer.weight, layer.weight_scale, bias,
+                                 prefetch=layer_ranges(layer))
         from llmaccel.kernels.gemv_fp8 import fp8_gemv
 
         return fp8_gemv(x_q, layer.weight, layer.weight_scale, bias, _gemv_config(layer),

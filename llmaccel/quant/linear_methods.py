@@ -29,6 +29,7 @@ from torch import nn
 
 from llmaccel.errors import CorruptCheckpointError
 from llmaccel.kernels import triton_available
+from llmaccel.kernels.l2_prefetch import layer_ranges
 from llmaccel.models.layers.quantization import LinearMethodBase
 from llmaccel.quant.formats.awq import AWQ_PACK_FACTOR, unpack_awq
 from llmaccel.quant.formats.compressed_tensors import unpack_compressed_tensors
@@ -294,7 +295,7 @@ class PackedLinearMethod(LinearMethodBase):
         if isinstance(config, CudaGemvW4Config):
             return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales,
                                    layer.kernel_zeros, layer.kernel_group_size, bias, config,
-                                   **fusion)
+                                   prefetch=layer_ranges(layer), **fusion)
         from llmaccel.kernels.gemv_w4 import w4a16_gemv
 
         return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
@@ -315,7 +316,8 @@ class PackedLinearMethod(LinearMethodBase):
         from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_cuda
 
         return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                               layer.kernel_group_size, bias, silu_out=True)
+                               layer.kernel_group_size, bias, silu_out=True,
+                               prefetch=layer_ranges(layer))
 
     def apply_qkv_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                        rope) -> torch.Tensor | None:
@@ -328,7 +330,8 @@ class PackedLinearMethod(LinearMethodBase):
         from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_cuda
 
         return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                               layer.kernel_group_size, bias, rope=rope)
+                               layer.kernel_group_size, bias, rope=rope,
+                               prefetch=layer_ranges(layer))
 
     def _unpack(self, layer: nn.Module) -> None:
         """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""
@@ -365,7 +368,8 @@ class PackedLinearMethod(LinearMethodBase):
                 from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_cuda
 
                 return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales,
-                                       layer.kernel_zeros, layer.kernel_group_size, bias)
+                                       layer.kernel_zeros, layer.kernel_group_size, bias,
+                                       prefetch=layer_ranges(layer))
             gemv = _gemv_w4_config(layer, x.shape[-1], x.device)
             if gemv is not None:  # batch-1 decode: the dedicated GEMV
                 from llmaccel.kernels.gemv_w4 import w4a16_gemv

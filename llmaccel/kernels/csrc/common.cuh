@@ -63,6 +63,26 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// L2 prefetch of the weights a later kernel of the step reads (kernels/l2_prefetch.py): the
+// block's share of [base, base + bytes) through Hopper's bulk prefetch, one instruction issued
+// by one thread. Read-only data, so it may be issued before the PDL wait: HBM then streams the
+// next GEMV's weights into L2 while this kernel's own tail, the norms and the attention run,
+// instead of idling between kernels. base 16-byte aligned, bytes a multiple of 16 (the
+// caller's contract); a no-op before sm_90 and for bytes <= 0.
+__device__ __forceinline__ void l2_prefetch_share(const void* base, long long bytes) {
+#if __CUDA_ARCH__ >= 900
+  if (bytes <= 0 || threadIdx.x != 0) return;
+  // slices of whole 256-byte lines (4 sectors of 64) per block, in block order: the blocks
+  // that run first fetch the rows the consumer's first blocks read
+  const long long per = ((bytes + gridDim.x - 1) / gridDim.x + 255) & ~255LL;
+  const long long start = (long long)blockIdx.x * per;
+  if (start >= bytes) return;
+  const long long n = bytes - start < per ? bytes - start : per;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+               :: "l"(reinterpret_cast<const char*>(base) + start), "r"((u32)n));
+#endif
+}
+
 // silu(gate) * up, rounded as silu_and_mul rounds (the SiLU, then the product)
 __device__ __forceinline__ float silu_mul(float gate, float up) {
   return round_act(round_act(__fdividef(gate, 1.f + __expf(-gate))) * up);

@@ -52,7 +52,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_fp8_cc(const u16* __restrict__ Xq, const float* __restrict__ XScale,
             const u8* __restrict__ W, const float* __restrict__ WScale,
             const u16* __restrict__ Bias, u16* __restrict__ Y, int N, int K,
-            long long stride_w) {
+            long long stride_w,
+            const void* __restrict__ Prefetch0, long long prefetch_bytes0,
+            const void* __restrict__ Prefetch1, long long prefetch_bytes1) {
   const int c = threadIdx.x;  // this thread's 16 codes: k = 16c..16c+15
   const bool ok = c < (K >> 4);
   // 1. Weights and their scales: nothing another kernel writes.
@@ -65,6 +67,9 @@ gemv_fp8_cc(const u16* __restrict__ Xq, const float* __restrict__ XScale,
     ws[r] = __ldg(WScale + row);
   }
   // 2. The activation row and its scale, written by the previous kernel.
+  // a later GEMV's weights and scales into L2 (common.cuh; none: 0 bytes)
+  l2_prefetch_share(Prefetch0, prefetch_bytes0);
+  l2_prefetch_share(Prefetch1, prefetch_bytes1);
   pdl_wait();
   const float x_scale = __ldg(XScale);
   float xv[16];

@@ -1,0 +1,72 @@
+"""L2 prefetch ranges for the batch-1 CUDA C GEMVs (`csrc/common.cuh` `l2_prefetch_share`).
+
+At batch 1 a decode step is a chain of small kernels. Each GEMV streams its weights from HBM,
+but between GEMVs (an RMSNorm, the attention decode, a kernel's ramp and tail) HBM idles. A
+GEMV launched with prefetch ranges also issues Hopper bulk L2 prefetches (`cp.async.bulk.
+prefetch.L2`) for the weights of the GEMV that runs after it, spread over its blocks, before
+its PDL wait: those bytes then arrive in L2 while the kernels in between run, and the next
+GEMV's loads hit L2. `models/l2_prefetch.py` decides which layer prefetches which.
+
+A range is (device address, bytes): 16-byte aligned, a multiple of 16 bytes (what the
+instruction takes). A kernel takes at most `MAX_RANGES`; an empty slot is (0, 0).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+MAX_RANGES = 2
+Range = tuple[int, int]
+
+
+def cap_bytes() -> int:
+    """The most bytes one GEMV prefetches for the next, from LLMACCEL_L2_PREFETCH_MB (0 turns
+    prefetching off)."""
+    return int(float(os.environ.get("LLMACCEL_L2_PREFETCH_MB", DEFAULT_MB)) * 2**20)
+
+
+# The default cap per GEMV, in MiB (H100: 50 MiB of L2).
+DEFAULT_MB = "24"
+
+
+def ranges_of(tensors: list[torch.Tensor], cap: int, cuda_only: bool = True
+              ) -> tuple[Range, ...]:
+    """Ranges covering `tensors` in order, at most `cap` bytes in all and `MAX_RANGES` of them:
+    a tensor that does not fit whole is cut to its first bytes (the rows its consumer's first
+    blocks read). Tensors not contiguous, not 16-byte aligned or (`cuda_only`, the kernels'
+    case; off for CPU tests of the bookkeeping) off CUDA are skipped."""
+    out: list[Range] = []
+    left = cap
+    for t in tensors:
+        if len(out) == MAX_RANGES or left < 16:
+            break
+        if t is None or (cuda_only and not t.is_cuda) or not t.is_contiguous() or t.data_ptr() % 16:
+            continue
+        n = min(t.numel() * t.element_size(), left) // 16 * 16
+        if n:
+            out.append((t.data_ptr(), n))
+            left -= n
+    return tuple(out)
+
+
+def kernel_args(ranges: tuple[Range, ...] | None) -> list:
+    """The GEMV kernels' trailing arguments: (pointer, bytes) x MAX_RANGES."""
+    ranges = tuple(ranges or ())
+    if len(ranges) > MAX_RANGES:
+        raise ValueError(f"at most {MAX_RANGES} prefetch ranges, got {len(ranges)}")
+    args: list = []
+    for ptr, n in ranges + ((0, 0),) * (MAX_RANGES - len(ranges)):
+        if ptr % 16 or n % 16 or n < 0:
+            raise ValueError(f"prefetch range ({ptr:#x}, {n}) must be 16-byte aligned and a "
+                             "multiple of 16 bytes")
+        args += [ctypes.c_void_p(ptr), ctypes.c_longlong(n)]
+    return args
+
+
+def layer_ranges(layer: torch.nn.Module) -> tuple[Range, ...]:
+    """The ranges a layer's batch-1 GEMV passes on: what `models/l2_prefetch.py` linked to it
+    (none where it ran no link)."""
+    return getattr(layer, "l2_prefetch", ())
