@@ -81,7 +81,7 @@ def main() -> int:
             return w4a16_gemv_cuda(xs[s], ts[1], ts[0], None, GROUP, prefetch=pf)
 
     def chain(cap, norms):
-        pfs = [ranges_of(list(flat[(i + 1) % len(flat)][1]), cap * 2**20) if cap else ()
+        pfs = [ranges_of(list(flat[(i + 1) % len(flat)][1]), int(cap * 2**20)) if cap else ()
                for i in range(len(flat))]
 
         def f(_):

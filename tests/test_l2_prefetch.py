@@ -216,7 +216,7 @@ def test_gpu_engine_links_every_layer_and_tokens_match_without(monkeypatch):
                   hf_overrides={"quantization_config": preset_config("gptq-int4-g128")},
                   skip_tokenizer_init=True, enable_prefix_caching=False,
                   cudagraph_capture_sizes=[1])
-        model = llm.llm_engine.model_runner.model
+        model = llm.engine.model
         linked = [m.l2_prefetch != () for m, _ in decode_order(model)]
         assert all(linked[:-1]) if mib != "0" else not any(linked)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
