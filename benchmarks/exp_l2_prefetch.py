@@ -35,6 +35,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--caps", default="0,4,8,16,24,32,64", help="MiB per GEMV")
+    ap.add_argument("--tails", default="0", help="LLMACCEL_L2_PREFETCH_TAIL values: how many "
+                    "of a GEMV's last blocks issue its prefetch (0: all)")
     ap.add_argument("--fp8", action="store_true")
     args = ap.parse_args()
     from llmaccel.kernels import pdl
@@ -97,6 +99,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     fh = open(out / "exp_l2_prefetch.jsonl", "w")
     caps = [float(c) for c in args.caps.split(",")]
+    tails = [int(t) for t in args.tails.split(",")]
+    # (cap, tail) settings; cap 0 once
+    settings = [(0.0, 0)] + [(c, t) for c in caps if c for t in tails]
     # bit-exact: prefetching changes no math
     a = chain(0, False)(0)
     b = chain(max(caps), False)(0)
@@ -106,15 +111,17 @@ def main() -> int:
     kind = "fp8" if args.fp8 else "int4"
     rows = []
     for norms in (False, True):
-        times: dict[float, list[float]] = {}
+        times: dict[tuple, list[float]] = {}
         for _ in range(2):
-            for cap in caps:
-                times.setdefault(cap, []).append(tg.time_graph(chain(cap, norms), 1, 1))
-        for cap in caps:
-            us = min(times[cap])
+            for cap, tail in settings:
+                os.environ["LLMACCEL_L2_PREFETCH_TAIL"] = str(tail)
+                times.setdefault((cap, tail), []).append(tg.time_graph(chain(cap, norms), 1, 1))
+        for cap, tail in settings:
+            us = min(times[cap, tail])
             rec = {"exp": "l2-prefetch-chain", "weights": kind, "norms": norms, "cap_mib": cap,
+                   "tail_blocks": tail,
                    "layers": LAYERS, "us": round(us, 1), "tbps": round(total_bytes / us / 1e6, 3),
-                   "runs_us": [round(u, 1) for u in times[cap]], "outputs_equal": equal,
+                   "runs_us": [round(u, 1) for u in times[cap, tail]], "outputs_equal": equal,
                    "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "pdl": use_pdl, "commit": os.environ.get("LLMACCEL_COMMIT", "unknown"),
                    "command": "python benchmarks/exp_l2_prefetch.py" + (" --fp8" if args.fp8
@@ -123,10 +130,11 @@ def main() -> int:
             rows.append(rec)
     base = {r["norms"]: r["us"] for r in rows if r["cap_mib"] == 0}
     print(f"\n{kind} chain of {LAYERS} layers, {total_bytes / 1e9:.2f} GB, PDL {use_pdl}")
-    print("| norms | cap MiB | us | TB/s | x no prefetch |\n|---|---|---|---|---|")
+    print("| norms | cap MiB | tail blocks | us | TB/s | x no prefetch |\n|---|---|---|---|---|---|")
     for r in rows:
         x = base.get(r["norms"], r["us"]) / r["us"]
-        print(f"| {r['norms']} | {r['cap_mib']:g} | {r['us']} | {r['tbps']} | {x:.3f} |")
+        print(f"| {r['norms']} | {r['cap_mib']:g} | {r['tail_blocks']} | {r['us']} | "
+              f"{r['tbps']} | {x:.3f} |")
     return 0
 
 

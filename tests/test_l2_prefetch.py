@@ -44,11 +44,11 @@ def test_ranges_skip_what_the_instruction_cannot_take():
 
 
 def test_kernel_args_pad_and_check():
-    args = kernel_args(((4096, 512),))
-    assert len(args) == 2 * MAX_RANGES
-    assert [a.value for a in args] == [4096, 512, None, 0]
-    assert isinstance(args[1], ctypes.c_longlong)
-    assert [a.value for a in kernel_args(None)] == [None, 0, None, 0]
+    args = kernel_args(((4096, 512),), tail=7)
+    assert len(args) == 2 * MAX_RANGES + 1
+    assert [a.value for a in args] == [4096, 512, None, 0, 7]
+    assert isinstance(args[1], ctypes.c_longlong) and isinstance(args[-1], ctypes.c_int)
+    assert [a.value for a in kernel_args(None, 0)] == [None, 0, None, 0, 0]
     with pytest.raises(ValueError, match="16-byte aligned"):
         kernel_args(((4100, 512),))
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -32,6 +32,15 @@ def cap_bytes() -> int:
 DEFAULT_MB = "24"
 
 
+def tail_blocks() -> int:
+    """How many of a GEMV's last blocks issue its prefetch, from LLMACCEL_L2_PREFETCH_TAIL
+    (0: every block)."""
+    return int(os.environ.get("LLMACCEL_L2_PREFETCH_TAIL", DEFAULT_TAIL))
+
+
+DEFAULT_TAIL = "0"
+
+
 def ranges_of(tensors: list[torch.Tensor], cap: int, cuda_only: bool = True
               ) -> tuple[Range, ...]:
     """Ranges covering `tensors` in order, at most `cap` bytes in all and `MAX_RANGES` of them:
@@ -52,8 +61,9 @@ def ranges_of(tensors: list[torch.Tensor], cap: int, cuda_only: bool = True
     return tuple(out)
 
 
-def kernel_args(ranges: tuple[Range, ...] | None) -> list:
-    """The GEMV kernels' trailing arguments: (pointer, bytes) x MAX_RANGES."""
+def kernel_args(ranges: tuple[Range, ...] | None, tail: int | None = None) -> list:
+    """The GEMV kernels' trailing arguments: (pointer, bytes) x MAX_RANGES, then how many of
+    the grid's last blocks share them (`tail_blocks()` where None)."""
     ranges = tuple(ranges or ())
     if len(ranges) > MAX_RANGES:
         raise ValueError(f"at most {MAX_RANGES} prefetch ranges, got {len(ranges)}")
@@ -63,7 +73,7 @@ def kernel_args(ranges: tuple[Range, ...] | None) -> list:
             raise ValueError(f"prefetch range ({ptr:#x}, {n}) must be 16-byte aligned and a "
                              "multiple of 16 bytes")
         args += [ctypes.c_void_p(ptr), ctypes.c_longlong(n)]
-    return args
+    return args + [ctypes.c_int(tail_blocks() if tail is None else tail)]
 
 
 def layer_ranges(layer: torch.nn.Module) -> tuple[Range, ...]:

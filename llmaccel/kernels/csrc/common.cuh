@@ -63,19 +63,22 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// L2 prefetch of the weights a later kernel of the step reads (kernels/l2_prefetch.py): the
-// block's share of [base, base + bytes) through Hopper's bulk prefetch, one instruction issued
-// by one thread. Read-only data, so it may be issued before the PDL wait: HBM then streams the
-// next GEMV's weights into L2 while this kernel's own tail, the norms and the attention run,
-// instead of idling between kernels. base 16-byte aligned, bytes a multiple of 16 (the
-// caller's contract); a no-op before sm_90 and for bytes <= 0.
-__device__ __forceinline__ void l2_prefetch_share(const void* base, long long bytes) {
+// L2 prefetch of the weights a later kernel of the step reads (kernels/l2_prefetch.py):
+// [base, base + bytes) split over the grid's last `tail` blocks (all of them where tail <= 0),
+// one Hopper bulk prefetch per block, issued by one thread. Read-only data, so it may be
+// issued before the PDL wait. The last blocks start when the kernel's own loads are mostly
+// issued: their prefetch fills the kernel's tail and the kernels after it (a norm, the
+// attention) with the next GEMV's weights instead of leaving HBM idle there. base 16-byte
+// aligned, bytes a multiple of 16 (the caller's contract); a no-op before sm_90.
+__device__ __forceinline__ void l2_prefetch_share(const void* base, long long bytes, int tail) {
 #if __CUDA_ARCH__ >= 900
   if (bytes <= 0 || threadIdx.x != 0) return;
-  // slices of whole 256-byte lines (4 sectors of 64) per block, in block order: the blocks
-  // that run first fetch the rows the consumer's first blocks read
-  const long long per = ((bytes + gridDim.x - 1) / gridDim.x + 255) & ~255LL;
-  const long long start = (long long)blockIdx.x * per;
+  const int nb = tail > 0 && tail < (int)gridDim.x ? tail : (int)gridDim.x;
+  const int b = (int)blockIdx.x - ((int)gridDim.x - nb);
+  if (b < 0) return;
+  // slices of whole 256-byte lines per block, in block order
+  const long long per = ((bytes + nb - 1) / nb + 255) & ~255LL;
+  const long long start = (long long)b * per;
   if (start >= bytes) return;
   const long long n = bytes - start < per ? bytes - start : per;
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"

@@ -57,7 +57,7 @@ gemv_fp8(const u16* __restrict__ Xq, const float* __restrict__ XScale,
          const u8* __restrict__ W, const float* __restrict__ WScale,
          const u16* __restrict__ Bias, u16* __restrict__ Y, int N, int K, long long stride_w,
          const void* __restrict__ Prefetch0, long long prefetch_bytes0,
-         const void* __restrict__ Prefetch1, long long prefetch_bytes1) {
+         const void* __restrict__ Prefetch1, long long prefetch_bytes1, int prefetch_tail) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int k0 = warp * (64 * LOADS) + 16 * t;  // this lane's first k
@@ -73,8 +73,8 @@ gemv_fp8(const u16* __restrict__ Xq, const float* __restrict__ XScale,
     ws[rg] = __ldg(WScale + row);
   }
   // a later GEMV's weights and scales into L2 (common.cuh; none: 0 bytes)
-  l2_prefetch_share(Prefetch0, prefetch_bytes0);
-  l2_prefetch_share(Prefetch1, prefetch_bytes1);
+  l2_prefetch_share(Prefetch0, prefetch_bytes0, prefetch_tail);
+  l2_prefetch_share(Prefetch1, prefetch_bytes1, prefetch_tail);
   // 2. The activation row, written by the previous kernel: lanes 0-3 hold A's row 0, the
   // others' A is zero. 3. Two mma per 16-byte load, each added into fp32.
   pdl_wait();

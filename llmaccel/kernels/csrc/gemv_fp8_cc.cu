@@ -54,7 +54,7 @@ gemv_fp8_cc(const u16* __restrict__ Xq, const float* __restrict__ XScale,
             const u16* __restrict__ Bias, u16* __restrict__ Y, int N, int K,
             long long stride_w,
             const void* __restrict__ Prefetch0, long long prefetch_bytes0,
-            const void* __restrict__ Prefetch1, long long prefetch_bytes1) {
+            const void* __restrict__ Prefetch1, long long prefetch_bytes1, int prefetch_tail) {
   const int c = threadIdx.x;  // this thread's 16 codes: k = 16c..16c+15
   const bool ok = c < (K >> 4);
   // 1. Weights and their scales: nothing another kernel writes.
@@ -68,8 +68,8 @@ gemv_fp8_cc(const u16* __restrict__ Xq, const float* __restrict__ XScale,
   }
   // 2. The activation row and its scale, written by the previous kernel.
   // a later GEMV's weights and scales into L2 (common.cuh; none: 0 bytes)
-  l2_prefetch_share(Prefetch0, prefetch_bytes0);
-  l2_prefetch_share(Prefetch1, prefetch_bytes1);
+  l2_prefetch_share(Prefetch0, prefetch_bytes0, prefetch_tail);
+  l2_prefetch_share(Prefetch1, prefetch_bytes1, prefetch_tail);
   pdl_wait();
   const float x_scale = __ldg(XScale);
   float xv[16];

@@ -162,7 +162,7 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
         u16* __restrict__ VCache, long long stride_cb, long long stride_cs,
         long long stride_ch, int block_size, int num_q_heads, int num_kv_heads,
         const void* __restrict__ Prefetch0, long long prefetch_bytes0,
-        const void* __restrict__ Prefetch1, long long prefetch_bytes1) {
+        const void* __restrict__ Prefetch1, long long prefetch_bytes1, int prefetch_tail) {
   const int chunks = K >> 5;
   // magic0 = 0x4B000000, the bit pattern of 2^23
   const u32 magic[5] = {magic0, magic0 - (4u << 23), magic0 - (8u << 23), magic0 - (12u << 23),
@@ -204,8 +204,8 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #endif
   // A later GEMV's weights and scales into L2 (common.cuh; none: 0 bytes), after this
   // thread's own loads are issued, so they queue behind them.
-  l2_prefetch_share(Prefetch0, prefetch_bytes0);
-  l2_prefetch_share(Prefetch1, prefetch_bytes1);
+  l2_prefetch_share(Prefetch0, prefetch_bytes0, prefetch_tail);
+  l2_prefetch_share(Prefetch1, prefetch_bytes1, prefetch_tail);
 #if ROPE
   // The epilogue's inputs, loaded before the wait too, so its rope and cache write add no
   // dependent global loads to the step's critical path: cos/sin (constant), bias, and the
