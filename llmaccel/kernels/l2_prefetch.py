@@ -35,6 +35,14 @@ def cap_bytes() -> int:
 DEFAULT_MB = "2"
 
 
+def attention_cap_bytes() -> int:
+    """The cap of the qkv GEMV's prefetch of the o projection, which has the attention decode
+    between them (a longer gap than the others), from LLMACCEL_L2_PREFETCH_ATTN_MB (default:
+    `cap_bytes()`)."""
+    mb = os.environ.get("LLMACCEL_L2_PREFETCH_ATTN_MB")
+    return cap_bytes() if mb is None else int(float(mb) * 2**20)
+
+
 def tail_blocks() -> int:
     """How many of a GEMV's last blocks issue its prefetch, from LLMACCEL_L2_PREFETCH_TAIL
     (0: every block)."""
