@@ -2,15 +2,17 @@
 # Issue 5 on the device: L2 prefetch of the next GEMV's weights (kernels/l2_prefetch.py).
 #   bash benchmarks/l2_prefetch_gpu.sh OUT_DIR TAG chain   GPU tests, the GEMV chains with
 #        each cap (int4 and FP8), and a replay/greedy-token A/B in the engine (int4 + int4 head)
-#   bash benchmarks/l2_prefetch_gpu.sh OUT_DIR TAG w1 [MIB]  W1 on the 3B shape (bf16, GPTQ
-#        int4, GPTQ int4 + int4 head, FP8) with the default cap (or MIB), then with prefetch off
+#   bash benchmarks/l2_prefetch_gpu.sh OUT_DIR TAG w1  W1 on the 3B shape (bf16, GPTQ int4,
+#        GPTQ int4 + int4 head, FP8) with the default caps, with ATTN_MB (if set) as the cap
+#        across the attention, then with prefetch off
 set -uo pipefail
-out=$1; tag=$2; part=$3; mib=${4:-}
+out=$1; tag=$2; part=$3
 mkdir -p "$out"
 log="$out/$tag-$part.log"
-w1() {  # NAME, env from the caller
+w1() {  # NAME [QUANTS], env from the caller
   python3 benchmarks/gpu_speed.py --workloads W1 --shapes llama-3.2-3b --backends llmaccel \
-    --quantization bf16,gptq-int4-g128,gptq-int4-g128-lm-head,fp8 --repeats 3 --out "$out" \
+    --quantization "${2:-bf16,gptq-int4-g128,gptq-int4-g128-lm-head,fp8}" --repeats 3 \
+    --out "$out" \
     --name "W1-$tag-$1" --variant "$1" 2>&1 | tail -1
   rm -f "$out/W1-$tag-$1.md"
 }
@@ -33,10 +35,10 @@ w1() {  # NAME, env from the caller
     rm -rf "$out/ab"
   else
     echo "== W1"
-    if [ -n "$mib" ]; then
-      LLMACCEL_L2_PREFETCH_MB=$mib w1 "prefetch-$mib"
-    else
-      w1 prefetch
+    w1 prefetch
+    if [ -n "${ATTN_MB:-}" ]; then
+      LLMACCEL_L2_PREFETCH_ATTN_MB=$ATTN_MB w1 "prefetch-attn$ATTN_MB" \
+        gptq-int4-g128,gptq-int4-g128-lm-head,fp8
     fi
     LLMACCEL_L2_PREFETCH_MB=0 w1 no-prefetch
     echo "== W1 tok/s"
