@@ -5,6 +5,9 @@
 #   bash benchmarks/l2_prefetch_gpu.sh OUT_DIR TAG w1  W1 on the 3B shape (bf16, GPTQ int4,
 #        GPTQ int4 + int4 head, FP8) with the default caps, with ATTN_MB (if set) as the cap
 #        across the attention, then with prefetch off
+#   bash benchmarks/l2_prefetch_gpu.sh OUT_DIR TAG step  GPU tests of the step's input kernel
+#        and token copy stream, the gaps between decode steps (int4 + int4 head), then W1 with
+#        both and with neither (LLMACCEL_STAGE_KERNEL=0, LLMACCEL_TOKEN_COPY_STREAM=0)
 set -uo pipefail
 out=$1; tag=$2; part=$3
 mkdir -p "$out"
@@ -33,6 +36,16 @@ w1() {  # NAME [QUANTS], env from the caller
       pf24=LLMACCEL_L2_PREFETCH_MB=24 off=LLMACCEL_L2_PREFETCH_MB=0 \
       pf8=LLMACCEL_L2_PREFETCH_MB=8 2>&1 | tail -4
     rm -rf "$out/ab"
+  elif [ "$part" = step ]; then
+    echo "== pytest -m gpu (stage kernel, L2 prefetch, async scheduling)"
+    python3 -m pytest -q -m gpu tests/test_stage_inputs.py tests/test_l2_prefetch.py \
+      tests/test_async_scheduling.py -p no:cacheprovider 2>&1 | tail -2
+    echo "== gaps between decode steps"
+    python3 benchmarks/profile_step_gaps.py --quantization gptq-int4-g128-lm-head \
+      --show-steps 1 2>&1 | grep -v -i warn | tail -22
+    echo "== W1"
+    w1 step-fix
+    LLMACCEL_STAGE_KERNEL=0 LLMACCEL_TOKEN_COPY_STREAM=0 w1 no-step-fix
   else
     echo "== W1"
     w1 prefetch
@@ -41,14 +54,18 @@ w1() {  # NAME [QUANTS], env from the caller
         gptq-int4-g128,gptq-int4-g128-lm-head,fp8
     fi
     LLMACCEL_L2_PREFETCH_MB=0 w1 no-prefetch
-    echo "== W1 tok/s"
+  fi
+  if [ "$part" != chain ]; then
+    echo "== W1 tok/s (decode-only tok/s)"
     python3 - "$out" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("W1-*.jsonl")):
-    for line in open(f):
-        r = json.loads(line)
+    recs = [json.loads(line) for line in open(f)]
+    dec = {r["config"]["quantization"]: r["value"] for r in recs if r["metric"] == "decode_tok_s"}
+    for r in recs:
         if r["metric"] == "tok_s":
-            print(f"{f.stem:40} {r['config']['quantization']:26} {r['value']:8.1f}")
+            q = r["config"]["quantization"]
+            print(f"{f.stem:32} {q:24} {r['value']:8.1f} ({dec.get(q, 0):.1f})")
 PY
   fi
 } > "$log" 2>&1

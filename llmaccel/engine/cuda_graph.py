@@ -2,8 +2,9 @@
 
 A decode step of a small model is a few hundred kernel launches whose CPU cost exceeds their
 GPU time; replaying a graph is one launch. Inputs live in static device buffers that every
-graph reads; a step copies its rows into them (three small host-to-device copies from pinned
-memory), pads them up to the next captured size and replays. Padding rows write nothing
+graph reads; a step copies its rows into them (one kernel that reads the pinned host buffers,
+`kernels/stage_inputs.py`, or else three small host-to-device copies), pads them up to the
+next captured size and replays. Padding rows write nothing
 (slot -1) and attend over one token of a valid block, so they cost little and touch nothing.
 Graphs share one memory pool and are captured largest first, so they reuse the same memory.
 
@@ -34,6 +35,7 @@ import os
 import torch
 
 from llmaccel.engine.sampler import greedy_with_logprobs
+from llmaccel.kernels.stage_inputs import StagedCopy
 from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.transformer import TransformerForCausalLM
 
@@ -107,6 +109,7 @@ class _HostStaging:
         # the reference keeps the object's identity from being reused.
         self.rows: list[tuple[list[int] | None, int]] = [(None, 0)] * n
         self.copied: torch.cuda.Event | None = None
+        self.staged: StagedCopy | None = None  # the one-kernel copy to the device, if any
 
 
 class CUDAGraphRunner:
@@ -124,7 +127,14 @@ class CUDAGraphRunner:
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._staging = [_HostStaging(n, w), _HostStaging(n, w)]
+        for st in self._staging:  # one kernel launch per step instead of four copies
+            if StagedCopy.available((st.inputs, st.seq_lens, st.tables), device):
+                st.staged = StagedCopy((st.inputs, st.seq_lens, st.tables),
+                                       (self.inputs, self.seq_lens, self.block_tables))
         self._flip = 0
+        # events of copies (on other streams) still reading the decode graphs' outputs: the
+        # next replay, which overwrites them, waits for these on the device
+        self._output_reads: list[torch.cuda.Event] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = None
@@ -274,10 +284,24 @@ class CUDAGraphRunner:
         self.inputs.copy_(st.inputs, non_blocking=True)
         self.seq_lens.copy_(st.seq_lens, non_blocking=True)
         self.block_tables[:bs].copy_(st.tables[:bs], non_blocking=True)
+        self._record_copied(st)
+
+    def _record_copied(self, st: _HostStaging) -> None:
         if self.device.type == "cuda":
             if st.copied is None:
                 st.copied = torch.cuda.Event()
             st.copied.record()
+
+    def protect_outputs(self, event: torch.cuda.Event) -> None:
+        """A copy on another stream (recorded by `event`) still reads the decode graphs'
+        outputs: the next `run` replay waits for it on the device before overwriting them."""
+        self._output_reads.append(event)
+
+    def _wait_output_reads(self) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        for event in self._output_reads:
+            stream.wait_event(event)
+        self._output_reads.clear()
 
     def run_chain(self, starts: list[int] | torch.Tensor, counts: list[int],
                   tables: list[list[int]], first_ids: torch.Tensor, steps: int) -> torch.Tensor:
@@ -301,6 +325,7 @@ class CUDAGraphRunner:
         graph = self.chain_graphs.get((bs, steps))
         if graph is None:  # CPU: the same steps, eagerly
             return self._chain_forward(bs, steps)[:, :n]
+        self._wait_output_reads()
         graph.replay()
         return self.chain_outputs[bs, steps][:, :n]
 
@@ -324,6 +349,7 @@ class CUDAGraphRunner:
         if graph is None:  # CPU (tests): the captured step's work, eagerly
             self.outputs[bs] = self._forward(bs)
         else:
+            self._wait_output_reads()
             graph.replay()
         return self.outputs[bs][1].index_select(1, rows)
 
@@ -354,9 +380,16 @@ class CUDAGraphRunner:
         st.np_seq_lens[:n] = seq_lens
         st.np_seq_lens[n:bs] = 1
         self._stage_tables(st, tables)
-        self._copy_in(st, bs)
-        if device_ids is not None:
-            self.inputs[0, :n].copy_(device_ids)  # float64 argmax ids -> int64, exact
+        if st.staged is not None and (device_ids is None or (
+                device_ids.dim() == 1 and device_ids.is_contiguous()
+                and device_ids.dtype in (torch.int64, torch.float64, torch.int32))):
+            # one launch: inputs, seq lens, the tables' used columns and the device ids
+            st.staged(bs, max(1, max(map(len, tables), default=1)), device_ids)
+            self._record_copied(st)
+        else:
+            self._copy_in(st, bs)
+            if device_ids is not None:
+                self.inputs[0, :n].copy_(device_ids)  # float64 argmax ids -> int64, exact
         if patch is not None:
             values = patch[2].reshape(-1).index_select(0, self.inputs[4, :d]).long()
             self.inputs[0].index_copy_(0, self.inputs[5, :d], values)
@@ -364,6 +397,7 @@ class CUDAGraphRunner:
         if graph is None:  # CPU (tests): the captured step's work, eagerly
             self.outputs[bs] = self._forward(bs)
         else:
+            self._wait_output_reads()
             graph.replay()
         logits, greedy = self.outputs[bs]
         if rows is None:

@@ -264,6 +264,19 @@ def get_kernel(source: str, func_name: str, device: torch.device,
         return k
 
 
+def host_device_pointer(t: torch.Tensor) -> int:
+    """The device address of pinned host tensor `t`'s data (cuMemHostGetDevicePointer): a
+    kernel reads and writes page-locked host memory through it."""
+    if t.is_cuda or not t.is_pinned():
+        raise ValueError("host_device_pointer needs a pinned host tensor")
+    _, cuda = _libs()
+    ptr = ctypes.c_uint64()
+    _check_cu(cuda, cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr),
+                                                      ctypes.c_void_p(t.data_ptr()), 0),
+              "cuMemHostGetDevicePointer")
+    return ptr.value
+
+
 def source_files(*names: str) -> tuple[str, dict[str, str]]:
     """(kernels/csrc/<names[0]>, {name: text} of the others): a kernel source and the
     headers it includes, read from the installed package."""
@@ -274,5 +287,5 @@ def source_files(*names: str) -> tuple[str, dict[str, str]]:
             {n: root.joinpath(n).read_text() for n in names[1:]})
 
 
-__all__ = ["CudaKernel", "CudaRtcError", "available", "compile_cubin", "get_kernel",
-           "source_files"]
+__all__ = ["CudaKernel", "CudaRtcError", "available", "compile_cubin", "compile_ptx",
+           "get_kernel", "host_device_pointer", "source_files"]
