@@ -1,11 +1,11 @@
 """The one-kernel copy of a decode step's graph inputs (kernels/stage_inputs.py,
-csrc/stage_inputs.cu) and the engine's token copy on its own stream (llm_engine._copy_to_host,
-CUDAGraphRunner.protect_outputs).
+csrc/stage_inputs.cu), which also writes the previous step's tokens to pinned host memory for
+async scheduling (CUDAGraphRunner.copy_out_next, llm_engine._copy_to_host).
 
-CPU: the source compiles with NVRTC; bad arguments are refused by name. GPU: the kernel
-writes exactly what the torch copies write (every ids dtype, padding, a table prefix), leaves
-the rest alone, and an engine decodes the same greedy tokens with it and without it, async
-scheduling on."""
+CPU: the source compiles with NVRTC; bad arguments are refused by name; a pending copy-out is
+made once. GPU: the kernel writes exactly what the torch copies write (every
+ids dtype, padding, a table prefix, the tokens out), leaves the rest alone, and an engine
+decodes the same greedy tokens with it and without it, async scheduling on."""
 
 from __future__ import annotations
 
@@ -25,6 +25,29 @@ def test_source_compiles_with_nvrtc(arch, monkeypatch):
         pytest.skip("no NVRTC library installed (pip install nvidia-cuda-nvrtc)")
     monkeypatch.setattr(cuda_rtc, "_libs", lambda: (lib, None))
     assert cuda_rtc.compile_cubin(stage_inputs._source(), "stage_inputs", arch, {})
+
+
+def test_a_pending_copy_out_is_made_once_in_stream_order():
+    """Where the next launch has no input kernel to carry it (an eager step, a chain, no
+    CUDA C kernels), copy_out_next's copy is made as a copy first, and its event recorded."""
+    from llmaccel.engine.cuda_graph import CUDAGraphRunner
+
+    class Event:
+        recorded = 0
+
+        def record(self):
+            Event.recorded += 1
+
+    runner = CUDAGraphRunner.__new__(CUDAGraphRunner)
+    runner._copy_out = None
+    src = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    dst = torch.zeros(2, 3, dtype=torch.float64)
+    runner.copy_out_next(src, dst, Event())
+    assert Event.recorded == 0 and torch.equal(dst, torch.zeros(2, 3, dtype=torch.float64))
+    runner.flush_copy_out()
+    assert Event.recorded == 1 and torch.equal(dst, src)
+    runner.flush_copy_out()  # nothing pending: nothing recorded twice
+    assert Event.recorded == 1
 
 
 def test_not_available_for_unpinned_host_or_cpu():
@@ -58,8 +81,12 @@ def test_gpu_equals_the_torch_copies(ids_dtype, bs, cols, n_ids):
     copy = StagedCopy(host, dev)
     ids = None if ids_dtype is None else torch.arange(
         100, 100 + 7 * n_ids, 7, device="cuda").to(ids_dtype)
-    copy(bs, cols, ids)
+    src = torch.randn(2, bs + 3, device="cuda", dtype=torch.float64)[:, :bs]  # a graph's view
+    dst = torch.zeros(2, bs, dtype=torch.float64).pin_memory()
+    assert copy.copies_out(src, dst)
+    copy(bs, cols, ids, (src, dst))
     torch.cuda.synchronize()
+    assert torch.equal(dst, src.cpu())
     want_in = torch.full_like(dev[0], -7)
     want_in[:, :bs] = host[0][:, :bs].cuda()
     if ids is not None:
@@ -85,6 +112,9 @@ def test_gpu_refuses_bad_arguments():
         copy(2, 1, torch.zeros(3, device="cuda", dtype=torch.long))  # more ids than rows
     with pytest.raises(ValueError, match="ids must be"):
         copy(4, 1, torch.zeros(2, device="cuda", dtype=torch.float16))
+    src = torch.zeros(2, 4, device="cuda", dtype=torch.float64)
+    with pytest.raises(ValueError, match="copy_out"):
+        copy(4, 1, None, (src, torch.zeros(2, 4, dtype=torch.float64)))  # not pinned
 
 
 @gpu

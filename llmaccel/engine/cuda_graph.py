@@ -132,9 +132,9 @@ class CUDAGraphRunner:
                 st.staged = StagedCopy((st.inputs, st.seq_lens, st.tables),
                                        (self.inputs, self.seq_lens, self.block_tables))
         self._flip = 0
-        # events of copies (on other streams) still reading the decode graphs' outputs: the
-        # next replay, which overwrites them, waits for these on the device
-        self._output_reads: list[torch.cuda.Event] = []
+        # (src on the device, pinned dst, event): a copy the next launch makes first
+        # (`copy_out_next`)
+        self._copy_out: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = None
@@ -292,16 +292,23 @@ class CUDAGraphRunner:
                 st.copied = torch.cuda.Event()
             st.copied.record()
 
-    def protect_outputs(self, event: torch.cuda.Event) -> None:
-        """A copy on another stream (recorded by `event`) still reads the decode graphs'
-        outputs: the next `run` replay waits for it on the device before overwriting them."""
-        self._output_reads.append(event)
+    def copy_out_next(self, src: torch.Tensor, dst: torch.Tensor,
+                      event: torch.cuda.Event) -> None:
+        """Copy `src` (a graph's output) into pinned `dst` before the next launch overwrites
+        it, recording `event` after the copy: inside the next step's input kernel where that
+        can take it (no copy of its own on the stream), else as a copy first. Every launch
+        path makes it (`flush_copy_out`), so `event` is always recorded before the next
+        launch returns."""
+        self.flush_copy_out()
+        self._copy_out = (src, dst, event)
 
-    def _wait_output_reads(self) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        for event in self._output_reads:
-            stream.wait_event(event)
-        self._output_reads.clear()
+    def flush_copy_out(self) -> None:
+        """Make a pending `copy_out_next` copy now, in stream order."""
+        if self._copy_out is not None:
+            src, dst, event = self._copy_out
+            self._copy_out = None
+            dst.copy_(src, non_blocking=True)
+            event.record()
 
     def run_chain(self, starts: list[int] | torch.Tensor, counts: list[int],
                   tables: list[list[int]], first_ids: torch.Tensor, steps: int) -> torch.Tensor:
@@ -310,6 +317,7 @@ class CUDAGraphRunner:
         the device: positions the host does not know yet), and its tokens at the next
         positions, writing KV for counts[r] <= steps of them -> tokens [steps, rows] (a view of
         the graph's output, valid until its next replay)."""
+        self.flush_copy_out()
         n = len(counts)
         bs = self.chain_sizes[bisect.bisect_left(self.chain_sizes, n)]
         st = self._next_staging()
@@ -325,7 +333,6 @@ class CUDAGraphRunner:
         graph = self.chain_graphs.get((bs, steps))
         if graph is None:  # CPU: the same steps, eagerly
             return self._chain_forward(bs, steps)[:, :n]
-        self._wait_output_reads()
         graph.replay()
         return self.chain_outputs[bs, steps][:, :n]
 
@@ -335,6 +342,7 @@ class CUDAGraphRunner:
         (computed from a step the host has not seen: spec/overlap.py) -> greedy [2, m] of the
         m `rows` asked for. A row writes its KV only where `write` is true; its slot and
         context length follow from its position and block table, on the device."""
+        self.flush_copy_out()
         n = len(tables)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         st = self._next_staging()
@@ -349,7 +357,6 @@ class CUDAGraphRunner:
         if graph is None:  # CPU (tests): the captured step's work, eagerly
             self.outputs[bs] = self._forward(bs)
         else:
-            self._wait_output_reads()
             graph.replay()
         return self.outputs[bs][1].index_select(1, rows)
 
@@ -380,13 +387,21 @@ class CUDAGraphRunner:
         st.np_seq_lens[:n] = seq_lens
         st.np_seq_lens[n:bs] = 1
         self._stage_tables(st, tables)
+        out = self._copy_out
         if st.staged is not None and (device_ids is None or (
                 device_ids.dim() == 1 and device_ids.is_contiguous()
-                and device_ids.dtype in (torch.int64, torch.float64, torch.int32))):
-            # one launch: inputs, seq lens, the tables' used columns and the device ids
-            st.staged(bs, max(1, max(map(len, tables), default=1)), device_ids)
+                and device_ids.dtype in (torch.int64, torch.float64, torch.int32))) and (
+                out is None or st.staged.copies_out(out[0], out[1])):
+            # one launch: the previous step's tokens out to the host, inputs, seq lens, the
+            # tables' used columns and the device ids in
+            self._copy_out = None
+            st.staged(bs, max(1, max(map(len, tables), default=1)), device_ids,
+                      None if out is None else out[:2])
             self._record_copied(st)
+            if out is not None:
+                out[2].record()
         else:
+            self.flush_copy_out()
             self._copy_in(st, bs)
             if device_ids is not None:
                 self.inputs[0, :n].copy_(device_ids)  # float64 argmax ids -> int64, exact
@@ -397,7 +412,6 @@ class CUDAGraphRunner:
         if graph is None:  # CPU (tests): the captured step's work, eagerly
             self.outputs[bs] = self._forward(bs)
         else:
-            self._wait_output_reads()
             graph.replay()
         logits, greedy = self.outputs[bs]
         if rows is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -33,9 +32,6 @@ from llmaccel.spec.draft_model import DraftModelProposer, load_draft_model
 
 logger = logging.getLogger(__name__)
 
-# The early token copy of async scheduling on a stream of its own (`_copy_to_host`);
-# LLMACCEL_TOKEN_COPY_STREAM=0 queues it before the next step's input copies, to measure it.
-TOKEN_COPY_STREAM = os.environ.get("LLMACCEL_TOKEN_COPY_STREAM", "1") == "1"
 # Stands for a token still being computed on the device (async scheduling); never a real id.
 PLACEHOLDER_TOKEN = -1
 
@@ -125,8 +121,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._deferred: list[Sequence] = []  # sampled last step, outputs not yet built
         self._ahead: _Launched | None = None  # async scheduling: the next step, launched early
-        self._greedy_host: torch.Tensor | None = None  # pinned staging for early token copies
-        self._copy_stream: torch.cuda.Stream | None = None  # their copies (_copy_to_host)
+        # pinned staging for early token copies (_copy_to_host): 0 for plain copies, 1 and 2
+        # in turn for those the next launch makes
+        self._greedy_host: list[torch.Tensor | None] = [None, None, None]
+        self._flip_host = 1
         self.stats = EngineStats(num_blocks=num_blocks)
         self.spec = None
         if config.speculative_config is not None:
@@ -312,45 +310,42 @@ class LLMEngine:
                 seq.output_token_ids.pop()
             return None
         # The next launch may overwrite the device buffer these tokens are in (a CUDA graph
-        # reuses its outputs): copy them out first, without waiting. On a GPU the copy runs on
-        # a stream of its own and the next graph replay waits for it on the device, so the
-        # next step's input copies do not queue behind it.
-        launched.greedy_host = self._copy_to_host(launched.greedy, side_stream=True)
+        # reuses its outputs): copy them out first, without waiting. With CUDA graphs the
+        # next step's input kernel writes them to the host itself (no copy of their own on
+        # the stream between the two graphs: CUDAGraphRunner.copy_out_next).
+        launched.greedy_host = self._copy_to_host(launched.greedy, before_next_launch=True)
         ahead = self._launch(sched, launched.greedy[0, :len(seqs)])
         self.stats.num_async_steps += 1
         return ahead
 
-    def _copy_to_host(self, t: torch.Tensor, side_stream: bool = False
+    def _copy_to_host(self, t: torch.Tensor, before_next_launch: bool = False
                       ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """`t` copied into pinned host memory asynchronously, and the event of the copy.
-        `side_stream` (where the runner's graphs can wait for it): the copy runs on a copy
-        stream after the work queued so far, and the runner's next graph replay waits for it
-        (`CUDAGraphRunner.protect_outputs`)."""
+        `before_next_launch` (the next call is `_launch`): the runner's next launch makes the
+        copy (`CUDAGraphRunner.copy_out_next`), into pinned buffers 1 and 2 in turn."""
         if not t.is_cuda:
             return t.clone(), None
+        graphs = getattr(self.runner, "graphs", None)
+        if before_next_launch and graphs is not None:
+            self._flip_host = 3 - self._flip_host
+            out = self._pinned(t, self._flip_host)
+            event = torch.cuda.Event()
+            graphs.copy_out_next(t, out, event)
+            return out, event
+        out = self._pinned(t, 0)
+        out.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return out, event
+
+    def _pinned(self, t: torch.Tensor, which: int) -> torch.Tensor:
+        """A contiguous view of t's shape in pinned staging buffer `which` (0, 1 or 2)."""
         numel = t.numel()
-        buf = self._greedy_host
+        buf = self._greedy_host[which]
         if buf is None or buf.numel() < numel or buf.dtype != t.dtype:
             size = max(numel, t.shape[0] * self.config.max_num_seqs)
-            buf = self._greedy_host = torch.empty(size, dtype=t.dtype, pin_memory=True)
-        out = buf[:numel].view(t.shape)  # contiguous, so the copy stays asynchronous
-        graphs = getattr(self.runner, "graphs", None)
-        if not side_stream or graphs is None or not TOKEN_COPY_STREAM:
-            out.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            return out, event
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(t.device)
-        side = self._copy_stream
-        side.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(side):
-            out.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(side)
-        t.record_stream(side)  # an eager step's tensor is not reused before the copy
-        graphs.protect_outputs(event)
-        return out, event
+            buf = self._greedy_host[which] = torch.empty(size, dtype=t.dtype, pin_memory=True)
+        return buf[:numel].view(t.shape)  # contiguous, so a copy stays asynchronous
 
     def _complete(self, launched: _Launched) -> int:
         """Sample the launched step's tokens (the one host sync), apply them and the checks

@@ -197,6 +197,8 @@ class ModelRunner:
         subset = len(rows) < len(ids)
         patch = (patch_src, patch_dst, drafts[0]) if patch_dst else None
         self.ran_graph = as_rows and self.graphs is not None and self.graphs.can_run(len(ids))
+        if self.graphs is not None and not self.ran_graph:
+            self.graphs.flush_copy_out()  # an eager step: the copy the engine asked for first
         if self.ran_graph:
             if not rows:
                 self.graphs.run(ids, positions, slots, seq_lens, tables, input_ids,

@@ -11,6 +11,10 @@
 // the first `cols` entries of bs table rows are copied (table entries past a row's length are
 // never read). Ids: kind 0 none, 1 int64, 2 float64 (greedy_with_logprobs' output), 3 int32;
 // inputs[0, :n_ids] = ids.
+//
+// Out: the previous step's greedy tokens and logprobs ([2, n_out] 8-byte values, row stride
+// out_stride, on the device) written to pinned host memory (mapped), so the host reads them
+// after this kernel's event without a device-to-host copy of their own (n_out 0: none).
 
 typedef long long i64;
 
@@ -18,8 +22,14 @@ extern "C" __global__ void stage_inputs(const i64* __restrict__ HIn, const int* 
                                         const int* __restrict__ HTab, i64* __restrict__ DIn,
                                         int* __restrict__ DSeq, int* __restrict__ DTab, int n,
                                         int bs, int w, int cols, int in_rows,
-                                        const void* __restrict__ Ids, int n_ids, int ids_kind) {
+                                        const void* __restrict__ Ids, int n_ids, int ids_kind,
+                                        const i64* __restrict__ Out, long long out_stride,
+                                        i64* __restrict__ HOut, int n_out) {
   const int total_in = in_rows * bs, total = total_in + bs + bs * cols;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < 2 * n_out; i += gridDim.x * blockDim.x) {
+    const int r = i / n_out, c = i - r * n_out;
+    HOut[i] = Out[r * out_stride + c];
+  }
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
     if (i < total_in) {
       const int r = i / bs, c = i - r * bs;
