@@ -6,8 +6,8 @@
 #        GPTQ int4 + int4 head, FP8) with the default caps, with ATTN_MB (if set) as the cap
 #        across the attention, then with prefetch off
 #   bash benchmarks/l2_prefetch_gpu.sh OUT_DIR TAG step  GPU tests of the step's input kernel
-#        and token copy stream, the gaps between decode steps (int4 + int4 head), then W1 with
-#        both and with neither (LLMACCEL_STAGE_KERNEL=0, LLMACCEL_TOKEN_COPY_STREAM=0)
+#        (kernels/stage_inputs.py) and the paths it touches, the gaps between decode steps (int4
+#        + int4 head), then W1 with it and without it (LLMACCEL_STAGE_KERNEL=0)
 set -uo pipefail
 out=$1; tag=$2; part=$3
 mkdir -p "$out"
@@ -39,13 +39,14 @@ w1() {  # NAME [QUANTS], env from the caller
   elif [ "$part" = step ]; then
     echo "== pytest -m gpu (stage kernel, L2 prefetch, async scheduling)"
     python3 -m pytest -q -m gpu tests/test_stage_inputs.py tests/test_l2_prefetch.py \
-      tests/test_async_scheduling.py -p no:cacheprovider 2>&1 | tail -2
+      tests/test_async_scheduling.py tests/test_chain_decode.py tests/test_spec_overlap.py \
+      -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -8
     echo "== gaps between decode steps"
     python3 benchmarks/profile_step_gaps.py --quantization gptq-int4-g128-lm-head \
       --show-steps 1 2>&1 | grep -v -i warn | tail -22
     echo "== W1"
     w1 step-fix
-    LLMACCEL_STAGE_KERNEL=0 LLMACCEL_TOKEN_COPY_STREAM=0 w1 no-step-fix
+    LLMACCEL_STAGE_KERNEL=0 w1 no-step-fix
   else
     echo "== W1"
     w1 prefetch
