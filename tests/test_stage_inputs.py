@@ -50,6 +50,31 @@ def test_a_pending_copy_out_is_made_once_in_stream_order():
     assert Event.recorded == 1
 
 
+def test_launch_arguments_match_the_kernel(monkeypatch):
+    """The Python side's launch, with the driver calls faked: one launch, the kernel's 18
+    parameters in its order (a CPU check of the plumbing the GPU tests run for real)."""
+    launches = []
+
+    class FakeKernel:
+        def launch(self, grid, block, args, **kw):
+            launches.append((grid, block, [a.value for a in args]))
+
+    monkeypatch.setattr(cuda_rtc, "host_device_pointer", lambda t: 0x1000)
+    monkeypatch.setattr(cuda_rtc, "get_kernel", lambda *a, **k: FakeKernel())
+    host = (torch.zeros(8, 16, dtype=torch.long), torch.ones(16, dtype=torch.int32),
+            torch.zeros(16, 9, dtype=torch.int32))
+    dev = tuple(torch.zeros_like(t) for t in host)
+    copy = StagedCopy(host, dev)
+    ids = torch.arange(3, dtype=torch.float64)
+    copy(4, 5, ids)
+    (grid, block, args), = launches
+    assert len(args) == 18 and block == stage_inputs.THREADS and grid >= 1
+    assert args[:3] == [0x1000] * 3
+    assert args[6:11] == [16, 4, 9, 5, 8]  # n, bs, w, cols, input rows
+    assert args[12:14] == [3, 2]  # three float64 ids
+    assert args[14:] == [None, 0, None, 0]  # nothing copied out
+
+
 def test_not_available_for_unpinned_host_or_cpu():
     host = (torch.zeros(8, 4, dtype=torch.long), torch.ones(4, dtype=torch.int32),
             torch.zeros(4, 3, dtype=torch.int32))

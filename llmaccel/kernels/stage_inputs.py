@@ -79,6 +79,7 @@ class StagedCopy:
                     or ids.numel() > bs or ids.device != din.device):
                 raise ValueError(f"stage_inputs: ids must be a contiguous 1-d int64, float64 "
                                  f"or int32 tensor of at most {bs} on {din.device}")
+        ptr = ctypes.c_void_p
         out_args = [ptr(0), ctypes.c_longlong(0), ptr(0), ctypes.c_int(0)]
         m = 0
         if copy_out is not None:
@@ -92,7 +93,6 @@ class StagedCopy:
                         ptr(self._mapped(dst)), ctypes.c_int(m)]
         kern = cuda_rtc.get_kernel(_source(), "stage_inputs", din.device, {})
         total = max(rows * bs + bs + bs * cols, 2 * m)
-        ptr = ctypes.c_void_p
         args = [ptr(self._ptrs[0]), ptr(self._ptrs[1]), ptr(self._ptrs[2]),
                 ptr(din.data_ptr()), ptr(dseq.data_ptr()), ptr(dtab.data_ptr()),
                 ctypes.c_int(n), ctypes.c_int(bs), ctypes.c_int(w), ctypes.c_int(cols),
