@@ -11,6 +11,7 @@ prefetch off."""
 from __future__ import annotations
 
 import ctypes
+import gc
 
 import pytest
 import torch
@@ -223,6 +224,7 @@ def test_gpu_engine_links_every_layer_and_tokens_match_without(monkeypatch):
         llm = LLM("llama-3.2-1b", load_format="dummy", dtype="bfloat16", max_model_len=512,
                   hf_overrides={"quantization_config": preset_config("gptq-int4-g128")},
                   skip_tokenizer_init=True, enable_prefix_caching=False,
+                  gpu_memory_utilization=0.3,
                   cudagraph_capture_sizes=[1])
         model = llm.engine.model
         linked = [m.l2_prefetch != () for m, _ in decode_order(model)]
@@ -231,6 +233,7 @@ def test_gpu_engine_links_every_layer_and_tokens_match_without(monkeypatch):
         tokens[mib] = [list(llm.generate({"prompt_token_ids": [(13 * i + 7 * j) % 900 + 10
                                                                for j in range(40)]},
                                          params)[0].outputs[0].token_ids) for i in range(3)]
-        del llm
+        del llm, model
+        gc.collect()  # engines of later tests size their KV cache from free memory
         torch.cuda.empty_cache()
     assert tokens["24"] == tokens["0"]
