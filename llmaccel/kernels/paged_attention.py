@@ -37,8 +37,7 @@ from llmaccel.kernels.attention_ref import is_fp8
 __all__ = ["choose_num_splits", "paged_decode_attention"]
 
 LOG2E = 1.4426950408889634
-# LLMACCEL_DECODE_MAX_SPLITS overrides the cap, to measure it.
-MAX_SPLITS = int(os.environ.get("LLMACCEL_DECODE_MAX_SPLITS", "16"))
+MAX_SPLITS = 16
 # A split shorter than this costs more in its extra K/V tile loop, workspace traffic and the
 # combine pass than the parallelism it adds.
 MIN_TOKENS_PER_SPLIT = 256

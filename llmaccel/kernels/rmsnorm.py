@@ -14,8 +14,6 @@ layer, not just approximately the fp32 math.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -59,11 +57,6 @@ def _rms_norm_kernel(
     tl.store(Out + row * stride_o + cols, out, mask=mask)
 
 
-# Warps per row (0: one per 256 columns, at most 16); LLMACCEL_RMSNORM_WARPS sets it, to
-# measure it.
-NUM_WARPS = int(os.environ.get("LLMACCEL_RMSNORM_WARPS", "0"))
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     rows = t.view(-1, t.shape[-1])
     assert rows.stride(-1) == 1, "last dim must be contiguous"
@@ -86,8 +79,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x2, r2, weight, o2, fp8_scale if fp8_scale is not None else weight,
         x2.stride(0), r2.stride(0), o2.stride(0), hidden, eps, MIN_ACT_SCALE,
         HAS_RESIDUAL=residual is not None, BLOCK=block, FP8_OUT=fp8_scale is not None,
-        USE_PDL=pdl.enabled(), num_warps=NUM_WARPS or min(max(block // 256, 1), 16),
-        **pdl.launch_kwargs(),
+        USE_PDL=pdl.enabled(), num_warps=min(max(block // 256, 1), 16), **pdl.launch_kwargs(),
     )
     return out
 
