@@ -40,7 +40,7 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true")
     args = ap.parse_args()
     from llmaccel.kernels import pdl
-    from llmaccel.kernels.l2_prefetch import ranges_of
+    from llmaccel.kernels.l2_prefetch import ranges_of, tail_blocks
     from llmaccel.kernels.rmsnorm import fused_add_rms_norm
 
     import tune_gemm as tg
@@ -115,6 +115,7 @@ def main() -> int:
         for _ in range(2):
             for cap, tail in settings:
                 os.environ["LLMACCEL_L2_PREFETCH_TAIL"] = str(tail)
+                tail_blocks.cache_clear()
                 times.setdefault((cap, tail), []).append(tg.time_graph(chain(cap, norms), 1, 1))
         for cap, tail in settings:
             us = min(times[cap, tail])

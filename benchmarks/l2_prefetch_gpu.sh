@@ -3,8 +3,8 @@
 #   bash benchmarks/l2_prefetch_gpu.sh OUT_DIR TAG chain   GPU tests, the GEMV chains with
 #        each cap (int4 and FP8), and a replay/greedy-token A/B in the engine (int4 + int4 head)
 #   bash benchmarks/l2_prefetch_gpu.sh OUT_DIR TAG w1  W1 on the 3B shape (bf16, GPTQ int4,
-#        GPTQ int4 + int4 head, FP8) with the default caps, with ATTN_MB (if set) as the cap
-#        across the attention, then with prefetch off
+#        GPTQ int4 + int4 head, FP8) with the default cap, then with prefetch off (session 26
+#        also ran a cap across the attention, LLMACCEL_L2_PREFETCH_ATTN_MB, since removed)
 #   bash benchmarks/l2_prefetch_gpu.sh OUT_DIR TAG step  GPU tests of the step's input kernel
 #        (kernels/stage_inputs.py) and the paths it touches, the gaps between decode steps (int4
 #        + int4 head), then W1 with it and without it (LLMACCEL_STAGE_KERNEL=0)
@@ -50,10 +50,6 @@ w1() {  # NAME [QUANTS], env from the caller
   else
     echo "== W1"
     w1 prefetch
-    if [ -n "${ATTN_MB:-}" ]; then
-      LLMACCEL_L2_PREFETCH_ATTN_MB=$ATTN_MB w1 "prefetch-attn$ATTN_MB" \
-        gptq-int4-g128,gptq-int4-g128-lm-head,fp8
-    fi
     LLMACCEL_L2_PREFETCH_MB=0 w1 no-prefetch
   fi
   if [ "$part" != chain ]; then

@@ -14,6 +14,7 @@ instruction takes). A kernel takes at most `MAX_RANGES`; an empty slot is (0, 0)
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -28,24 +29,19 @@ def cap_bytes() -> int:
     return int(float(os.environ.get("LLMACCEL_L2_PREFETCH_MB", DEFAULT_MB)) * 2**20)
 
 
-# The defaults, from an H100 (2026-11-26-l2-prefetch-h100.md): 2 MiB per GEMV issued by its
-# last 66 blocks took a llama-3.2-3b int4 decode step from 1099 to 1072 us (FP8: 1708 to
-# 1662). Prefetching more hurt: 8 MiB or more, or any cap issued by every block, slowed the
-# GEMV chains 5-12% (the prefetch competes with the kernel's own loads).
+# The defaults, from an H100 (2026-11-26-l2-prefetch-step-inputs-h100.md): 2 MiB per GEMV
+# issued by its last 66 blocks took a llama-3.2-3b int4 decode step from 1099 to 1072 us
+# (FP8: 1708 to 1662). Prefetching more hurt: 8 MiB or more, or any cap issued by every block,
+# slowed the GEMV chains 4-12% (the prefetch competes with the kernel's own loads); a larger
+# cap across the attention alone (qkv -> o) changed nothing.
 DEFAULT_MB = "2"
 
 
-def attention_cap_bytes() -> int:
-    """The cap of the qkv GEMV's prefetch of the o projection, which has the attention decode
-    between them (a longer gap than the others), from LLMACCEL_L2_PREFETCH_ATTN_MB (default:
-    `cap_bytes()`)."""
-    mb = os.environ.get("LLMACCEL_L2_PREFETCH_ATTN_MB")
-    return cap_bytes() if mb is None else int(float(mb) * 2**20)
-
-
+@functools.lru_cache(maxsize=1)
 def tail_blocks() -> int:
     """How many of a GEMV's last blocks issue its prefetch, from LLMACCEL_L2_PREFETCH_TAIL
-    (0: every block)."""
+    (0: every block); read once (every eager GEMV launch asks: `tail_blocks.cache_clear()`
+    after changing it)."""
     return int(os.environ.get("LLMACCEL_L2_PREFETCH_TAIL", DEFAULT_TAIL))
 
 

@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from llmaccel.kernels.l2_prefetch import attention_cap_bytes, cap_bytes, ranges_of
+from llmaccel.kernels.l2_prefetch import cap_bytes, ranges_of
 
 logger = logging.getLogger(__name__)
 
@@ -49,24 +49,15 @@ def streamed_weights(layer: nn.Module) -> list[torch.Tensor]:
     return [t for t in (getattr(layer, n, None) for n in names) if isinstance(t, torch.Tensor)]
 
 
-def link_l2_prefetch(model: nn.Module, cap: int | None = None, cuda_only: bool = True,
-                     attention_cap: int | None = None) -> int:
+def link_l2_prefetch(model: nn.Module, cap: int | None = None, cuda_only: bool = True) -> int:
     """Give every layer of the decode order the prefetch ranges of the one after it (the LM
-    head: the first qkv, for the next step), up to `cap` bytes (`attention_cap` for qkv -> o,
-    across the attention). Returns the number of layers linked (0 off CUDA or with a cap of
-    0)."""
-    if cap is None:  # the environment's caps
-        cap = cap_bytes()
-        attention_cap = attention_cap_bytes() if attention_cap is None else attention_cap
-    elif attention_cap is None:
-        attention_cap = cap
+    head: the first qkv, for the next step), up to `cap` bytes (default `cap_bytes()`).
+    Returns the number of layers linked (0 off CUDA or with a cap of 0)."""
+    cap = cap_bytes() if cap is None else cap
     order = decode_order(model)
-    qkv = {id(layer.self_attn.qkv_proj) for layer in model.model.layers}
     linked = 0
     for i, (layer, _) in enumerate(order):
-        c = attention_cap if id(layer) in qkv else cap
-        ranges = (ranges_of(order[(i + 1) % len(order)][1], c, cuda_only) if cap > 0 and c > 0
-                  else ())
+        ranges = ranges_of(order[(i + 1) % len(order)][1], cap, cuda_only) if cap > 0 else ()
         layer.l2_prefetch = ranges
         linked += bool(ranges)
     if linked:
