@@ -131,7 +131,8 @@ def main() -> int:
             rows.append(rec)
     base = {r["norms"]: r["us"] for r in rows if r["cap_mib"] == 0}
     print(f"\n{kind} chain of {LAYERS} layers, {total_bytes / 1e9:.2f} GB, PDL {use_pdl}")
-    print("| norms | cap MiB | tail blocks | us | TB/s | x no prefetch |\n|---|---|---|---|---|---|")
+    print("| norms | cap MiB | tail blocks | us | TB/s | x no prefetch |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         x = base.get(r["norms"], r["us"]) / r["us"]
         print(f"| {r['norms']} | {r['cap_mib']:g} | {r['tail_blocks']} | {r['us']} | "

@@ -3,7 +3,8 @@ through the engine under the torch profiler; prints, for a few steps in the midd
 operation outside the step's CUDA graph kernels (copies, memsets, small kernels) and every idle
 gap of more than --min-gap us, with the step period. A diagnostic, not a benchmark of record.
 
-    python benchmarks/profile_step_gaps.py --shape llama-3.2-3b --quantization gptq-int4-g128-lm-head
+    python benchmarks/profile_step_gaps.py --shape llama-3.2-3b \
+        --quantization gptq-int4-g128-lm-head
 """
 
 from __future__ import annotations

@@ -156,7 +156,9 @@ def quantize(
                                       "and fp8)."),
     calib: str = typer.Option("wikitext2", help="wikitext2, tinyshakespeare, a text file or "
                               "an HF dataset name (name or name:config; needs `datasets`)."),
-    n_samples: int = typer.Option(128, min=1, help="Calibration sequences."),
+    n_samples: Optional[int] = typer.Option(
+        None, min=1, help="Calibration sequences (default 128; 16 for rtn, fp8, nf4 and hqq, "
+        "which read them only for the per-layer error report)."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per calibration sequence."),
     seed: int = typer.Option(0, help="Seed for picking calibration windows."),
     act_order: bool = typer.Option(False, help="GPTQ act-order (desc_act)."),
@@ -173,6 +175,10 @@ def quantize(
     from llmaccel.quant.calibration import CalibConfig
     from llmaccel.quant.driver import quantize_model
 
+    from llmaccel.quant.driver import default_n_samples
+
+    if n_samples is None:
+        n_samples = default_n_samples(method)
     report = quantize_model(model, method=method, bits=bits, group_size=group_size, sym=sym,
                             out_dir=out, calib=CalibConfig(calib, n_samples, seq_len, seed),
                             format=fmt, device=device, act_order=act_order,

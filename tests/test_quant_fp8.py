@@ -607,3 +607,26 @@ def test_engine_runs_scaled_mm_on_gpu(fp8_dir: Path, caplog):
     outs = llm.generate([{"prompt_token_ids": p} for p in ([5, 17, 42], list(range(10, 30)))],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+@pytest.mark.parametrize("method,args,want", [
+    ("fp8", [], 16), ("rtn", [], 16), ("gptq", [], 128), ("fp8", ["--n-samples", "40"], 40)])
+def test_cli_reads_less_calibration_text_for_calibration_free_methods(method, args, want,
+                                                                       monkeypatch, tmp_path):
+    """RTN, FP8, NF4 and HQQ use the calibration text only for the error report: the CLI's
+    default is 16 sequences for them, 128 for GPTQ and AWQ, and --n-samples wins."""
+    from typer.testing import CliRunner
+
+    from llmaccel.cli import app
+    from llmaccel.quant import driver
+
+    seen = {}
+
+    def fake(model, **kw):
+        seen["n"] = kw["calib"].n_samples
+        raise driver.LLMAccelError("stop here")
+
+    monkeypatch.setattr(driver, "quantize_model", fake)
+    r = CliRunner().invoke(app, ["quantize", "some-model", "--method", method, *args,
+                                 "--out", str(tmp_path / "q")])
+    assert seen == {"n": want}, r.output
