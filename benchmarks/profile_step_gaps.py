@@ -69,6 +69,20 @@ def main() -> None:
                 print(f"  +{e.time_range.start - t0:8.1f} us  gap {gap:6.1f}  "
                       f"{e.time_range.end - e.time_range.start:6.1f} us  {name}")
             prev_end = max(prev_end, e.time_range.end)
+    # Each kernel's share of the step's critical path: the time from the previous op's end
+    # to its own end (with PDL a kernel starts early; what it adds is how much later it ends).
+    share: dict[str, list[float]] = {}
+    for a, b in zip(heads[1:-1], heads[2:]):
+        prev_end = evs[a].time_range.end
+        for e in evs[a + 1:b + 1]:
+            key = e.name[:40]
+            share.setdefault(key, []).append(max(0.0, e.time_range.end - prev_end))
+            prev_end = max(prev_end, e.time_range.end)
+    steps = len(heads) - 2
+    print("\ncritical-path share per step (end-to-end increments), us:")
+    print("| op | per step | per call | calls/step |\n|---|---|---|---|")
+    for key, v in sorted(share.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {key} | {sum(v) / steps:.1f} | {sum(v) / len(v):.2f} | {len(v) / steps:.0f} |")
     print("\nops per step by name:")
     for n, c in sorted(graph_names.items(), key=lambda kv: -kv[1]):
         print(f"  {c / args.show_steps:6.1f}  {n}")
