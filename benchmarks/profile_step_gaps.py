@@ -15,6 +15,10 @@ import statistics
 import torch
 
 
+def _is_linear(name: str) -> bool:
+    return "gemv" in name or name.startswith("_linear_kernel")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-3b")
@@ -74,8 +78,15 @@ def main() -> None:
     share: dict[str, list[float]] = {}
     for a, b in zip(heads[1:-1], heads[2:]):
         prev_end = evs[a].time_range.end
-        for e in evs[a + 1:b + 1]:
+        window = evs[a + 1:b + 1]
+        n_linear = sum(_is_linear(e.name) for e in window)
+        seen = 0
+        for e in window:
             key = e.name[:40]
+            if _is_linear(e.name):  # which projection: qkv, o, gate_up, down per layer, head
+                key += " " + (("qkv", "o", "gate_up", "down")[seen % 4]
+                              if seen < n_linear - 1 else "lm_head")
+                seen += 1
             share.setdefault(key, []).append(max(0.0, e.time_range.end - prev_end))
             prev_end = max(prev_end, e.time_range.end)
     steps = len(heads) - 2
