@@ -2,10 +2,11 @@
 
 At batch 1 a decode step is a chain of small kernels. Each GEMV streams its weights from HBM,
 but between GEMVs (an RMSNorm, the attention decode, a kernel's ramp and tail) HBM idles. A
-GEMV launched with prefetch ranges also issues Hopper bulk L2 prefetches (`cp.async.bulk.
-prefetch.L2`) for the weights of the GEMV that runs after it, spread over its blocks, before
-its PDL wait: those bytes then arrive in L2 while the kernels in between run, and the next
-GEMV's loads hit L2. `models/l2_prefetch.py` decides which layer prefetches which.
+GEMV launched with prefetch ranges also issues Hopper bulk L2 prefetches
+(`cp.async.bulk.prefetch.L2`) for the first bytes of the next GEMV's weights, from its last
+blocks (`tail_blocks`), before their PDL wait: those bytes arrive in L2 through the kernel's
+tail and the kernels in between, and the next GEMV's first loads hit L2.
+`models/l2_prefetch.py` decides which layer prefetches which.
 
 A range is (device address, bytes): 16-byte aligned, a multiple of 16 bytes (what the
 instruction takes). A kernel takes at most `MAX_RANGES`; an empty slot is (0, 0).
