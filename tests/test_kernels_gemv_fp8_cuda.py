@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from nvrtc_helpers import use_nvrtc
 
 from llmaccel.kernels import cuda_rtc
 from llmaccel.kernels.gemv_fp8_cuda import (CudaGemvFp8Config, _source, _source_cc,
@@ -50,12 +51,7 @@ def test_not_taken_off_cuda():
 
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
 def test_source_compiles_with_nvrtc(arch, monkeypatch):
-    from test_kernels_gemv_w4_cuda import _nvrtc
-
-    lib = _nvrtc()
-    if lib is None:
-        pytest.skip("no NVRTC library installed (pip install nvidia-cuda-nvrtc)")
-    monkeypatch.setattr(cuda_rtc, "_libs", lambda: (lib, None))
+    use_nvrtc(monkeypatch)
     for defines in ({"WARPS": 6, "LOADS": 8, "RG": 1, "X_BF16": 1, "HAS_BIAS": 0,
                      "SILU_OUT": 0},
                     {"WARPS": 3, "LOADS": 4, "RG": 2, "X_BF16": 0, "HAS_BIAS": 1,

@@ -10,12 +10,11 @@ awkward shapes, and a chain of PDL launches inside a CUDA graph.
 
 from __future__ import annotations
 
-import ctypes
-import glob
 from types import SimpleNamespace
 
 import pytest
 import torch
+from nvrtc_helpers import use_nvrtc
 
 from llmaccel.kernels import cuda_rtc
 from llmaccel.kernels.gemm import linear_ref, pack_int4_rows
@@ -67,29 +66,9 @@ def test_disabled_by_environment(monkeypatch):
     assert not cuda_rtc.available()
 
 
-def _nvrtc():
-    paths = sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*"))
-    try:
-        import nvidia  # the nvidia-cuda-nvrtc wheel, where installed
-
-        for root in nvidia.__path__:
-            paths += sorted(glob.glob(f"{root}/*/lib/libnvrtc.so*"))
-    except ImportError:
-        pass
-    for p in [p for p in paths if "builtins" not in p]:
-        try:
-            return ctypes.CDLL(p)
-        except OSError:
-            continue
-    return None
-
-
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_source_compiles_with_nvrtc(arch, monkeypatch):
-    lib = _nvrtc()
-    if lib is None:
-        pytest.skip("no NVRTC library installed (pip install nvidia-cuda-nvrtc)")
-    monkeypatch.setattr(cuda_rtc, "_libs", lambda: (lib, None))
+    use_nvrtc(monkeypatch)
     for defines in ({"ROWS": 2, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
                      "HAS_ZEROS": 0, "HAS_BIAS": 0, "MATH": 0},
                     {"ROWS": 4, "CHUNKS": 2, "THREADS": 64, "X_BF16": 0, "SCALE_KIND": 2,

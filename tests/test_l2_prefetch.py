@@ -15,6 +15,7 @@ import gc
 
 import pytest
 import torch
+from nvrtc_helpers import use_nvrtc
 from tiny_models import make_tiny_model, tiny_configs
 
 from llmaccel.kernels import cuda_rtc
@@ -122,12 +123,7 @@ def test_streamed_weights_put_scales_first():
 def test_sources_compile_with_the_prefetch(arch, name, defines, monkeypatch):
     """The bulk prefetch is sm_90 PTX: the guard keeps sm_80 builds compiling, and sm_90 has
     the instruction (in the PTX, as UBLKPF after ptxas)."""
-    from test_kernels_gemv_w4_cuda import _nvrtc
-
-    lib = _nvrtc()
-    if lib is None:
-        pytest.skip("no NVRTC library installed (pip install nvidia-cuda-nvrtc)")
-    monkeypatch.setattr(cuda_rtc, "_libs", lambda: (lib, None))
+    use_nvrtc(monkeypatch)
     kernel = name.removesuffix(".cu")
     src, headers = cuda_rtc.source_files(name, "common.cuh")
     if name == "gemv_fp8_cc.cu" and arch == "sm_80":

@@ -10,8 +10,10 @@ decodes the same greedy tokens with it and without it, async scheduling on."""
 from __future__ import annotations
 
 import gc
+
 import pytest
 import torch
+from nvrtc_helpers import use_nvrtc
 
 from llmaccel.kernels import cuda_rtc, stage_inputs
 from llmaccel.kernels.stage_inputs import StagedCopy
@@ -19,12 +21,7 @@ from llmaccel.kernels.stage_inputs import StagedCopy
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_source_compiles_with_nvrtc(arch, monkeypatch):
-    from test_kernels_gemv_w4_cuda import _nvrtc
-
-    lib = _nvrtc()
-    if lib is None:
-        pytest.skip("no NVRTC library installed (pip install nvidia-cuda-nvrtc)")
-    monkeypatch.setattr(cuda_rtc, "_libs", lambda: (lib, None))
+    use_nvrtc(monkeypatch)
     assert cuda_rtc.compile_cubin(stage_inputs._source(), "stage_inputs", arch, {})
 
 
