@@ -21,8 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072),
-          "down": (3072, 8192)}
+from tune_gemm import projection_shapes  # noqa: E402  (this folder: sys.path[0])
+
+SHAPES = {k: v for k, v in projection_shapes("llama-3.2-3b").items()  # (N, K)
+          if k != "lm_head"}
 CYCLE_BYTES = 256 * 2**20
 
 

@@ -23,8 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072),
-          "down": (3072, 8192), "lm_head": (128256, 3072)}
+from tune_gemm import projection_shapes  # noqa: E402  (this folder: sys.path[0])
+
+SHAPES = projection_shapes("llama-3.2-3b")  # the layer shapes (N, K) of the 3B model
 GROUP = 128
 CYCLE_BYTES = 256 * 2**20
 

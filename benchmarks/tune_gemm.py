@@ -31,17 +31,21 @@ CALLS = 24
 L2_DEFEAT_BYTES = 256 * 2**20
 
 
+def projection_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of a shape's fused projections: qkv, o, gate_up, down and the LM head."""
+    c = SHAPES[name]
+    h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim") or h // heads
+    inter = c["intermediate_size"]
+    return {"qkv": ((heads + 2 * kv) * hd, h), "o": (h, heads * hd), "gate_up": (2 * inter, h),
+            "down": (h, inter), "lm_head": (c["vocab_size"], h)}
+
+
 def linear_shapes(names: list[str]) -> dict[tuple[int, int], list[str]]:
     """(N, K) -> layer names using it, for q/k/v, o, gate/up, down and the LM head."""
     out: dict[tuple[int, int], list[str]] = {}
     for name in names:
-        c = SHAPES[name]
-        h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-        hd = c.get("head_dim") or h // heads
-        inter = c["intermediate_size"]
-        for label, nk in (("qkv", ((heads + 2 * kv) * hd, h)), ("o", (h, heads * hd)),
-                          ("gate_up", (2 * inter, h)), ("down", (h, inter)),
-                          ("lm_head", (c["vocab_size"], h))):
+        for label, nk in projection_shapes(name).items():
             out.setdefault(nk, []).append(f"{name}:{label}")
     return out
 
