@@ -86,6 +86,13 @@ __device__ __forceinline__ void l2_prefetch_share(const void* base, long long by
 #endif
 }
 
+// v summed over the warp's 32 lanes, the same total in every lane (butterfly order)
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // silu(gate) * up, rounded as silu_and_mul rounds (the SiLU, then the product)
 __device__ __forceinline__ float silu_mul(float gate, float up) {
   return round_act(round_act(__fdividef(gate, 1.f + __expf(-gate))) * up);

@@ -94,9 +94,7 @@ gemv_fp8_cc(const u16* __restrict__ Xq, const float* __restrict__ XScale,
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    float v = dot16(w[r], xv);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const float v = warp_sum(dot16(w[r], xv));
     if (lane == 0) partial[warp][r] = v;
   }
   __syncthreads();

@@ -98,8 +98,7 @@ __device__ __forceinline__ void load_chunk(const u16* p, float* out) {
 // The sum of v over the block, the same value in every thread (same order everywhere).
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float red[NWARPS];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = warp_sum(v);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   float t = 0.f;
@@ -322,9 +321,7 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    float v = acc[r];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const float v = warp_sum(acc[r]);
     if (lane == 0) partial[warp][r] = v;
   }
   __syncthreads();
