@@ -390,9 +390,9 @@ class CUDAGraphRunner:
         out = self._copy_out
         if st.staged is not None and (device_ids is None or (
                 device_ids.dim() == 1 and device_ids.is_contiguous()
-                and device_ids.dtype in (torch.int64, torch.float64, torch.int32))) and (
-                out is None or st.staged.copies_out(out[0], out[1])):
-            # one launch: the previous step's tokens out to the host, inputs, seq lens, the
+                and device_ids.dtype in (torch.int64, torch.float64, torch.int32))):
+            # one launch: the previous step's tokens out to the host (the engine's greedy
+            # [2, m] into its pinned buffer: StagedCopy checks them), inputs, seq lens, the
             # tables' used columns and the device ids in
             self._copy_out = None
             st.staged(bs, max(1, max(map(len, tables), default=1)), device_ids,
