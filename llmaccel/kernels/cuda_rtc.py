@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 MIN_CAPABILITY = (8, 0)
 # CUlaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+# CUfunction_attribute CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (cuda.h)
+_ATTR_MAX_DYNAMIC_SHARED = 8
 
 
 class CudaRtcError(RuntimeError):
@@ -219,6 +221,7 @@ class CudaKernel:
         ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset,
                        ctypes.byref(ctypes.c_int(1)), ctypes.sizeof(ctypes.c_int))
         self._pdl_attr = attr
+        self._dynamic_shared = 48 * 1024
 
     def num_regs(self) -> int:
         """Registers per thread (CU_FUNC_ATTRIBUTE_NUM_REGS), for logs and experiments."""
@@ -228,14 +231,28 @@ class CudaKernel:
                   "cuFuncGetAttribute")
         return v.value
 
-    def launch(self, grid: int, block: int, args: list, stream: torch.cuda.Stream | None = None,
-               pdl: bool = False) -> None:
-        """Run on `stream` (default: torch's current one). `args` are ctypes values in the
-        kernel's parameter order (pointers as ctypes.c_void_p(tensor.data_ptr()))."""
+    def set_dynamic_shared(self, nbytes: int) -> None:
+        """Allow `nbytes` of dynamic shared memory per block (above the 48 KiB every kernel
+        may take, the driver wants the function's attribute raised first); once per size."""
+        if nbytes <= self._dynamic_shared:
+            return
         _, cuda = _libs()
+        _check_cu(cuda, cuda.cuFuncSetAttribute(self._func, _ATTR_MAX_DYNAMIC_SHARED,
+                                                ctypes.c_int(nbytes)),
+                  f"cuFuncSetAttribute({self.name}, {nbytes} bytes of shared memory)")
+        self._dynamic_shared = nbytes
+
+    def launch(self, grid: int, block: int, args: list, stream: torch.cuda.Stream | None = None,
+               pdl: bool = False, shared_mem: int = 0) -> None:
+        """Run on `stream` (default: torch's current one). `args` are ctypes values in the
+        kernel's parameter order (pointers as ctypes.c_void_p(tensor.data_ptr()));
+        `shared_mem`: bytes of dynamic shared memory (`extern __shared__`)."""
+        _, cuda = _libs()
+        if shared_mem > 48 * 1024:
+            self.set_dynamic_shared(shared_mem)
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        cfg = _LaunchConfig(grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(s.cuda_stream),
+        cfg = _LaunchConfig(grid, 1, 1, block, 1, 1, shared_mem, ctypes.c_void_p(s.cuda_stream),
                             ctypes.pointer(self._pdl_attr) if pdl else None, 1 if pdl else 0)
         _check_cu(cuda, cuda.cuLaunchKernelEx(ctypes.byref(cfg), self._func, params, None),
                   f"cuLaunchKernelEx({self.name})")

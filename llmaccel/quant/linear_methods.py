@@ -116,6 +116,23 @@ DEQUANT_GEMM_MIN_M = ({4: 32, 8: 256} if _DEQUANT_ENV is None
                       else {4: int(_DEQUANT_ENV), 8: int(_DEQUANT_ENV)})
 
 
+# Batches of 2 to W4_GEMM_MAX_M rows take the tensor-core W4A16 GEMM in CUDA C
+# (`kernels/gemm_w4_cuda.py`), which reads the codes directly, where it can run; above it (and
+# where it cannot) the dequantize + cuBLAS pair or the Triton kernel, as before.
+# LLMACCEL_W4_GEMM=0 turns it off; LLMACCEL_W4_GEMM_MAX_M moves the bound.
+W4_GEMM = os.environ.get("LLMACCEL_W4_GEMM", "1") == "1"
+W4_GEMM_MAX_M = int(os.environ.get("LLMACCEL_W4_GEMM_MAX_M", "512"))
+
+
+def _use_w4_gemm(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if not (W4_GEMM and 2 <= x2.shape[0] <= W4_GEMM_MAX_M and layer.kernel_weight.is_cuda):
+        return False
+    from llmaccel.kernels.gemm_w4_cuda import supports
+
+    return supports(x2, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+                    layer.kernel_group_size, bias)
+
+
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Batch-1 int4 layers take the CUDA C GEMV (`kernels/gemv_w4_cuda.py`) where it can run:
     on an H100 it streamed a llama-3.2-3b layer's four GEMVs in 29 us against the Triton
@@ -137,6 +154,16 @@ def _cuda_gemv_available(layer: nn.Module) -> bool:
         layer.kernel_scales.dtype
     x = torch.empty(layer.input_size, device=layer.kernel_weight.device, dtype=dt)
     return _use_cuda_gemv(layer, x, None)
+
+
+def _w4_gemm_available(layer: nn.Module) -> bool:
+    """For the log: whether this layer's 2+-row calls will take the tensor-core GEMM."""
+    if not layer.kernel_weight.is_cuda:
+        return False
+    dt = torch.bfloat16 if layer.kernel_scales.dtype == torch.float32 else \
+        layer.kernel_scales.dtype
+    x = torch.empty(2, layer.input_size, device=layer.kernel_weight.device, dtype=dt)
+    return _use_w4_gemm(layer, x, None)
 
 
 def _qkv_layer(layer: nn.Module) -> bool:
@@ -190,9 +217,13 @@ class PackedLinearMethod(LinearMethodBase):
                 tuned = _tuned_w4(layer)
                 kernel += (f"; batch 1: Triton W4A16 GEMV (kernels/gemv_w4.py, "
                            f"{'tuned' if tuned else 'default'} tile)")
+            w4_gemm = self.bits == 4 and _w4_gemm_available(layer)
+            if w4_gemm:
+                kernel += (f"; 2-{W4_GEMM_MAX_M} rows: CUDA C tensor-core W4A16 GEMM "
+                           "(kernels/csrc/gemm_w4.cu, tile by rows)")
             if DEQUANT_GEMM_MIN_M.get(self.bits, 0):
-                kernel += (f"; from {DEQUANT_GEMM_MIN_M[self.bits]} rows: dequantize "
-                           "(kernels/gemm.py dequantize_packed) + cuBLAS")
+                kernel += (f"; from {W4_GEMM_MAX_M + 1 if w4_gemm else DEQUANT_GEMM_MIN_M[self.bits]}"
+                           " rows: dequantize (kernels/gemm.py dequantize_packed) + cuBLAS")
             if self.fused_decode_config(layer, 1, "norm") is not None:
                 kernel += ("; fused decode layers at batch 1: the GEMV with the norm, "
                            "SiLU-and-mul and residual add folded in")
@@ -354,6 +385,11 @@ class PackedLinearMethod(LinearMethodBase):
         if not layer.use_triton:  # fused kernels switched off: the same layout, in PyTorch
             return linear_ref(x, *args)
         x2 = x.reshape(-1, x.shape[-1])
+        if self.bits == 4 and _use_w4_gemm(layer, x2, bias):  # 2+ rows: tensor cores on int4
+            from llmaccel.kernels.gemm_w4_cuda import w4a16_gemm_cuda
+
+            return w4a16_gemm_cuda(x, layer.kernel_weight, layer.kernel_scales,
+                                   layer.kernel_zeros, layer.kernel_group_size, bias)
         min_m = DEQUANT_GEMM_MIN_M.get(self.bits, 0)
         if (min_m and x2.shape[0] >= min_m and x.is_cuda
                 and x.dtype in (torch.bfloat16, torch.float16)):

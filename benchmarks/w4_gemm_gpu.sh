@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 5 on the device: the tensor-core W4A16 GEMM for 2+ rows (kernels/gemm_w4_cuda.py).
+#   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG kernel  GPU tests, then exp_w4_gemm.py (every
+#        tile against dequantize + cuBLAS, the Triton kernel and cuBLAS bf16, 3B shapes)
+#   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w1  W1 on the 3B shape: bf16, GPTQ int4 and
+#        GPTQ int4 + int4 head with the GEMM, then the int4 rows without it (LLMACCEL_W4_GEMM=0)
+set -uo pipefail
+out=$1; tag=$2; part=$3
+mkdir -p "$out"
+log="$out/$tag-$part.log"
+w1() {  # NAME QUANTS, env from the caller
+  python3 benchmarks/gpu_speed.py --workloads W1 --shapes llama-3.2-3b --backends llmaccel \
+    --quantization "$2" --repeats 3 --out "$out" --name "W1-$tag-$1" --variant "$1" 2>&1 \
+    | tail -1
+  rm -f "$out/W1-$tag-$1.md"
+}
+{
+  if [ "$part" = kernel ]; then
+    echo "== pytest -m gpu tests/test_kernels_gemm_w4_cuda.py"
+    python3 -m pytest -q -m gpu tests/test_kernels_gemm_w4_cuda.py -p no:cacheprovider 2>&1 \
+      | tail -3
+    echo "== exp_w4_gemm.py"
+    python3 benchmarks/exp_w4_gemm.py --out "$out" ${ROWS:+--rows $ROWS} 2>&1 | tail -40
+    mv "$out/exp_w4_gemm.jsonl" "$out/$tag-kernel.jsonl"
+  elif [ "$part" = w1 ]; then
+    echo "== W1 with the W4 GEMM"
+    w1 gemm bf16,gptq-int4-g128,gptq-int4-g128-lm-head
+    echo "== W1 without it"
+    LLMACCEL_W4_GEMM=0 w1 no-gemm gptq-int4-g128,gptq-int4-g128-lm-head
+    for f in "$out"/W1-"$tag"-*.jsonl; do python3 - "$f" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(sys.argv[1].split("/")[-1], r.get("quantization"), r.get("metric"), r.get("value"),
+          "ttft_ms", r.get("ttft_ms"))
+PY
+    done
+  fi
+} 2>&1 | tee "$log"

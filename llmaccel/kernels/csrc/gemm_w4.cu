@@ -1,0 +1,312 @@
+// W4A16 GEMM on tensor cores for M > 1 rows (prefill and batched decode):
+// y[m, n] = sum_k x[m, k] * (code[n, k] - zero[n, g]) * scale[n, g] (+ bias[n]), g = k / group.
+// Compiled at run time by NVRTC (kernels/cuda_rtc.py); includes common.cuh.
+//
+// It reads the int4 codes directly (the layout of kernels/gemm.py BITS=4: int32 [N, K/8], word
+// w of a row holds k = 8w..8w+7, lowest nibble first), so a prefill no longer writes and re-reads
+// every weight in bf16 (dequantize + cuBLAS) and a batched decode step reads a quarter of the
+// bytes of the bf16 GEMM.
+//
+// Work: a block of WM x WN warps owns BM = 16 MT WM rows and BN = 8 NTW WN columns; a warp owns
+// MT m16 tiles x NTW n8 tiles and issues mma.sync m16n8k16 (fp32 accumulators). K is walked in
+// stages of BK = 32 CPS; x and code tiles of STAGES stages are in flight in shared memory
+// (cp.async, zero-filled past M and N). The codes of later stages are requested before the
+// programmatic-dependent-launch wait (weights are read-only during a step), x after it.
+//
+// The k relabeling. An mma's thread (group g = lane / 4, t = lane % 4) holds B elements
+// (k = 2t, 2t+1, 2t+8, 2t+9; n = g) and A elements (rows g and g + 8; the same k). The dot
+// product does not care which actual k a slot stands for as long as A and B agree, so in each
+// 32-k chunk thread t takes the chunk's word t of its B row, i.e. actual k = 8t..8t+7, for two
+// mmas: a Marlin-style LOP3 turns the word into four 16-bit pairs (nibble i, nibble i + 4),
+// P_i = (128 + code) with the bf16 magic 0x4300 (1024 + code, 0x6400, for fp16); one packed
+// FMA subtracts 128 + zero, exactly. mma 1 takes B = (P0, P1), i.e. slots (2t, 2t+1) = actual
+// (8t, 8t+4) and slots (2t+8, 2t+9) = actual (8t+1, 8t+5); mma 2 takes (P2, P3). The A
+// registers are the same pairs of x, built with PRMT from one 16-byte load of x[row][8t..8t+7].
+//
+// Scales: the products of (code - zero) and x are exact in the fp32 accumulators, so each
+// group's sum goes to a group accumulator and is scaled once, in fp32, when the group ends
+// (GROUP_CHUNKS 32-k chunks; 0: per channel, scaled at the end). That is the rounding of the
+// batch-1 GEMV (csrc/gemv_w4.cu): only the fp32 summation order differs from dequantizing in
+// fp32 and multiplying; the reference (gemm.linear_ref) rounds the dequantized weight to bf16
+// first, the test tolerance covers it.
+//
+// Macros: WM, WN, MT, NTW, CPS, STAGES, X_BF16, SCALE_KIND (0 bf16, 1 fp16, 2 fp32),
+// HAS_ZEROS (uint8 zeros [N, G], else zero point 8), HAS_BIAS, GROUP_CHUNKS.
+// Contract (gemm_w4_cuda.supports): K % BK == 0, N % 8 == 0, rows 16-byte aligned.
+
+#include "common.cuh"
+
+#define THREADS (32 * WM * WN)
+#define BM (16 * MT * WM)
+#define BN (8 * NTW * WN)
+#define BK (32 * CPS)
+#define A_STAGE_BYTES (BM * BK * 2)
+#define B_STAGE_BYTES (BN * BK / 2)
+
+#if X_BF16
+#define MAGIC2 0x43004300u  // bf16 128.0 in both halves
+#define ONE2 0x3F803F80u    // bf16 1.0
+#else
+#define MAGIC2 0x64006400u  // fp16 1024.0
+#define ONE2 0x3C003C00u    // fp16 1.0
+#endif
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// 16 bytes global -> shared, asynchronously; zeros where !valid (src is then not read)
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N));
+}
+
+// The x tile's 16-byte chunk c of row r sits at chunk c ^ x_swizzle(r): the eight threads of a
+// 16-byte load phase (rows g, g + 1; chunks 4kc..4kc+3) then hit eight different bank groups.
+__device__ __forceinline__ int x_swizzle(int r) { return CPS >= 2 ? ((r & 1) << 2) : 0; }
+// The code tile's chunk kc (4 words) of row n sits at chunk kc ^ w_swizzle(n): a warp's word
+// loads (rows g = 0..7, words t) then hit 32 different banks.
+__device__ __forceinline__ int w_swizzle(int n) { return ((n * CPS) >> 3) & (CPS - 1); }
+
+__device__ __forceinline__ float load_scale(const void* S, long long i) {
+#if SCALE_KIND == 2
+  return __ldg(reinterpret_cast<const float*>(S) + i);
+#else
+  u16 v = __ldg(reinterpret_cast<const u16*>(S) + i);
+#if SCALE_KIND == 0
+  return __uint_as_float(((u32)v) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#endif
+#endif
+}
+
+// (magic + zero) in both halves of a 16-bit pair, negated, as the FMA's addend
+__device__ __forceinline__ u32 neg_offset2(float zero) {
+  const u16 h = float_to_act((X_BF16 ? 128.f : 1024.f) + zero);
+  return (((u32)h << 16) | h) ^ 0x80008000u;
+}
+
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
+  u32 d;
+#if X_BF16
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#endif
+  return d;
+}
+
+// word -> P[i] = (nibble i, nibble i + 4) - zero as a 16-bit pair, exact
+__device__ __forceinline__ void dequant_word(u32 w, u32 negoff, u32* P) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) P[i] = fma2(((w >> (4 * i)) & 0x000F000Fu) | MAGIC2, ONE2, negoff);
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if X_BF16
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+#else
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+#endif
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __restrict__ S,
+        const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
+        int M, int N, int K, long long stride_x, long long stride_w, long long stride_s,
+        long long stride_z, long long stride_y, int m_tiles) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const u32 xs0 = smem_addr(smem);
+  const u32 ws0 = xs0 + STAGES * A_STAGE_BYTES;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp / WN, wn = warp % WN;
+  // block order: the m tiles of one n tile are neighbours (they read the same codes)
+  const int m0 = (blockIdx.x % m_tiles) * BM, n0 = (blockIdx.x / m_tiles) * BN;
+  const int stages = K / BK;
+
+  auto load_w = [&](int s) {  // codes of stage s into its slot
+    const u32 base = ws0 + (s % STAGES) * B_STAGE_BYTES;
+    for (int i = tid; i < BN * CPS; i += THREADS) {
+      const int n = i / CPS, kc = i % CPS;
+      const bool ok = n0 + n < N;
+      const u32* src = W + (long long)(ok ? n0 + n : 0) * stride_w + s * (BK / 8) + kc * 4;
+      cp_async16(base + (n * CPS + (kc ^ w_swizzle(n))) * 16, src, ok);
+    }
+  };
+  auto load_x = [&](int s) {  // x of stage s into its slot
+    const u32 base = xs0 + (s % STAGES) * A_STAGE_BYTES;
+    for (int i = tid; i < BM * CPS * 4; i += THREADS) {
+      const int r = i / (CPS * 4), c = i % (CPS * 4);
+      const bool ok = m0 + r < M;
+      const u16* src = X + (long long)(ok ? m0 + r : 0) * stride_x + s * BK + c * 8;
+      cp_async16(base + (r * CPS * 4 + (c ^ x_swizzle(r))) * 16, src, ok);
+    }
+  };
+
+  // Pipeline fill: the first stages' codes before the PDL wait, then their x, one commit
+  // group per stage (group 0 also holds every early code load).
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < stages) load_w(s);
+  pdl_wait();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < stages) load_x(s);
+    cp_async_commit();
+  }
+  pdl_launch_dependents();
+
+  // This thread's output columns (C fragments: 2t, 2t + 1 of each n8 tile) and B rows (g).
+  const int ncol0 = n0 + wn * (8 * NTW) + 2 * t;
+  const int nrow0 = n0 + wn * (8 * NTW) + g;
+  float acc[MT][NTW][4];
+  float part[MT][NTW][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NTW; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = part[i][j][e] = 0.f;
+
+  // Scales of the thread's C columns and zero offsets of its B rows, for the current group;
+  // the next group's are loaded a group ahead.
+  float sc[NTW][2];
+  u32 negoff[NTW];
+  auto load_group = [&](int grp, float (*s_out)[2], u32* z_out) {
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) {
+      const int c = min(ncol0 + 8 * j, N - 2);
+      s_out[j][0] = load_scale(S, (long long)c * stride_s + grp);
+      s_out[j][1] = load_scale(S, (long long)(c + 1) * stride_s + grp);
+      const int r = min(nrow0 + 8 * j, N - 1);
+#if HAS_ZEROS
+      z_out[j] = neg_offset2((float)__ldg(Z + (long long)r * stride_z + grp));
+#else
+      (void)r;
+      z_out[j] = neg_offset2(8.f);
+#endif
+    }
+  };
+  load_group(0, sc, negoff);
+#if GROUP_CHUNKS > 0
+  float sc_next[NTW][2];
+  u32 negoff_next[NTW];
+  const int groups = K / (32 * GROUP_CHUNKS);
+  if (groups > 1) load_group(1, sc_next, negoff_next);
+#endif
+
+  for (int s = 0; s < stages; ++s) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage s is in; every warp is done with the slot refilled below
+    if (s + STAGES - 1 < stages) {
+      load_w(s + STAGES - 1);
+      load_x(s + STAGES - 1);
+    }
+    cp_async_commit();
+    const unsigned char* xs = smem + (s % STAGES) * A_STAGE_BYTES;
+    const unsigned char* ws = smem + STAGES * A_STAGE_BYTES + (s % STAGES) * B_STAGE_BYTES;
+#pragma unroll
+    for (int kc = 0; kc < CPS; ++kc) {
+      // B: word t of chunk kc of the warp's rows, to four (code - zero) pairs per n8 tile
+      u32 b[NTW][4];
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        const int n = wn * (8 * NTW) + 8 * j + g;
+        const u32 w = *reinterpret_cast<const u32*>(
+            ws + (n * CPS + (kc ^ w_swizzle(n))) * 16 + 4 * t);
+        dequant_word(w, negoff[j], b[j]);
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const int r = wm * (16 * MT) + 16 * i + g;
+        const int c = (kc * 4 + t) ^ x_swizzle(r);  // rows r and r + 8: same swizzle
+        const uint4 lo = *reinterpret_cast<const uint4*>(xs + (r * CPS * 4 + c) * 16);
+        const uint4 hi = *reinterpret_cast<const uint4*>(xs + ((r + 8) * CPS * 4 + c) * 16);
+        // pairs (p, p + 4) of x[row][8t + p]: lo.x = (0, 1), lo.y = (2, 3), lo.z = (4, 5) ...
+        const u32 l04 = prmt(lo.x, lo.z, 0x5410), l15 = prmt(lo.x, lo.z, 0x7632);
+        const u32 l26 = prmt(lo.y, lo.w, 0x5410), l37 = prmt(lo.y, lo.w, 0x7632);
+        const u32 h04 = prmt(hi.x, hi.z, 0x5410), h15 = prmt(hi.x, hi.z, 0x7632);
+        const u32 h26 = prmt(hi.y, hi.w, 0x5410), h37 = prmt(hi.y, hi.w, 0x7632);
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          mma(part[i][j], l04, h04, l15, h15, b[j][0], b[j][1]);
+          mma(part[i][j], l26, h26, l37, h37, b[j][2], b[j][3]);
+        }
+      }
+#if GROUP_CHUNKS > 0
+      const int chunk = s * CPS + kc;
+      if ((chunk + 1) % GROUP_CHUNKS == 0) {  // the group ends: scale its sums into acc
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int j = 0; j < NTW; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              acc[i][j][e] = fmaf(part[i][j][e], sc[j][e & 1], acc[i][j][e]);
+              part[i][j][e] = 0.f;
+            }
+        const int grp = (chunk + 1) / GROUP_CHUNKS;
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          sc[j][0] = sc_next[j][0];
+          sc[j][1] = sc_next[j][1];
+          negoff[j] = negoff_next[j];
+        }
+        if (grp + 1 < groups) load_group(grp + 1, sc_next, negoff_next);
+      }
+#endif
+    }
+  }
+  cp_async_wait<0>();
+#if GROUP_CHUNKS == 0
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NTW; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = part[i][j][e] * sc[j][e & 1];
+#endif
+
+  // Epilogue: rows g and g + 8 of each m16 tile, columns 2t and 2t + 1 of each n8 tile.
+#pragma unroll
+  for (int j = 0; j < NTW; ++j) {
+    const int col = ncol0 + 8 * j;
+    if (col >= N) continue;
+    float b0 = 0.f, b1 = 0.f;
+#if HAS_BIAS
+    b0 = act_to_float(__ldg(Bias + col));
+    b1 = act_to_float(__ldg(Bias + col + 1));
+#endif
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = m0 + wm * (16 * MT) + 16 * i + g + 8 * h;
+        if (row < M) {
+          const u32 v = (u32)float_to_act(acc[i][j][2 * h] + b0)
+                        | ((u32)float_to_act(acc[i][j][2 * h + 1] + b1) << 16);
+          *reinterpret_cast<u32*>(Y + (long long)row * stride_y + col) = v;
+        }
+      }
+  }
+}

@@ -1,0 +1,150 @@
+"""W4A16 GEMM on tensor cores for 2+ rows, in CUDA C (`csrc/gemm_w4.cu`, NVRTC via `cuda_rtc`).
+
+y [M, N] = x [M, K] @ dequant(weight)^T (+ bias) on the int4 layout of `kernels/gemm.py`
+(weight int32 [N, K/8], scales [N, G] bf16/fp16/fp32, uint8 zeros [N, G] or None for zero
+point 8), reading the codes directly: prefill and batched decode steps without the dequantize
++ cuBLAS pair, which writes and re-reads every weight in bf16 (`quant/linear_methods.py` used
+it from 32 rows). mma.sync m16n8k16 with fp32 accumulators; each group's exact (code - zero)
+x products are scaled once in fp32, as the batch-1 GEMV does (`csrc/gemv_w4.cu`).
+
+`supports` says whether a call can take it (CUDA C kernels available, bf16/fp16 activations,
+K a multiple of the tile's K step, N a multiple of 8, the group a multiple of 32, aligned
+rows); `config_for(m)` picks the tile by row count. The reference is `gemm.linear_ref`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from llmaccel.kernels import cuda_rtc, pdl
+from llmaccel.kernels.gemv_w4 import check_side_tensors
+
+_SCALE_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+MAX_SHARED = 227 * 1024  # an H100 block's dynamic shared memory limit
+
+
+@dataclass(frozen=True)
+class GemmW4Config:
+    """A block of wm x wn warps, each owning mt m16 tiles and ntw n8 tiles; K in stages of
+    32 * cps, `stages` of them in flight."""
+
+    wm: int
+    wn: int
+    mt: int
+    ntw: int
+    cps: int = 2
+    stages: int = 4
+
+    @property
+    def block_m(self) -> int:
+        return 16 * self.mt * self.wm
+
+    @property
+    def block_n(self) -> int:
+        return 8 * self.ntw * self.wn
+
+    @property
+    def block_k(self) -> int:
+        return 32 * self.cps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wm * self.wn
+
+    def shared_bytes(self) -> int:
+        return self.stages * (self.block_m * self.block_k * 2 + self.block_n * self.block_k // 2)
+
+    def describe(self) -> str:
+        return (f"w{self.wm}x{self.wn}-m{self.mt}n{self.ntw}-k{self.block_k}"
+                f"s{self.stages}")
+
+    def valid(self) -> bool:
+        return (min(self.wm, self.wn, self.mt, self.ntw) >= 1 and self.cps in (1, 2, 4)
+                and self.stages >= 2 and self.threads <= 1024
+                and self.shared_bytes() <= MAX_SHARED)
+
+
+# Tiles by row count (the first whose block_m covers m, else the last).
+DEFAULT_CONFIGS = (
+    GemmW4Config(wm=1, wn=4, mt=1, ntw=2),   # 16 x 64: batched decode
+    GemmW4Config(wm=1, wn=4, mt=2, ntw=2),   # 32 x 64
+    GemmW4Config(wm=2, wn=2, mt=2, ntw=4),   # 64 x 64
+    GemmW4Config(wm=2, wn=2, mt=4, ntw=4),   # 128 x 64: prefill
+)
+
+
+def config_for(m: int) -> GemmW4Config:
+    for cfg in DEFAULT_CONFIGS:
+        if m <= cfg.block_m:
+            return cfg
+    return DEFAULT_CONFIGS[-1]
+
+
+@functools.lru_cache(maxsize=1)
+def _source() -> tuple[str, dict[str, str]]:
+    return cuda_rtc.source_files("gemm_w4.cu", "common.cuh")
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+             zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,
+             config: GemmW4Config | None = None) -> bool:
+    """Whether `w4a16_gemm_cuda` takes this call (else dequantize + cuBLAS or Triton)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    group = k if group_size == -1 else group_size
+    cfg = config or config_for(max(1, x.numel() // max(k, 1)))
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 1
+            and k > 0 and k % cfg.block_k == 0 and group % 32 == 0 and k % group == 0
+            and n % 8 == 0 and weight.dtype == torch.int32 and weight.dim() == 2
+            and weight.shape[1] == k // 8 and weight.stride(1) == 1
+            and weight.stride(0) % 4 == 0 and weight.data_ptr() % 16 == 0
+            and scales.dtype in _SCALE_KIND and (bias is None or bias.dtype == x.dtype)
+            and cuda_rtc.available(x.device))
+
+
+def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None, group_size: int,
+                    bias: torch.Tensor | None = None,
+                    config: GemmW4Config | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(weight)^T (+ bias), in x's dtype."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    cfg = config or config_for(m)
+    if not cfg.valid():
+        raise ValueError(f"gemm_w4 tile {cfg} is not valid")
+    if not supports(x, weight, scales, zeros, group_size, bias, cfg):
+        raise ValueError(f"w4a16_gemm_cuda cannot take x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}, group {group_size} with tile "
+                         f"{cfg.describe()}")
+    group = k if group_size == -1 else group_size
+    scales, zeros = check_side_tensors(n, k, group, scales, zeros, bias)
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous().clone() if x2.data_ptr() % 16 else x2.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.reshape(*x.shape[:-1], n)
+    kern = cuda_rtc.get_kernel(_source()[0], "gemm_w4", x.device, {
+        "WM": cfg.wm, "WN": cfg.wn, "MT": cfg.mt, "NTW": cfg.ntw, "CPS": cfg.cps,
+        "STAGES": cfg.stages, "X_BF16": int(x.dtype == torch.bfloat16),
+        "SCALE_KIND": _SCALE_KIND[scales.dtype], "HAS_ZEROS": int(zeros is not None),
+        "HAS_BIAS": int(bias is not None),
+        "GROUP_CHUNKS": 0 if group == k else group // 32}, _source()[1])
+    m_tiles = -(-m // cfg.block_m)
+    grid = m_tiles * -(-n // cfg.block_n)
+    ptr = ctypes.c_void_p
+    args = [ptr(x2.data_ptr()), ptr(weight.data_ptr()), ptr(scales.data_ptr()),
+            ptr(zeros.data_ptr() if zeros is not None else 0),
+            ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()),
+            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
+            ctypes.c_longlong(x2.stride(0)), ctypes.c_longlong(weight.stride(0)),
+            ctypes.c_longlong(scales.stride(0)),
+            ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0),
+            ctypes.c_longlong(y.stride(0)), ctypes.c_int(m_tiles)]
+    kern.launch(grid, cfg.threads, args, pdl=pdl.enabled(), shared_mem=cfg.shared_bytes())
+    return y.reshape(*x.shape[:-1], n)
