@@ -38,10 +38,13 @@ def candidates(m: int):
         if c.block_m <= max(16, 2 * m):
             out.add(c)
     for c in list(out):
-        for cps, stages in ((2, 3), (4, 3), (1, 6)):
+        for cps, stages in ((4, 3), (4, 4), (2, 6), (4, 6), (4, 8)):
             v = GemmW4Config(c.wm, c.wn, c.mt, c.ntw, cps, stages)
             if v.valid():
                 out.add(v)
+    if m <= 16:
+        out.add(GemmW4Config(1, 4, 1, 1, 4, 6))  # 16 x 32: twice the blocks
+        out.add(GemmW4Config(1, 4, 1, 1, 4, 8))
     if m >= 64:
         out.add(GemmW4Config(2, 2, 4, 2))  # 128 x 32: more blocks for small N
         out.add(GemmW4Config(4, 1, 2, 4))  # 128 x 32, warps along M

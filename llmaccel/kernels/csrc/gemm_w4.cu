@@ -120,9 +120,9 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 
 __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if X_BF16
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
 #else
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
 #endif
                "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -236,6 +236,7 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
             ws + (n * CPS + (kc ^ w_swizzle(n))) * 16 + 4 * t);
         dequant_word(w, negoff[j], b[j]);
       }
+      u32 a[MT][8];  // per m16 tile: (l04, h04, l15, h15) for mma 1, (l26, h26, l37, h37) for 2
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
         const int r = wm * (16 * MT) + 16 * i + g;
@@ -243,16 +244,25 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
         const uint4 lo = *reinterpret_cast<const uint4*>(xs + (r * CPS * 4 + c) * 16);
         const uint4 hi = *reinterpret_cast<const uint4*>(xs + ((r + 8) * CPS * 4 + c) * 16);
         // pairs (p, p + 4) of x[row][8t + p]: lo.x = (0, 1), lo.y = (2, 3), lo.z = (4, 5) ...
-        const u32 l04 = prmt(lo.x, lo.z, 0x5410), l15 = prmt(lo.x, lo.z, 0x7632);
-        const u32 l26 = prmt(lo.y, lo.w, 0x5410), l37 = prmt(lo.y, lo.w, 0x7632);
-        const u32 h04 = prmt(hi.x, hi.z, 0x5410), h15 = prmt(hi.x, hi.z, 0x7632);
-        const u32 h26 = prmt(hi.y, hi.w, 0x5410), h37 = prmt(hi.y, hi.w, 0x7632);
-#pragma unroll
-        for (int j = 0; j < NTW; ++j) {
-          mma(part[i][j], l04, h04, l15, h15, b[j][0], b[j][1]);
-          mma(part[i][j], l26, h26, l37, h37, b[j][2], b[j][3]);
-        }
+        a[i][0] = prmt(lo.x, lo.z, 0x5410);
+        a[i][1] = prmt(hi.x, hi.z, 0x5410);
+        a[i][2] = prmt(lo.x, lo.z, 0x7632);
+        a[i][3] = prmt(hi.x, hi.z, 0x7632);
+        a[i][4] = prmt(lo.y, lo.w, 0x5410);
+        a[i][5] = prmt(hi.y, hi.w, 0x5410);
+        a[i][6] = prmt(lo.y, lo.w, 0x7632);
+        a[i][7] = prmt(hi.y, hi.w, 0x7632);
       }
+      // Independent accumulators back to back: the two mmas of one accumulator are a
+      // dependency chain, so every tile's first mma is issued before any second one.
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int j = 0; j < NTW; ++j)
+            mma(part[i][j], a[i][4 * h], a[i][4 * h + 1], a[i][4 * h + 2], a[i][4 * h + 3],
+                b[j][2 * h], b[j][2 * h + 1]);
 #if GROUP_CHUNKS > 0
       const int chunk = s * CPS + kc;
       if ((chunk + 1) % GROUP_CHUNKS == 0) {  // the group ends: scale its sums into acc
