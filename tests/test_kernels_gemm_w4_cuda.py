@@ -40,7 +40,11 @@ def test_tiles_by_rows():
     assert config_for(128).block_m == 128 and config_for(4096).block_m == 128
     for cfg in DEFAULT_CONFIGS:
         assert cfg.valid() and cfg.threads == 128 and cfg.block_n == 64
-    assert GemmW4Config(2, 2, 4, 4).shared_bytes() == 4 * (128 * 64 * 2 + 64 * 32)
+    # x, codes, and per stage one scale word a row (group 128, 64-k stages), then zeros too
+    assert GemmW4Config(2, 2, 4, 4).shared_bytes(4) == 4 * (128 * 64 * 2 + 64 * 32 + 64 * 4)
+    assert GemmW4Config(2, 2, 4, 4, cps=4).shared_bytes(1, True) == 4 * (
+        128 * 128 * 2 + 64 * 64 + 2 * 64 * 4 * 4)
+    assert GemmW4Config(2, 2, 4, 4).shared_bytes(0, True) == 4 * (128 * 64 * 2 + 64 * 32)
     assert not GemmW4Config(2, 2, 4, 4, cps=3).valid()
     assert not GemmW4Config(8, 8, 16, 4, stages=8).valid()  # shared memory
 
@@ -59,8 +63,13 @@ def test_not_chosen_off_cuda_or_for_shapes_it_cannot_take(monkeypatch):
     w_odd, s_odd, _ = _weights(60, 256, 128, False, "cpu")  # N not a multiple of 8
     assert not supports(fake, w_odd, s_odd, None, 128)
     short = SimpleNamespace(**{**fake.__dict__, "shape": (8, 96), "numel": lambda: 768})
-    w96, s96, _ = _weights(64, 96, 32, False, "cpu")  # K not a multiple of the 64-k stage
+    w96, s96, _ = _weights(64, 96, 32, False, "cpu")  # K not a multiple of the 128-k stage
     assert not supports(short, w96, s96, None, 32)
+    w7, s7, z7 = _weights(64, 896, 128, True, "cpu")  # 7 groups: zero rows not word-aligned
+    seven = SimpleNamespace(**{**fake.__dict__, "shape": (8, 896), "numel": lambda: 7168})
+    assert supports(seven, w7, s7.float(), None, 128, config=GemmW4Config(1, 4, 1, 2, 1))
+    assert not supports(seven, w7, s7, None, 128, config=GemmW4Config(1, 4, 1, 2, 1))
+    assert not supports(seven, w7, s7.float(), z7, 128, config=GemmW4Config(1, 4, 1, 2, 1))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -55,8 +55,16 @@ class GemmW4Config:
     def threads(self) -> int:
         return 32 * self.wm * self.wn
 
-    def shared_bytes(self) -> int:
-        return self.stages * (self.block_m * self.block_k * 2 + self.block_n * self.block_k // 2)
+    def groups_per_stage(self, group_chunks: int) -> int:
+        """Scale (and zero) words per row a stage carries (0: per channel, none)."""
+        if group_chunks == 0:
+            return 0
+        return 1 if group_chunks >= self.cps else self.cps // group_chunks
+
+    def shared_bytes(self, group_chunks: int = 4, zeros: bool = False) -> int:
+        side = self.block_n * self.groups_per_stage(group_chunks) * 4 * (2 if zeros else 1)
+        return self.stages * (self.block_m * self.block_k * 2 + self.block_n * self.block_k // 2
+                              + side)
 
     def describe(self) -> str:
         return (f"w{self.wm}x{self.wn}-m{self.mt}n{self.ntw}-k{self.block_k}"
@@ -65,15 +73,15 @@ class GemmW4Config:
     def valid(self) -> bool:
         return (min(self.wm, self.wn, self.mt, self.ntw) >= 1 and self.cps in (1, 2, 4)
                 and self.stages >= 2 and self.threads <= 1024
-                and self.shared_bytes() <= MAX_SHARED)
+                and self.shared_bytes(1, True) <= MAX_SHARED)  # the most side bytes
 
 
 # Tiles by row count (the first whose block_m covers m, else the last).
 DEFAULT_CONFIGS = (
-    GemmW4Config(wm=1, wn=4, mt=1, ntw=2),   # 16 x 64: batched decode
-    GemmW4Config(wm=1, wn=4, mt=2, ntw=2),   # 32 x 64
-    GemmW4Config(wm=2, wn=2, mt=2, ntw=4),   # 64 x 64
-    GemmW4Config(wm=2, wn=2, mt=4, ntw=4),   # 128 x 64: prefill
+    GemmW4Config(wm=1, wn=4, mt=1, ntw=2, cps=4, stages=4),  # 16 x 64: batched decode
+    GemmW4Config(wm=1, wn=4, mt=2, ntw=2, cps=4, stages=4),  # 32 x 64
+    GemmW4Config(wm=2, wn=2, mt=2, ntw=4, cps=4, stages=3),  # 64 x 64
+    GemmW4Config(wm=2, wn=2, mt=4, ntw=4, cps=4, stages=3),  # 128 x 64: prefill
 )
 
 
@@ -97,8 +105,16 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     n = weight.shape[0]
     group = k if group_size == -1 else group_size
     cfg = config or config_for(max(1, x.numel() // max(k, 1)))
+    gc = group // 32
+    # A stage holds whole groups or lies in one; a stage's scales (zeros) are copied as the
+    # 4-byte words that hold them, so a row's groups must start word-aligned.
+    side_ok = group == k or (
+        (gc % cfg.cps == 0 or cfg.cps % gc == 0)
+        and scales.stride(0) * scales.element_size() % 4 == 0
+        and (zeros is None or zeros.stride(0) % 4 == 0))
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 1
             and k > 0 and k % cfg.block_k == 0 and group % 32 == 0 and k % group == 0
+            and side_ok
             and n % 8 == 0 and weight.dtype == torch.int32 and weight.dim() == 2
             and weight.shape[1] == k // 8 and weight.stride(1) == 1
             and weight.stride(0) % 4 == 0 and weight.data_ptr() % 16 == 0
@@ -146,5 +162,7 @@ def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             ctypes.c_longlong(scales.stride(0)),
             ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0),
             ctypes.c_longlong(y.stride(0)), ctypes.c_int(m_tiles)]
-    kern.launch(grid, cfg.threads, args, pdl=pdl.enabled(), shared_mem=cfg.shared_bytes())
+    gc = 0 if group == k else group // 32
+    kern.launch(grid, cfg.threads, args, pdl=pdl.enabled(),
+                shared_mem=cfg.shared_bytes(gc, zeros is not None))
     return y.reshape(*x.shape[:-1], n)

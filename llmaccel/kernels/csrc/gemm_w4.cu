@@ -42,6 +42,21 @@
 #define BK (32 * CPS)
 #define A_STAGE_BYTES (BM * BK * 2)
 #define B_STAGE_BYTES (BN * BK / 2)
+// Scales and zeros ride the stages too (a register load a group ahead stalled every stage for
+// an L2 round trip): per stage, the 4-byte word holding each of the tile's rows' value of each
+// group the stage touches (SPS of them; 0 per channel: loaded once at the start).
+#if GROUP_CHUNKS > 0
+#define SPS (GROUP_CHUNKS >= CPS ? 1 : CPS / GROUP_CHUNKS)
+#else
+#define SPS 0
+#endif
+#define S_STAGE_BYTES (BN * SPS * 4)
+#define Z_STAGE_BYTES (HAS_ZEROS ? BN * SPS * 4 : 0)
+#if SCALE_KIND == 2
+#define S_ESZ 4
+#else
+#define S_ESZ 2
+#endif
 
 #if X_BF16
 #define MAGIC2 0x43004300u  // bf16 128.0 in both halves
@@ -62,6 +77,9 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -80,6 +98,23 @@ __device__ __forceinline__ float load_scale(const void* S, long long i) {
   return __ldg(reinterpret_cast<const float*>(S) + i);
 #else
   u16 v = __ldg(reinterpret_cast<const u16*>(S) + i);
+#if SCALE_KIND == 0
+  return __uint_as_float(((u32)v) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#endif
+#endif
+}
+
+// element e of a 4-byte word of scales (SCALE_KIND) as fp32
+__device__ __forceinline__ float scale_in_word(u32 w, int e) {
+#if SCALE_KIND == 2
+  (void)e;
+  return __uint_as_float(w);
+#else
+  const u16 v = (u16)(w >> (16 * (e & 1)));
 #if SCALE_KIND == 0
   return __uint_as_float(((u32)v) << 16);
 #else
@@ -137,6 +172,10 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
   extern __shared__ __align__(16) unsigned char smem[];
   const u32 xs0 = smem_addr(smem);
   const u32 ws0 = xs0 + STAGES * A_STAGE_BYTES;
+  const u32 ss0 = ws0 + STAGES * B_STAGE_BYTES;
+  const u32 zs0 = ss0 + STAGES * S_STAGE_BYTES;
+  (void)ss0;
+  (void)zs0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wm = warp / WN, wn = warp % WN;
@@ -152,6 +191,23 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
       const u32* src = W + (long long)(ok ? n0 + n : 0) * stride_w + s * (BK / 8) + kc * 4;
       cp_async16(base + (n * CPS + (kc ^ w_swizzle(n))) * 16, src, ok);
     }
+#if SPS > 0
+    // the word holding (row, group) of each row and group of the stage (rows past N re-read
+    // the last one: their results are not stored)
+    const u32 sbase = ss0 + (s % STAGES) * S_STAGE_BYTES;
+    for (int i = tid; i < BN * SPS; i += THREADS) {
+      const int n = i / SPS, q = i % SPS;
+      const long long row = min(n0 + n, N - 1);
+      const int grp = (s * CPS) / GROUP_CHUNKS + q;
+      const long long e = row * stride_s + grp;
+      cp_async4(sbase + i * 4, reinterpret_cast<const char*>(S) + ((e * S_ESZ) & ~3LL));
+#if HAS_ZEROS
+      const long long ez = row * stride_z + grp;
+      cp_async4(zs0 + (s % STAGES) * Z_STAGE_BYTES + i * 4,
+                reinterpret_cast<const char*>(Z) + (ez & ~3LL));
+#endif
+    }
+#endif
   };
   auto load_x = [&](int s) {  // x of stage s into its slot
     const u32 base = xs0 + (s % STAGES) * A_STAGE_BYTES;
@@ -188,31 +244,25 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = part[i][j][e] = 0.f;
 
-  // Scales of the thread's C columns and zero offsets of its B rows, for the current group;
-  // the next group's are loaded a group ahead.
+#if SPS == 0
+  // per channel: one scale per column and one zero per row, for the whole K
   float sc[NTW][2];
   u32 negoff[NTW];
-  auto load_group = [&](int grp, float (*s_out)[2], u32* z_out) {
 #pragma unroll
-    for (int j = 0; j < NTW; ++j) {
-      const int c = min(ncol0 + 8 * j, N - 2);
-      s_out[j][0] = load_scale(S, (long long)c * stride_s + grp);
-      s_out[j][1] = load_scale(S, (long long)(c + 1) * stride_s + grp);
-      const int r = min(nrow0 + 8 * j, N - 1);
+  for (int j = 0; j < NTW; ++j) {
+    const int c = min(ncol0 + 8 * j, N - 2);
+    sc[j][0] = load_scale(S, (long long)c * stride_s);
+    sc[j][1] = load_scale(S, (long long)(c + 1) * stride_s);
 #if HAS_ZEROS
-      z_out[j] = neg_offset2((float)__ldg(Z + (long long)r * stride_z + grp));
+    negoff[j] = neg_offset2((float)__ldg(Z + (long long)min(nrow0 + 8 * j, N - 1) * stride_z));
 #else
-      (void)r;
-      z_out[j] = neg_offset2(8.f);
+    negoff[j] = neg_offset2(8.f);
 #endif
-    }
-  };
-  load_group(0, sc, negoff);
-#if GROUP_CHUNKS > 0
-  float sc_next[NTW][2];
-  u32 negoff_next[NTW];
-  const int groups = K / (32 * GROUP_CHUNKS);
-  if (groups > 1) load_group(1, sc_next, negoff_next);
+  }
+#elif !HAS_ZEROS
+  u32 negoff[NTW];
+#pragma unroll
+  for (int j = 0; j < NTW; ++j) negoff[j] = neg_offset2(8.f);
 #endif
 
   for (int s = 0; s < stages; ++s) {
@@ -225,9 +275,30 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
     cp_async_commit();
     const unsigned char* xs = smem + (s % STAGES) * A_STAGE_BYTES;
     const unsigned char* ws = smem + STAGES * A_STAGE_BYTES + (s % STAGES) * B_STAGE_BYTES;
+#if SPS > 0
+    const u32* sw = reinterpret_cast<const u32*>(smem + STAGES * (A_STAGE_BYTES + B_STAGE_BYTES)
+                                                 + (s % STAGES) * S_STAGE_BYTES);
+#if HAS_ZEROS
+    const u32* zw = reinterpret_cast<const u32*>(smem + STAGES * (A_STAGE_BYTES + B_STAGE_BYTES
+                                                                  + S_STAGE_BYTES)
+                                                 + (s % STAGES) * Z_STAGE_BYTES);
+#endif
+#endif
 #pragma unroll
     for (int kc = 0; kc < CPS; ++kc) {
       // B: word t of chunk kc of the warp's rows, to four (code - zero) pairs per n8 tile
+#if SPS > 0
+      const int grp = (s * CPS + kc) / GROUP_CHUNKS;  // the chunk's group
+      const int q = GROUP_CHUNKS >= CPS ? 0 : kc / GROUP_CHUNKS;  // its index in the stage
+#if HAS_ZEROS
+      u32 negoff[NTW];
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        const u32 zword = zw[(wn * (8 * NTW) + 8 * j + g) * SPS + q];
+        negoff[j] = neg_offset2((float)((zword >> (8 * (grp & 3))) & 0xFFu));
+      }
+#endif
+#endif
       u32 b[NTW][4];
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
@@ -263,32 +334,27 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
           for (int j = 0; j < NTW; ++j)
             mma(part[i][j], a[i][4 * h], a[i][4 * h + 1], a[i][4 * h + 2], a[i][4 * h + 3],
                 b[j][2 * h], b[j][2 * h + 1]);
-#if GROUP_CHUNKS > 0
-      const int chunk = s * CPS + kc;
-      if ((chunk + 1) % GROUP_CHUNKS == 0) {  // the group ends: scale its sums into acc
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-          for (int j = 0; j < NTW; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              acc[i][j][e] = fmaf(part[i][j][e], sc[j][e & 1], acc[i][j][e]);
-              part[i][j][e] = 0.f;
-            }
-        const int grp = (chunk + 1) / GROUP_CHUNKS;
+#if SPS > 0
+      if ((s * CPS + kc + 1) % GROUP_CHUNKS == 0) {  // the group ends: scale its sums into acc
 #pragma unroll
         for (int j = 0; j < NTW; ++j) {
-          sc[j][0] = sc_next[j][0];
-          sc[j][1] = sc_next[j][1];
-          negoff[j] = negoff_next[j];
+          const int c = wn * (8 * NTW) + 8 * j + 2 * t;
+          const float s0 = scale_in_word(sw[c * SPS + q], grp * S_ESZ / 2);
+          const float s1 = scale_in_word(sw[(c + 1) * SPS + q], grp * S_ESZ / 2);
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              acc[i][j][e] = fmaf(part[i][j][e], (e & 1) ? s1 : s0, acc[i][j][e]);
+              part[i][j][e] = 0.f;
+            }
         }
-        if (grp + 1 < groups) load_group(grp + 1, sc_next, negoff_next);
       }
 #endif
     }
   }
   cp_async_wait<0>();
-#if GROUP_CHUNKS == 0
+#if SPS == 0
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
