@@ -263,3 +263,20 @@ def test_gpu_pdl_chain_in_a_graph():
         assert (out.float() - ref.float()).norm() / ref.float().norm() < 3e-2
     finally:
         pdl.configure(torch.device("cuda"), used)
+
+
+def test_engine_takes_it_for_2_to_31_rows(monkeypatch):
+    """`PackedLinearMethod` routes 2-31-row int4 products here (where it measured faster than
+    the Triton kernel on every 3B shape), not one row (the GEMV) nor 32+ (dequantize +
+    cuBLAS measured faster there)."""
+    from llmaccel.kernels import gemm_w4_cuda
+    from llmaccel.quant import linear_methods
+
+    monkeypatch.setattr(gemm_w4_cuda, "supports", lambda *a, **k: True)
+    layer = SimpleNamespace(kernel_weight=SimpleNamespace(is_cuda=True), kernel_scales=None,
+                            kernel_zeros=None, kernel_group_size=128)
+    rows = [m for m in (1, 2, 16, 31, 32, 128) if
+            linear_methods._use_w4_gemm(layer, torch.empty(m, 8), None)]
+    assert rows == [2, 16, 31]
+    monkeypatch.setattr(linear_methods, "W4_GEMM", False)
+    assert not linear_methods._use_w4_gemm(layer, torch.empty(2, 8), None)

@@ -118,10 +118,13 @@ DEQUANT_GEMM_MIN_M = ({4: 32, 8: 256} if _DEQUANT_ENV is None
 
 # Batches of 2 to W4_GEMM_MAX_M rows take the tensor-core W4A16 GEMM in CUDA C
 # (`kernels/gemm_w4_cuda.py`), which reads the codes directly, where it can run; above it (and
-# where it cannot) the dequantize + cuBLAS pair or the Triton kernel, as before.
+# where it cannot) the dequantize + cuBLAS pair or the Triton kernel, as before. The bound is
+# where it measured faster on every llama-3.2-3b shape (H100, 2026-11-27-w4-gemm-h100.md): at
+# 2 and 16 rows 1.14-2.0x the Triton kernel that ran there; at 128 rows it lost to dequantize +
+# cuBLAS on three of four shapes (W1's prefill went from 6.8 to 12.2 ms with it).
 # LLMACCEL_W4_GEMM=0 turns it off; LLMACCEL_W4_GEMM_MAX_M moves the bound.
 W4_GEMM = os.environ.get("LLMACCEL_W4_GEMM", "1") == "1"
-W4_GEMM_MAX_M = int(os.environ.get("LLMACCEL_W4_GEMM_MAX_M", "512"))
+W4_GEMM_MAX_M = int(os.environ.get("LLMACCEL_W4_GEMM_MAX_M", "31"))
 
 
 def _use_w4_gemm(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -221,9 +224,12 @@ class PackedLinearMethod(LinearMethodBase):
             if w4_gemm:
                 kernel += (f"; 2-{W4_GEMM_MAX_M} rows: CUDA C tensor-core W4A16 GEMM "
                            "(kernels/csrc/gemm_w4.cu, tile by rows)")
-            if DEQUANT_GEMM_MIN_M.get(self.bits, 0):
-                kernel += (f"; from {W4_GEMM_MAX_M + 1 if w4_gemm else DEQUANT_GEMM_MIN_M[self.bits]}"
-                           " rows: dequantize (kernels/gemm.py dequantize_packed) + cuBLAS")
+            min_m = DEQUANT_GEMM_MIN_M.get(self.bits, 0)
+            if min_m:
+                if w4_gemm:
+                    min_m = max(min_m, W4_GEMM_MAX_M + 1)
+                kernel += (f"; from {min_m} rows: dequantize (kernels/gemm.py "
+                           "dequantize_packed) + cuBLAS")
             if self.fused_decode_config(layer, 1, "norm") is not None:
                 kernel += ("; fused decode layers at batch 1: the GEMV with the norm, "
                            "SiLU-and-mul and residual add folded in")
