@@ -3,7 +3,8 @@
 #   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG kernel  GPU tests, then exp_w4_gemm.py (every
 #        tile against dequantize + cuBLAS, the Triton kernel and cuBLAS bf16, 3B shapes)
 #   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w1  W1 on the 3B shape: bf16, GPTQ int4 and
-#        GPTQ int4 + int4 head with the GEMM, then the int4 rows without it (LLMACCEL_W4_GEMM=0)
+#        GPTQ int4 + int4 head with the GEMM for up to 512 rows (the 128-row prefill too), then
+#        the int4 rows without it (LLMACCEL_W4_GEMM=0)
 set -uo pipefail
 out=$1; tag=$2; part=$3
 mkdir -p "$out"
@@ -23,8 +24,8 @@ w1() {  # NAME QUANTS, env from the caller
     python3 benchmarks/exp_w4_gemm.py --out "$out" ${ROWS:+--rows $ROWS} 2>&1 | tail -40
     mv "$out/exp_w4_gemm.jsonl" "$out/$tag-kernel.jsonl"
   elif [ "$part" = w1 ]; then
-    echo "== W1 with the W4 GEMM"
-    w1 gemm bf16,gptq-int4-g128,gptq-int4-g128-lm-head
+    echo "== W1 with the W4 GEMM up to 512 rows (the prefill too)"
+    LLMACCEL_W4_GEMM_MAX_M=512 w1 gemm bf16,gptq-int4-g128,gptq-int4-g128-lm-head
     echo "== W1 without it"
     LLMACCEL_W4_GEMM=0 w1 no-gemm gptq-int4-g128,gptq-int4-g128-lm-head
     for f in "$out"/W1-"$tag"-*.jsonl; do python3 - "$f" <<'PY'

@@ -40,6 +40,7 @@
 #define BM (16 * MT * WM)
 #define BN (8 * NTW * WN)
 #define BK (32 * CPS)
+#define PSPLIT (MT * NTW == 1 ? 4 : (MT * NTW <= 4 ? 2 : 1))
 #define A_STAGE_BYTES (BM * BK * 2)
 #define B_STAGE_BYTES (BN * BK / 2)
 // Scales and zeros ride the stages too (a register load a group ahead stalled every stage for
@@ -183,40 +184,84 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
   const int m0 = (blockIdx.x % m_tiles) * BM, n0 = (blockIdx.x / m_tiles) * BN;
   const int stages = K / BK;
 
-  auto load_w = [&](int s) {  // codes of stage s into its slot
-    const u32 base = ws0 + (s % STAGES) * B_STAGE_BYTES;
-    for (int i = tid; i < BN * CPS; i += THREADS) {
-      const int n = i / CPS, kc = i % CPS;
-      const bool ok = n0 + n < N;
-      const u32* src = W + (long long)(ok ? n0 + n : 0) * stride_w + s * (BK / 8) + kc * 4;
-      cp_async16(base + (n * CPS + (kc ^ w_swizzle(n))) * 16, src, ok);
-    }
+  // Copy assignments, fixed per thread: a thread always copies the same 16-byte column of
+  // the x and code tiles, on rows a pass apart, so its global pointers and shared offsets
+  // (swizzle included: a pass moves by an even number of rows, and the code swizzle repeats
+  // every THREADS / CPS rows) are computed once and a stage only adds its k offset. (Loader
+  // loops with per-copy index math cost ~500 instructions a stage, more than the stage's
+  // mmas at small tiles.)
+  constexpr int XC = CPS * 4;                  // 16-byte chunks in a stage's x row
+  constexpr int X_RPP = THREADS / XC;          // x rows per pass
+  constexpr int X_PASSES = (BM + X_RPP - 1) / X_RPP;
+  constexpr int W_RPP = THREADS / CPS;         // code rows per pass
+  constexpr int W_PASSES = (BN + W_RPP - 1) / W_RPP;
+  const int xr0 = tid / XC, xc = tid % XC;
+  const int wr0 = tid / CPS, wkc = tid % CPS;
+  const u32 x_off = xs0 + (xr0 * XC + (xc ^ x_swizzle(xr0))) * 16;
+  const u32 w_off = ws0 + (wr0 * CPS + (wkc ^ w_swizzle(wr0))) * 16;
+  const u16* x_src = X + (long long)min(m0 + xr0, M - 1) * stride_x + xc * 8;
+  const u32* w_src = W + (long long)min(n0 + wr0, N - 1) * stride_w + wkc * 4;
+  int x_rows = 0;  // passes whose x row exists
+#pragma unroll
+  for (int p = 0; p < X_PASSES; ++p)
+    x_rows += (xr0 + p * X_RPP < BM && m0 + xr0 + p * X_RPP < M) ? 1 : 0;
+  int w_rows = 0;
+#pragma unroll
+  for (int p = 0; p < W_PASSES; ++p)
+    w_rows += (wr0 + p * W_RPP < BN && n0 + wr0 + p * W_RPP < N) ? 1 : 0;
 #if SPS > 0
-    // the word holding (row, group) of each row and group of the stage (rows past N re-read
-    // the last one: their results are not stored)
-    const u32 sbase = ss0 + (s % STAGES) * S_STAGE_BYTES;
-    for (int i = tid; i < BN * SPS; i += THREADS) {
-      const int n = i / SPS, q = i % SPS;
-      const long long row = min(n0 + n, N - 1);
-      const int grp = (s * CPS) / GROUP_CHUNKS + q;
-      const long long e = row * stride_s + grp;
-      cp_async4(sbase + i * 4, reinterpret_cast<const char*>(S) + ((e * S_ESZ) & ~3LL));
+  constexpr int S_PASSES = (BN * SPS + THREADS - 1) / THREADS;
+  long long s_elem[S_PASSES];  // element (row, q) of the scale (zero) rows, group 0
+  bool s_ok[S_PASSES];
+  u32 s_off[S_PASSES];
+#pragma unroll
+  for (int p = 0; p < S_PASSES; ++p) {
+    const int i = tid + p * THREADS;
+    s_ok[p] = i < BN * SPS;
+    const long long row = min(n0 + i / SPS, N - 1);
+    s_elem[p] = row * stride_s + i % SPS;
+    s_off[p] = i * 4;
+  }
 #if HAS_ZEROS
-      const long long ez = row * stride_z + grp;
-      cp_async4(zs0 + (s % STAGES) * Z_STAGE_BYTES + i * 4,
-                reinterpret_cast<const char*>(Z) + (ez & ~3LL));
+  long long z_elem[S_PASSES];
+#pragma unroll
+  for (int p = 0; p < S_PASSES; ++p) {
+    const int i = tid + p * THREADS;
+    z_elem[p] = (long long)min(n0 + i / SPS, N - 1) * stride_z + i % SPS;
+  }
+#endif
+#endif
+
+  auto load_w = [&](int s) {  // codes (and scale / zero words) of stage s into its slot
+    const int slot = s % STAGES;
+#pragma unroll
+    for (int p = 0; p < W_PASSES; ++p)
+      if (p < w_rows)  // rows past N: never read (their results are not stored)
+        cp_async16(w_off + slot * B_STAGE_BYTES + p * (W_RPP * CPS * 16),
+                   w_src + (long long)p * W_RPP * stride_w + s * (BK / 8), true);
+#if SPS > 0
+    // the word holding (row, group) of each row and group of the stage
+    const int grp0 = (s * CPS) / GROUP_CHUNKS;
+#pragma unroll
+    for (int p = 0; p < S_PASSES; ++p) {
+      if (!s_ok[p]) continue;
+      cp_async4(ss0 + slot * S_STAGE_BYTES + s_off[p],
+                reinterpret_cast<const char*>(S) + (((s_elem[p] + grp0) * S_ESZ) & ~3LL));
+#if HAS_ZEROS
+      cp_async4(zs0 + slot * Z_STAGE_BYTES + s_off[p],
+                reinterpret_cast<const char*>(Z) + ((z_elem[p] + grp0) & ~3LL));
 #endif
     }
 #endif
   };
-  auto load_x = [&](int s) {  // x of stage s into its slot
-    const u32 base = xs0 + (s % STAGES) * A_STAGE_BYTES;
-    for (int i = tid; i < BM * CPS * 4; i += THREADS) {
-      const int r = i / (CPS * 4), c = i % (CPS * 4);
-      const bool ok = m0 + r < M;
-      const u16* src = X + (long long)(ok ? m0 + r : 0) * stride_x + s * BK + c * 8;
-      cp_async16(base + (r * CPS * 4 + (c ^ x_swizzle(r))) * 16, src, ok);
-    }
+  auto load_x = [&](int s) {  // x of stage s into its slot; rows past M are zero-filled
+    const int slot = s % STAGES;
+#pragma unroll
+    for (int p = 0; p < X_PASSES; ++p)
+      if (xr0 + p * X_RPP < BM)
+        cp_async16(x_off + slot * A_STAGE_BYTES + p * (X_RPP * XC * 16),
+                   p < x_rows ? x_src + (long long)p * X_RPP * stride_x + s * BK : X,
+                   p < x_rows);
   };
 
   // Pipeline fill: the first stages' codes before the PDL wait, then their x, one commit
@@ -235,14 +280,20 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
   // This thread's output columns (C fragments: 2t, 2t + 1 of each n8 tile) and B rows (g).
   const int ncol0 = n0 + wn * (8 * NTW) + 2 * t;
   const int nrow0 = n0 + wn * (8 * NTW) + g;
+  // Group sums in PSPLIT interleaved sets: with few tiles a warp's mmas would otherwise form
+  // one dependent chain per tile (8 a stage of 128 k), each waiting out the mma latency.
   float acc[MT][NTW][4];
-  float part[MT][NTW][4];
+  float part[PSPLIT][MT][NTW][4];
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int j = 0; j < NTW; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = part[i][j][e] = 0.f;
+      for (int e = 0; e < 4; ++e) {
+        acc[i][j][e] = 0.f;
+#pragma unroll
+        for (int q = 0; q < PSPLIT; ++q) part[q][i][j][e] = 0.f;
+      }
 
 #if SPS == 0
   // per channel: one scale per column and one zero per row, for the whole K
@@ -332,7 +383,7 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
         for (int i = 0; i < MT; ++i)
 #pragma unroll
           for (int j = 0; j < NTW; ++j)
-            mma(part[i][j], a[i][4 * h], a[i][4 * h + 1], a[i][4 * h + 2], a[i][4 * h + 3],
+            mma(part[(2 * kc + h) % PSPLIT][i][j], a[i][4 * h], a[i][4 * h + 1], a[i][4 * h + 2], a[i][4 * h + 3],
                 b[j][2 * h], b[j][2 * h + 1]);
 #if SPS > 0
       if ((s * CPS + kc + 1) % GROUP_CHUNKS == 0) {  // the group ends: scale its sums into acc
@@ -345,8 +396,14 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
           for (int i = 0; i < MT; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              acc[i][j][e] = fmaf(part[i][j][e], (e & 1) ? s1 : s0, acc[i][j][e]);
-              part[i][j][e] = 0.f;
+              float sum = part[0][i][j][e];
+              part[0][i][j][e] = 0.f;
+#pragma unroll
+              for (int q = 1; q < PSPLIT; ++q) {
+                sum += part[q][i][j][e];
+                part[q][i][j][e] = 0.f;
+              }
+              acc[i][j][e] = fmaf(sum, (e & 1) ? s1 : s0, acc[i][j][e]);
             }
         }
       }
@@ -360,7 +417,12 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
 #pragma unroll
     for (int j = 0; j < NTW; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = part[i][j][e] * sc[j][e & 1];
+      for (int e = 0; e < 4; ++e) {
+        float sum = part[0][i][j][e];
+#pragma unroll
+        for (int q = 1; q < PSPLIT; ++q) sum += part[q][i][j][e];
+        acc[i][j][e] = sum * sc[j][e & 1];
+      }
 #endif
 
   // Epilogue: rows g and g + 8 of each m16 tile, columns 2t and 2t + 1 of each n8 tile.
