@@ -3,8 +3,10 @@
 #   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG kernel  GPU tests, then exp_w4_gemm.py (every
 #        tile against dequantize + cuBLAS, the Triton kernel and cuBLAS bf16, 3B shapes)
 #   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w1  W1 on the 3B shape: bf16, GPTQ int4 and
-#        GPTQ int4 + int4 head with the GEMM for up to 512 rows (the 128-row prefill too), then
+#        GPTQ int4 + int4 head with the GEMM (its default bound, or LLMACCEL_W4_GEMM_MAX_M), then
 #        the int4 rows without it (LLMACCEL_W4_GEMM=0)
+#   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w2  W2 (offline throughput): bf16 and GPTQ int4
+#        with the GEMM, then GPTQ int4 without it
 set -uo pipefail
 out=$1; tag=$2; part=$3
 mkdir -p "$out"
@@ -24,8 +26,8 @@ w1() {  # NAME QUANTS, env from the caller
     python3 benchmarks/exp_w4_gemm.py --out "$out" ${ROWS:+--rows $ROWS} 2>&1 | tail -40
     mv "$out/exp_w4_gemm.jsonl" "$out/$tag-kernel.jsonl"
   elif [ "$part" = w1 ]; then
-    echo "== W1 with the W4 GEMM up to 512 rows (the prefill too)"
-    LLMACCEL_W4_GEMM_MAX_M=512 w1 gemm bf16,gptq-int4-g128,gptq-int4-g128-lm-head
+    echo "== W1 with the W4 GEMM (default bound, LLMACCEL_W4_GEMM_MAX_M=${LLMACCEL_W4_GEMM_MAX_M:-default})"
+    w1 gemm bf16,gptq-int4-g128,gptq-int4-g128-lm-head
     echo "== W1 without it"
     LLMACCEL_W4_GEMM=0 w1 no-gemm gptq-int4-g128,gptq-int4-g128-lm-head
     for f in "$out"/W1-"$tag"-*.jsonl; do python3 - "$f" <<'PY'
@@ -35,6 +37,20 @@ for line in open(sys.argv[1]):
     print(sys.argv[1].split("/")[-1], r.get("quantization"), r.get("metric"), r.get("value"),
           "ttft_ms", r.get("ttft_ms"))
 PY
+    done
+  elif [ "$part" = w2 ]; then
+    for v in gemm no-gemm; do
+      echo "== W2 ($v)"
+      [ $v = gemm ] && q=bf16,gptq-int4-g128 || q=gptq-int4-g128
+      ( [ $v = no-gemm ] && export LLMACCEL_W4_GEMM=0
+        python3 benchmarks/gpu_speed.py --workloads W2 --shapes llama-3.2-3b \
+          --backends llmaccel --quantization $q --out "$out" --name "W2-$tag-$v" \
+          --variant $v 2>&1 | tail -1 )
+      rm -f "$out/W2-$tag-$v.md"
+      grep -h out_tok_s "$out/W2-$tag-$v.jsonl" | python3 -c "
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l); print(r.get('quantization'), r['metric'], r['value'])"
     done
   fi
 } 2>&1 | tee "$log"

@@ -122,16 +122,28 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             and cuda_rtc.available(x.device))
 
 
-def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                    zeros: torch.Tensor | None, group_size: int,
-                    bias: torch.Tensor | None = None,
-                    config: GemmW4Config | None = None) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ dequant(weight)^T (+ bias), in x's dtype."""
+@dataclass
+class _Prepared:
+    """What a call needs beyond x and y, worked out once per weight, dtype and tile: prefill
+    runs eagerly, one Python launch per layer, and the checks and argument building of a
+    first call cost more CPU time than the kernel takes on the GPU."""
+
+    kernel: cuda_rtc.CudaKernel
+    static: list  # ctypes args: weight, scales, zeros, bias
+    strides: list  # ctypes args: weight, scales and zeros row strides
+    n: int
+    k: int
+    shared: int
+
+
+_prepared: dict[tuple, _Prepared] = {}
+
+
+def _prepare(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+             zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+             cfg: GemmW4Config) -> _Prepared:
     k = x.shape[-1]
     n = weight.shape[0]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    cfg = config or config_for(m)
     if not cfg.valid():
         raise ValueError(f"gemm_w4 tile {cfg} is not valid")
     if not supports(x, weight, scales, zeros, group_size, bias, cfg):
@@ -139,30 +151,54 @@ def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                          f"{tuple(weight.shape)} {weight.dtype}, group {group_size} with tile "
                          f"{cfg.describe()}")
     group = k if group_size == -1 else group_size
-    scales, zeros = check_side_tensors(n, k, group, scales, zeros, bias)
+    checked, zeros_c = check_side_tensors(n, k, group, scales, zeros, bias)
+    if checked.data_ptr() != scales.data_ptr() or (
+            zeros is not None and zeros_c.data_ptr() != zeros.data_ptr()):
+        raise ValueError("scales and zeros must be contiguous")
+    gc = 0 if group == k else group // 32
+    kern = cuda_rtc.get_kernel(_source()[0], "gemm_w4", x.device, {
+        "WM": cfg.wm, "WN": cfg.wn, "MT": cfg.mt, "NTW": cfg.ntw, "CPS": cfg.cps,
+        "STAGES": cfg.stages, "X_BF16": int(x.dtype == torch.bfloat16),
+        "SCALE_KIND": _SCALE_KIND[scales.dtype], "HAS_ZEROS": int(zeros is not None),
+        "HAS_BIAS": int(bias is not None), "GROUP_CHUNKS": gc}, _source()[1])
+    ptr = ctypes.c_void_p
+    return _Prepared(
+        kernel=kern,
+        static=[ptr(weight.data_ptr()), ptr(scales.data_ptr()),
+                ptr(zeros.data_ptr() if zeros is not None else 0),
+                ptr(bias.data_ptr() if bias is not None else 0)],
+        strides=[ctypes.c_longlong(weight.stride(0)), ctypes.c_longlong(scales.stride(0)),
+                 ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0)],
+        n=n, k=k, shared=cfg.shared_bytes(gc, zeros is not None))
+
+
+def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None, group_size: int,
+                    bias: torch.Tensor | None = None,
+                    config: GemmW4Config | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(weight)^T (+ bias), in x's dtype. The first call for
+    a weight (by address, shape and dtype), activation dtype and tile checks everything
+    (ValueError naming what it cannot take); later ones only x."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    cfg = config or config_for(m)
+    key = (weight.data_ptr(), tuple(weight.shape), scales.data_ptr(), tuple(scales.shape),
+           scales.dtype, None if zeros is None else zeros.data_ptr(),
+           None if bias is None else bias.data_ptr(), x.dtype, x.device, group_size, cfg)
+    prep = _prepared.get(key)
+    if prep is None:
+        prep = _prepared[key] = _prepare(x, weight, scales, zeros, group_size, bias, cfg)
+    n = prep.n
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous().clone() if x2.data_ptr() % 16 else x2.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*x.shape[:-1], n)
-    kern = cuda_rtc.get_kernel(_source()[0], "gemm_w4", x.device, {
-        "WM": cfg.wm, "WN": cfg.wn, "MT": cfg.mt, "NTW": cfg.ntw, "CPS": cfg.cps,
-        "STAGES": cfg.stages, "X_BF16": int(x.dtype == torch.bfloat16),
-        "SCALE_KIND": _SCALE_KIND[scales.dtype], "HAS_ZEROS": int(zeros is not None),
-        "HAS_BIAS": int(bias is not None),
-        "GROUP_CHUNKS": 0 if group == k else group // 32}, _source()[1])
     m_tiles = -(-m // cfg.block_m)
-    grid = m_tiles * -(-n // cfg.block_n)
-    ptr = ctypes.c_void_p
-    args = [ptr(x2.data_ptr()), ptr(weight.data_ptr()), ptr(scales.data_ptr()),
-            ptr(zeros.data_ptr() if zeros is not None else 0),
-            ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()),
-            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
-            ctypes.c_longlong(x2.stride(0)), ctypes.c_longlong(weight.stride(0)),
-            ctypes.c_longlong(scales.stride(0)),
-            ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0),
-            ctypes.c_longlong(y.stride(0)), ctypes.c_int(m_tiles)]
-    gc = 0 if group == k else group // 32
-    kern.launch(grid, cfg.threads, args, pdl=pdl.enabled(),
-                shared_mem=cfg.shared_bytes(gc, zeros is not None))
+    args = [ctypes.c_void_p(x2.data_ptr()), *prep.static, ctypes.c_void_p(y.data_ptr()),
+            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x2.stride(0)),
+            *prep.strides, ctypes.c_longlong(y.stride(0)), ctypes.c_int(m_tiles)]
+    prep.kernel.launch(m_tiles * -(-n // cfg.block_n), cfg.threads, args, pdl=pdl.enabled(),
+                       shared_mem=prep.shared)
     return y.reshape(*x.shape[:-1], n)

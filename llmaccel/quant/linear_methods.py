@@ -124,16 +124,24 @@ DEQUANT_GEMM_MIN_M = ({4: 32, 8: 256} if _DEQUANT_ENV is None
 # cuBLAS on three of four shapes (W1's prefill went from 6.8 to 12.2 ms with it).
 # LLMACCEL_W4_GEMM=0 turns it off; LLMACCEL_W4_GEMM_MAX_M moves the bound.
 W4_GEMM = os.environ.get("LLMACCEL_W4_GEMM", "1") == "1"
-W4_GEMM_MAX_M = int(os.environ.get("LLMACCEL_W4_GEMM_MAX_M", "31"))
+W4_GEMM_MAX_M = int(os.environ.get("LLMACCEL_W4_GEMM_MAX_M", "128"))
 
 
 def _use_w4_gemm(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if not (W4_GEMM and 2 <= x2.shape[0] <= W4_GEMM_MAX_M and layer.kernel_weight.is_cuda):
+    """Decided once per layer, activation dtype and bias (the checks cost more CPU time than
+    an eager prefill's kernel takes; the weights never change after loading)."""
+    if not (W4_GEMM and 2 <= x2.shape[0] <= W4_GEMM_MAX_M):
         return False
-    from llmaccel.kernels.gemm_w4_cuda import supports
+    cache = layer.__dict__.setdefault("_w4_gemm_ok", {})
+    key = (x2.dtype, x2.shape[-1], bias is None)
+    ok = cache.get(key)
+    if ok is None:
+        from llmaccel.kernels.gemm_w4_cuda import supports
 
-    return supports(x2, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                    layer.kernel_group_size, bias)
+        ok = cache[key] = bool(layer.kernel_weight.is_cuda and supports(
+            x2, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+            layer.kernel_group_size, bias))
+    return ok
 
 
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
