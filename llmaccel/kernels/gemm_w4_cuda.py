@@ -134,6 +134,7 @@ class _Prepared:
     n: int
     k: int
     shared: int
+    sms: int  # the GPU's multiprocessors
 
 
 _prepared: dict[tuple, _Prepared] = {}
@@ -169,7 +170,8 @@ def _prepare(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                 ptr(bias.data_ptr() if bias is not None else 0)],
         strides=[ctypes.c_longlong(weight.stride(0)), ctypes.c_longlong(scales.stride(0)),
                  ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0)],
-        n=n, k=k, shared=cfg.shared_bytes(gc, zeros is not None))
+        n=n, k=k, shared=cfg.shared_bytes(gc, zeros is not None),
+        sms=torch.cuda.get_device_properties(x.device).multi_processor_count)
 
 
 def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -196,9 +198,10 @@ def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     if m == 0 or n == 0:
         return y.reshape(*x.shape[:-1], n)
     m_tiles = -(-m // cfg.block_m)
+    grid = m_tiles * -(-n // cfg.block_n)
     args = [ctypes.c_void_p(x2.data_ptr()), *prep.static, ctypes.c_void_p(y.data_ptr()),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x2.stride(0)),
-            *prep.strides, ctypes.c_longlong(y.stride(0)), ctypes.c_int(m_tiles)]
-    prep.kernel.launch(m_tiles * -(-n // cfg.block_n), cfg.threads, args, pdl=pdl.enabled(),
-                       shared_mem=prep.shared)
+            *prep.strides, ctypes.c_longlong(y.stride(0)), ctypes.c_int(m_tiles),
+            ctypes.c_int(int(grid <= prep.sms))]  # one wave: release the dependent early
+    prep.kernel.launch(grid, cfg.threads, args, pdl=pdl.enabled(), shared_mem=prep.shared)
     return y.reshape(*x.shape[:-1], n)

@@ -169,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __restrict__ S,
         const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
         int M, int N, int K, long long stride_x, long long stride_w, long long stride_s,
-        long long stride_z, long long stride_y, int m_tiles) {
+        long long stride_z, long long stride_y, int m_tiles, int early_release) {
   extern __shared__ __align__(16) unsigned char smem[];
   const u32 xs0 = smem_addr(smem);
   const u32 ws0 = xs0 + STAGES * A_STAGE_BYTES;
@@ -275,7 +275,12 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
     if (s < stages) load_x(s);
     cp_async_commit();
   }
-  pdl_launch_dependents();
+  // The dependent kernel may start once every block has passed here. Early (after the wait)
+  // only where the grid is one wave: a dependent launched early parks its blocks on the SMs,
+  // spinning in its own wait, and a later wave of this grid then finds them taken (an eager
+  // 128-row prefill ran its GEMMs at twice their time and the norms "took" 109 us, their
+  // wait included: 2026-11-27-w4-gemm-prefill-profile-h100.txt).
+  if (early_release) pdl_launch_dependents();
 
   // This thread's output columns (C fragments: 2t, 2t + 1 of each n8 tile) and B rows (g).
   const int ncol0 = n0 + wn * (8 * NTW) + 2 * t;
@@ -411,6 +416,7 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
     }
   }
   cp_async_wait<0>();
+  if (!early_release) pdl_launch_dependents();
 #if SPS == 0
 #pragma unroll
   for (int i = 0; i < MT; ++i)
