@@ -199,9 +199,17 @@ def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         return y.reshape(*x.shape[:-1], n)
     m_tiles = -(-m // cfg.block_m)
     grid = m_tiles * -(-n // cfg.block_n)
+    # Programmatic dependent launch only for a one-wave grid. Launched early, this kernel's
+    # blocks (up to 72 KiB of shared memory and 255 registers a thread each) park on the SMs
+    # in their PDL wait and starve the kernel before them: in an eager 128-row prefill the
+    # RMSNorm before each GEMM took 99-109 us instead of 2.3, and W1's TTFT went from 6.8 to
+    # 11.5 ms (2026-11-27-w4-gemm-prefill-profile-*-h100.txt). One wave also releases its own
+    # dependent early (after its wait), as the batch-1 GEMVs do.
+    one_wave = grid <= prep.sms
     args = [ctypes.c_void_p(x2.data_ptr()), *prep.static, ctypes.c_void_p(y.data_ptr()),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x2.stride(0)),
             *prep.strides, ctypes.c_longlong(y.stride(0)), ctypes.c_int(m_tiles),
-            ctypes.c_int(int(grid <= prep.sms))]  # one wave: release the dependent early
-    prep.kernel.launch(grid, cfg.threads, args, pdl=pdl.enabled(), shared_mem=prep.shared)
+            ctypes.c_int(int(one_wave))]
+    prep.kernel.launch(grid, cfg.threads, args, pdl=pdl.enabled() and one_wave,
+                       shared_mem=prep.shared)
     return y.reshape(*x.shape[:-1], n)

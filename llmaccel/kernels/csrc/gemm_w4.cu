@@ -275,11 +275,10 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
     if (s < stages) load_x(s);
     cp_async_commit();
   }
-  // The dependent kernel may start once every block has passed here. Early (after the wait)
-  // only where the grid is one wave: a dependent launched early parks its blocks on the SMs,
-  // spinning in its own wait, and a later wave of this grid then finds them taken (an eager
-  // 128-row prefill ran its GEMMs at twice their time and the norms "took" 109 us, their
-  // wait included: 2026-11-27-w4-gemm-prefill-profile-h100.txt).
+  // The dependent kernel may start once every block has passed here: early (after the wait)
+  // only where the grid is one wave (the host launches larger grids without PDL, see
+  // gemm_w4_cuda.py); a dependent launched early would park its blocks on the SMs that a
+  // later wave of this grid needs.
   if (early_release) pdl_launch_dependents();
 
   // This thread's output columns (C fragments: 2t, 2t + 1 of each n8 tile) and B rows (g).
