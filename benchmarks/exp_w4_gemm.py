@@ -33,7 +33,7 @@ CYCLE_BYTES = 256 * 2**20
 def candidates(m: int):
     from llmaccel.kernels.gemm_w4_cuda import DEFAULT_CONFIGS, GemmW4Config, config_for
 
-    out = {config_for(m)}
+    out = {config_for(m, 5120), config_for(m, 16384)}
     for c in DEFAULT_CONFIGS:
         if c.block_m <= max(16, 2 * m):
             out.add(c)

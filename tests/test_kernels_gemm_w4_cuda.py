@@ -34,12 +34,19 @@ def _weights(n, k, group, zeros, dev, scale_dtype=torch.bfloat16, seed=0):
     return pack_int4_rows(codes).to(dev), scales.to(dev), None if z is None else z.to(dev)
 
 
-def test_tiles_by_rows():
-    assert config_for(2).block_m == 16 and config_for(16).block_m == 16
-    assert config_for(17).block_m == 32 and config_for(64).block_m == 64
-    assert config_for(128).block_m == 128 and config_for(4096).block_m == 128
+def test_tiles_by_rows_and_columns():
+    from llmaccel.kernels.gemm_w4_cuda import DECODE_NARROW, DECODE_WIDE, SHORT, TALL
+
+    # llama-3.2-3b: qkv 5120, o / down 3072, gate_up 16384 columns (the sweeps' winners)
+    assert config_for(2, 5120) == DECODE_NARROW and config_for(16, 3072) == DECODE_NARROW
+    assert config_for(16, 16384) == DECODE_WIDE
+    assert config_for(128, 16384) == TALL[0] and config_for(64, 16384) == TALL[1]
+    assert config_for(128, 5120) == SHORT and config_for(128, 3072) == SHORT
+    assert config_for(256, 5120) == TALL[1] and config_for(17, 16384) == SHORT
     for cfg in DEFAULT_CONFIGS:
-        assert cfg.valid() and cfg.threads == 128 and cfg.block_n == 64
+        assert cfg.valid() and cfg.threads == 128
+    assert GemmW4Config(2, 2, 4, 4, cps=3).valid() is False
+    assert not GemmW4Config(8, 8, 16, 4, stages=8).valid()  # shared memory
     # x, codes, and per stage one scale word a row (group 128, 64-k stages), then zeros too
     assert GemmW4Config(2, 2, 4, 4).shared_bytes(4) == 4 * (128 * 64 * 2 + 64 * 32 + 64 * 4)
     assert GemmW4Config(2, 2, 4, 4, cps=4).shared_bytes(1, True) == 4 * (
@@ -265,10 +272,9 @@ def test_gpu_pdl_chain_in_a_graph():
         pdl.configure(torch.device("cuda"), used)
 
 
-def test_engine_takes_it_for_2_to_31_rows(monkeypatch):
-    """`PackedLinearMethod` routes 2-31-row int4 products here (where it measured faster than
-    the Triton kernel on every 3B shape), not one row (the GEMV) nor 32+ (dequantize +
-    cuBLAS measured faster there)."""
+def test_engine_takes_it_for_2_to_128_rows(monkeypatch):
+    """`PackedLinearMethod` routes 2-128-row int4 products here, not one row (the GEMV) nor
+    more (dequantize + cuBLAS measured faster at 256 rows)."""
     from llmaccel.kernels import gemm_w4_cuda
     from llmaccel.quant import linear_methods
 
@@ -277,6 +283,6 @@ def test_engine_takes_it_for_2_to_31_rows(monkeypatch):
                             kernel_zeros=None, kernel_group_size=128)
     rows = [m for m in (1, 2, 16, 31, 32, 128) if
             linear_methods._use_w4_gemm(layer, torch.empty(m, 8), None)]
-    assert rows == [2, 16, 31]
+    assert rows == [2, 16, 31, 32, 128]
     monkeypatch.setattr(linear_methods, "W4_GEMM", False)
     assert not linear_methods._use_w4_gemm(layer, torch.empty(2, 8), None)

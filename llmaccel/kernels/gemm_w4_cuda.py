@@ -76,20 +76,30 @@ class GemmW4Config:
                 and self.shared_bytes(1, True) <= MAX_SHARED)  # the most side bytes
 
 
-# Tiles by row count (the first whose block_m covers m, else the last).
-DEFAULT_CONFIGS = (
-    GemmW4Config(wm=1, wn=4, mt=1, ntw=2, cps=4, stages=4),  # 16 x 64: batched decode
-    GemmW4Config(wm=1, wn=4, mt=2, ntw=2, cps=4, stages=4),  # 32 x 64
-    GemmW4Config(wm=2, wn=2, mt=2, ntw=4, cps=4, stages=3),  # 64 x 64
-    GemmW4Config(wm=2, wn=2, mt=4, ntw=4, cps=4, stages=3),  # 128 x 64: prefill
-)
+# Tiles, from the sweeps on the llama-3.2-3b shapes (H100, 2026-11-27-w4-gemm-h100.md): up to
+# 16 rows one m16 tile a warp and 32 (or, for wide layers, 64) columns a block; above, the
+# tallest block that still gives the grid two blocks an SM, else 32 x 64.
+DECODE_NARROW = GemmW4Config(wm=1, wn=4, mt=1, ntw=1, cps=4, stages=6)  # 16 x 32
+DECODE_WIDE = GemmW4Config(wm=1, wn=4, mt=1, ntw=2, cps=4, stages=4)    # 16 x 64
+TALL = (GemmW4Config(wm=2, wn=2, mt=4, ntw=4, cps=4, stages=3),         # 128 x 64
+        GemmW4Config(wm=2, wn=2, mt=2, ntw=4, cps=4, stages=3))         # 64 x 64
+SHORT = GemmW4Config(wm=1, wn=4, mt=2, ntw=2, cps=4, stages=4)          # 32 x 64
+DEFAULT_CONFIGS = (DECODE_NARROW, DECODE_WIDE, *TALL, SHORT)
+MIN_BLOCKS = 256  # two blocks per SM of an H100 (132 SMs), about
 
 
-def config_for(m: int) -> GemmW4Config:
-    for cfg in DEFAULT_CONFIGS:
-        if m <= cfg.block_m:
+def config_for(m: int, n: int) -> GemmW4Config:
+    """The tile for m rows of an N-column layer. Measured: at 2-16 rows the 16 x 32 tile on
+    qkv, o and down (12.9 / 9.6 / 22.7 us) and 16 x 64 on gate_up (18.4); at 128 rows 32 x 64
+    on qkv, o and down (32.0 / 22.9 / 58.0 us against 46.8 / 46.6 / 119.8 for 128 x 64) and
+    128 x 64 on gate_up (61.7)."""
+    if m <= 16:
+        return DECODE_NARROW if -(-n // DECODE_NARROW.block_n) <= MIN_BLOCKS else DECODE_WIDE
+    for cfg in TALL:
+        if cfg.block_m <= -(-m // 16) * 16 and \
+                -(-m // cfg.block_m) * -(-n // cfg.block_n) >= MIN_BLOCKS:
             return cfg
-    return DEFAULT_CONFIGS[-1]
+    return SHORT
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,7 +114,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     k = x.shape[-1]
     n = weight.shape[0]
     group = k if group_size == -1 else group_size
-    cfg = config or config_for(max(1, x.numel() // max(k, 1)))
+    cfg = config or config_for(max(1, x.numel() // max(k, 1)), n)
     gc = group // 32
     # A stage holds whole groups or lies in one; a stage's scales (zeros) are copied as the
     # 4-byte words that hold them, so a row's groups must start word-aligned.
@@ -184,7 +194,7 @@ def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    cfg = config or config_for(m)
+    cfg = config or config_for(m, weight.shape[0])
     key = (weight.data_ptr(), tuple(weight.shape), scales.data_ptr(), tuple(scales.shape),
            scales.dtype, None if zeros is None else zeros.data_ptr(),
            None if bias is None else bias.data_ptr(), x.dtype, x.device, group_size, cfg)
