@@ -118,10 +118,10 @@ DEQUANT_GEMM_MIN_M = ({4: 32, 8: 256} if _DEQUANT_ENV is None
 
 # Batches of 2 to W4_GEMM_MAX_M rows take the tensor-core W4A16 GEMM in CUDA C
 # (`kernels/gemm_w4_cuda.py`), which reads the codes directly, where it can run; above it (and
-# where it cannot) the dequantize + cuBLAS pair or the Triton kernel, as before. The bound is
-# where it measured faster on every llama-3.2-3b shape (H100, 2026-11-27-w4-gemm-h100.md): at
-# 2 and 16 rows 1.14-2.0x the Triton kernel that ran there; at 128 rows it lost to dequantize +
-# cuBLAS on three of four shapes (W1's prefill went from 6.8 to 12.2 ms with it).
+# where it cannot) the dequantize + cuBLAS pair or the Triton kernel, as before. On the
+# llama-3.2-3b shapes (H100, 2026-11-27-w4-gemm-h100.md) it ran 1.3-2.6x the Triton kernel at
+# 2-16 rows, a layer's four products in 174 us against 183 for dequantize + cuBLAS at 128 rows
+# (W1's int4 TTFT 7.0 -> 6.7 ms), and 286 against 200 us at 256 rows.
 # LLMACCEL_W4_GEMM=0 turns it off; LLMACCEL_W4_GEMM_MAX_M moves the bound.
 W4_GEMM = os.environ.get("LLMACCEL_W4_GEMM", "1") == "1"
 W4_GEMM_MAX_M = int(os.environ.get("LLMACCEL_W4_GEMM_MAX_M", "128"))
