@@ -46,8 +46,12 @@ def candidates(m: int):
         out.add(GemmW4Config(1, 4, 1, 1, 4, 6))  # 16 x 32: twice the blocks
         out.add(GemmW4Config(1, 4, 1, 1, 4, 8))
     if m >= 64:
-        out.add(GemmW4Config(2, 2, 4, 2))  # 128 x 32: more blocks for small N
-        out.add(GemmW4Config(4, 1, 2, 4))  # 128 x 32, warps along M
+        # wider warp tiles: each x fragment feeds more n8 tiles (fewer shared loads an mma)
+        for c in (GemmW4Config(4, 1, 2, 8, 4, 3), GemmW4Config(2, 2, 2, 8, 4, 3),
+                  GemmW4Config(2, 1, 2, 8, 4, 4), GemmW4Config(2, 2, 1, 8, 4, 4),
+                  GemmW4Config(4, 1, 1, 8, 4, 4), GemmW4Config(2, 2, 2, 4, 4, 4)):
+            if c.valid():
+                out.add(c)
     return sorted(out, key=lambda c: c.describe())
 
 

@@ -73,6 +73,7 @@ class GemmW4Config:
     def valid(self) -> bool:
         return (min(self.wm, self.wn, self.mt, self.ntw) >= 1 and self.cps in (1, 2, 4)
                 and self.stages >= 2 and self.threads <= 1024
+                and self.threads % (4 * self.cps) == 0  # fixed copy columns a thread
                 and self.shared_bytes(1, True) <= MAX_SHARED)  # the most side bytes
 
 
