@@ -8,9 +8,15 @@ time, and the kernels by total time.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_step_gaps import build_llm  # noqa: E402  (this folder)
 
 
 def main() -> None:
@@ -20,14 +26,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
-    from llmaccel import LLM, SamplingParams
+    from llmaccel import SamplingParams
 
-    extra = {}
-    if args.quantization and args.quantization != "bf16":
-        from llmaccel.quant.presets import preset_config
-        extra["hf_overrides"] = {"quantization_config": preset_config(args.quantization)}
-    llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=2048, **extra,
-              skip_tokenizer_init=True, enable_prefix_caching=False)
+    llm = build_llm(args.shape, args.quantization)
     prompt = {"prompt_token_ids": [(7 * j) % 900 + 10 for j in range(128)]}
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for _ in range(2):

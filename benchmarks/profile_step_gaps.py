@@ -19,6 +19,18 @@ def _is_linear(name: str) -> bool:
     return "gemv" in name or name.startswith("_linear_kernel")
 
 
+def build_llm(shape: str, quantization: str | None):
+    """The engine on a shape's dummy weights, quantized by a preset name (None / bf16: not)."""
+    from llmaccel import LLM
+
+    extra = {}
+    if quantization and quantization != "bf16":
+        from llmaccel.quant.presets import preset_config
+        extra["hf_overrides"] = {"quantization_config": preset_config(quantization)}
+    return LLM(shape, load_format="dummy", dtype="bfloat16", max_model_len=2048, **extra,
+               skip_tokenizer_init=True, enable_prefix_caching=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-3b")
@@ -27,14 +39,9 @@ def main() -> None:
     ap.add_argument("--min-gap", type=float, default=1.0)
     ap.add_argument("--show-steps", type=int, default=3)
     args = ap.parse_args()
-    from llmaccel import LLM, SamplingParams
+    from llmaccel import SamplingParams
 
-    extra = {}
-    if args.quantization and args.quantization != "bf16":
-        from llmaccel.quant.presets import preset_config
-        extra["hf_overrides"] = {"quantization_config": preset_config(args.quantization)}
-    llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=2048, **extra,
-              skip_tokenizer_init=True, enable_prefix_caching=False)
+    llm = build_llm(args.shape, args.quantization)
     prompt = {"prompt_token_ids": [(7 * j) % 900 + 10 for j in range(128)]}
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompt, params)  # warm

@@ -7,15 +7,16 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
-__device__ __forceinline__ float act_to_float(u16 v) {
-#if X_BF16
-  return __uint_as_float(((u32)v) << 16);
-#else
+// a 16-bit float's bits as fp32: bf16 (BF16) or fp16
+template <bool BF16>
+__device__ __forceinline__ float bits16_to_float(u16 v) {
+  if (BF16) return __uint_as_float(((u32)v) << 16);
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
   return f;
-#endif
 }
+
+__device__ __forceinline__ float act_to_float(u16 v) { return bits16_to_float<X_BF16>(v); }
 
 __device__ __forceinline__ u16 float_to_act(float f) {
   u16 h;
@@ -29,6 +30,23 @@ __device__ __forceinline__ u16 float_to_act(float f) {
 
 // f rounded to the activation dtype, back as fp32 (where the unfused layers round)
 __device__ __forceinline__ float round_act(float f) { return act_to_float(float_to_act(f)); }
+
+#ifdef SCALE_KIND
+// Quantization scales of the int4 kernels: SCALE_KIND 0 bf16, 1 fp16, 2 fp32.
+// a 16-bit scale's bits as fp32
+__device__ __forceinline__ float half_scale_to_float(u16 v) {
+  return bits16_to_float<SCALE_KIND == 0>(v);
+}
+
+// scale i of S (read-only during a step: through the non-coherent cache)
+__device__ __forceinline__ float load_scale(const void* S, long long i) {
+#if SCALE_KIND == 2
+  return __ldg(reinterpret_cast<const float*>(S) + i);
+#else
+  return half_scale_to_float(__ldg(reinterpret_cast<const u16*>(S) + i));
+#endif
+}
+#endif
 
 // A 16-byte weight load that does not allocate in L1 (each weight is read once per step).
 __device__ __forceinline__ uint4 load_weights(const void* p) {

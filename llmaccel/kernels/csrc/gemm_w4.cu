@@ -94,35 +94,13 @@ __device__ __forceinline__ int x_swizzle(int r) { return CPS >= 2 ? ((r & 1) << 
 // loads (rows g = 0..7, words t) then hit 32 different banks.
 __device__ __forceinline__ int w_swizzle(int n) { return ((n * CPS) >> 3) & (CPS - 1); }
 
-__device__ __forceinline__ float load_scale(const void* S, long long i) {
-#if SCALE_KIND == 2
-  return __ldg(reinterpret_cast<const float*>(S) + i);
-#else
-  u16 v = __ldg(reinterpret_cast<const u16*>(S) + i);
-#if SCALE_KIND == 0
-  return __uint_as_float(((u32)v) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-  return f;
-#endif
-#endif
-}
-
 // element e of a 4-byte word of scales (SCALE_KIND) as fp32
 __device__ __forceinline__ float scale_in_word(u32 w, int e) {
 #if SCALE_KIND == 2
   (void)e;
   return __uint_as_float(w);
 #else
-  const u16 v = (u16)(w >> (16 * (e & 1)));
-#if SCALE_KIND == 0
-  return __uint_as_float(((u32)v) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-  return f;
-#endif
+  return half_scale_to_float((u16)(w >> (16 * (e & 1))));
 #endif
 }
 
@@ -163,6 +141,19 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
                "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Accumulator element (i, j, e) summed over the PSPLIT sets, which restart at zero.
+__device__ __forceinline__ float take_part(float (&part)[PSPLIT][MT][NTW][4], int i, int j,
+                                           int e) {
+  float sum = part[0][i][j][e];
+  part[0][i][j][e] = 0.f;
+#pragma unroll
+  for (int q = 1; q < PSPLIT; ++q) {
+    sum += part[q][i][j][e];
+    part[q][i][j][e] = 0.f;
+  }
+  return sum;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -399,16 +390,8 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
 #pragma unroll
           for (int i = 0; i < MT; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              float sum = part[0][i][j][e];
-              part[0][i][j][e] = 0.f;
-#pragma unroll
-              for (int q = 1; q < PSPLIT; ++q) {
-                sum += part[q][i][j][e];
-                part[q][i][j][e] = 0.f;
-              }
-              acc[i][j][e] = fmaf(sum, (e & 1) ? s1 : s0, acc[i][j][e]);
-            }
+            for (int e = 0; e < 4; ++e)
+              acc[i][j][e] = fmaf(take_part(part, i, j, e), (e & 1) ? s1 : s0, acc[i][j][e]);
         }
       }
 #endif
@@ -422,12 +405,7 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
 #pragma unroll
     for (int j = 0; j < NTW; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float sum = part[0][i][j][e];
-#pragma unroll
-        for (int q = 1; q < PSPLIT; ++q) sum += part[q][i][j][e];
-        acc[i][j][e] = sum * sc[j][e & 1];
-      }
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = take_part(part, i, j, e) * sc[j][e & 1];
 #endif
 
   // Epilogue: rows g and g + 8 of each m16 tile, columns 2t and 2t + 1 of each n8 tile.

@@ -36,21 +36,6 @@
 
 #define NWARPS ((THREADS + 31) / 32)
 
-__device__ __forceinline__ float load_scale(const void* S, long long i) {
-#if SCALE_KIND == 2
-  return __ldg(reinterpret_cast<const float*>(S) + i);
-#else
-  u16 v = __ldg(reinterpret_cast<const u16*>(S) + i);
-#if SCALE_KIND == 0
-  return __uint_as_float(((u32)v) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-  return f;
-#endif
-#endif
-}
-
 // (nibble p of src) - zero, exact: magic[p] is the bit pattern of 2^(23-4p), off[p] is
 // 2^(23-4p) + zero. The magic patterns come in as a kernel argument: as compile-time
 // constants ptxas splits the AND-OR into two LOP3s (one immediate per LOP3).
