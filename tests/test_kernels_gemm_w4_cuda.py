@@ -286,3 +286,29 @@ def test_engine_takes_it_for_2_to_128_rows(monkeypatch):
     assert rows == [2, 16, 31, 32, 128]
     monkeypatch.setattr(linear_methods, "W4_GEMM", False)
     assert not linear_methods._use_w4_gemm(layer, torch.empty(2, 8), None)
+
+
+def test_refuses_what_it_cannot_take_with_a_clear_error():
+    w, s, _ = _weights(64, 256, 128, False, "cpu")
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cannot take x"):
+        w4a16_gemm_cuda(x, w, s, None, 128)  # CPU tensors
+    with pytest.raises(ValueError, match="not valid"):
+        w4a16_gemm_cuda(x, w, s, None, 128, config=GemmW4Config(1, 4, 1, 2, cps=3))
+
+
+def test_layer_log_names_the_gemm(monkeypatch):
+    """The engine's per-layer kernel log says which rows take the GEMM (users of other
+    engines cannot tell which kernel runs)."""
+    from llmaccel.quant import linear_methods
+
+    monkeypatch.setattr(linear_methods, "_cuda_gemv_available", lambda layer: False)
+    monkeypatch.setattr(linear_methods, "_gemv_w4_config", lambda *a: None)
+    monkeypatch.setattr(linear_methods, "_w4_gemm_available", lambda layer: True)
+    method = linear_methods.GPTQLinearMethod(4, 128, True, "gptq")
+    layer = SimpleNamespace(kernel_weight=torch.zeros(1), kernel_perm=None, use_triton=True,
+                            input_size=256, output_size=64)
+    monkeypatch.setattr(method, "fused_decode_config", lambda *a: None)
+    text = method.describe(layer)
+    assert "2-128 rows: CUDA C tensor-core W4A16 GEMM" in text
+    assert "from 129 rows: dequantize" in text
