@@ -25,6 +25,11 @@ from llmaccel.kernels.gemm_w4_cuda import (DEFAULT_CONFIGS, GemmW4Config, _sourc
                                            supports, w4a16_gemm_cuda)
 
 
+# the default tiles with LEAN (the .cu): built for the next sweep, checked here first
+LEAN_CONFIGS = tuple(GemmW4Config(c.wm, c.wn, c.mt, c.ntw, c.cps, c.stages, True)
+                     for c in DEFAULT_CONFIGS)
+
+
 def _weights(n, k, group, zeros, dev, scale_dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -83,13 +88,13 @@ def test_not_chosen_off_cuda_or_for_shapes_it_cannot_take(monkeypatch):
 def test_source_compiles_with_nvrtc(arch, monkeypatch):
     use_nvrtc(monkeypatch)
     src, headers = _source()
-    for cfg in DEFAULT_CONFIGS + (GemmW4Config(2, 2, 4, 2, cps=4, stages=3),
-                                  GemmW4Config(1, 4, 1, 2, cps=1, stages=6)):
+    for cfg in DEFAULT_CONFIGS + LEAN_CONFIGS + (GemmW4Config(2, 2, 4, 2, cps=4, stages=3),
+                                                 GemmW4Config(1, 4, 1, 2, cps=1, stages=6)):
         for xb, kind, zeros, gc in ((1, 0, 0, 4), (0, 1, 1, 1), (1, 2, 1, 0)):
             defines = {"WM": cfg.wm, "WN": cfg.wn, "MT": cfg.mt, "NTW": cfg.ntw,
                        "CPS": cfg.cps, "STAGES": cfg.stages, "X_BF16": xb,
                        "SCALE_KIND": kind, "HAS_ZEROS": zeros, "HAS_BIAS": zeros,
-                       "GROUP_CHUNKS": gc}
+                       "GROUP_CHUNKS": gc, "LEAN": int(cfg.lean)}
             assert cuda_rtc.compile_cubin(src, "gemm_w4", arch, defines, headers)
     ptx = cuda_rtc.compile_ptx(src, "gemm_w4", arch, defines, headers)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
@@ -200,8 +205,8 @@ gpu = pytest.mark.gpu
 @pytest.mark.parametrize("n,k,group", [(5120, 3072, 128), (200, 1536, 32), (72, 8960, 128),
                                        (64, 256, -1)])
 @pytest.mark.parametrize("zeros", [False, True])
-@pytest.mark.parametrize("cfg", DEFAULT_CONFIGS + (GemmW4Config(2, 2, 4, 2, 4, 3),),
-                         ids=lambda c: c.describe())
+@pytest.mark.parametrize("cfg", DEFAULT_CONFIGS + LEAN_CONFIGS
+                         + (GemmW4Config(2, 2, 4, 2, 4, 3),), ids=lambda c: c.describe())
 def test_gpu_matches_reference(m, n, k, group, zeros, cfg):
     if not cuda_rtc.available():
         pytest.skip("no CUDA C kernels here")

@@ -38,6 +38,7 @@ class GemmW4Config:
     ntw: int
     cps: int = 2
     stages: int = 4
+    lean: bool = False  # fewer integer instructions a stage (LEAN in the .cu; an experiment)
 
     @property
     def block_m(self) -> int:
@@ -68,7 +69,7 @@ class GemmW4Config:
 
     def describe(self) -> str:
         return (f"w{self.wm}x{self.wn}-m{self.mt}n{self.ntw}-k{self.block_k}"
-                f"s{self.stages}")
+                f"s{self.stages}" + ("L" if self.lean else ""))
 
     def valid(self) -> bool:
         return (min(self.wm, self.wn, self.mt, self.ntw) >= 1 and self.cps in (1, 2, 4)
@@ -172,7 +173,8 @@ def _prepare(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         "WM": cfg.wm, "WN": cfg.wn, "MT": cfg.mt, "NTW": cfg.ntw, "CPS": cfg.cps,
         "STAGES": cfg.stages, "X_BF16": int(x.dtype == torch.bfloat16),
         "SCALE_KIND": _SCALE_KIND[scales.dtype], "HAS_ZEROS": int(zeros is not None),
-        "HAS_BIAS": int(bias is not None), "GROUP_CHUNKS": gc}, _source()[1])
+        "HAS_BIAS": int(bias is not None), "GROUP_CHUNKS": gc,
+        "LEAN": int(cfg.lean)}, _source()[1])
     ptr = ctypes.c_void_p
     return _Prepared(
         kernel=kern,

@@ -31,10 +31,17 @@
 // first, the test tolerance covers it.
 //
 // Macros: WM, WN, MT, NTW, CPS, STAGES, X_BF16, SCALE_KIND (0 bf16, 1 fp16, 2 fp32),
-// HAS_ZEROS (uint8 zeros [N, G], else zero point 8), HAS_BIAS, GROUP_CHUNKS.
+// HAS_ZEROS (uint8 zeros [N, G], else zero point 8), HAS_BIAS, GROUP_CHUNKS, LEAN (1:
+// fragment addresses from per-thread offsets computed once and one x pointer walked over the
+// copy passes, fewer integer instructions a stage; an experiment until measured, see the
+// tile sweep).
 // Contract (gemm_w4_cuda.supports): K % BK == 0, N % 8 == 0, rows 16-byte aligned.
 
 #include "common.cuh"
+
+#ifndef LEAN
+#define LEAN 0
+#endif
 
 #define THREADS (32 * WM * WN)
 #define BM (16 * MT * WM)
@@ -245,14 +252,31 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
     }
 #endif
   };
+#if LEAN
+  const long long x_pass = (long long)X_RPP * stride_x;  // elements from one pass to the next
+#endif
   auto load_x = [&](int s) {  // x of stage s into its slot; rows past M are zero-filled
     const int slot = s % STAGES;
+#if LEAN
+    // one pointer walked over the passes (a 64-bit multiply a copy otherwise); rows past M
+    // copy nothing from the thread's first row (a valid address)
+    const u16* row0 = (x_rows > 0 ? x_src : X) + s * BK;
+    const u16* src = row0;
+#pragma unroll
+    for (int p = 0; p < X_PASSES; ++p) {
+      if (BM % X_RPP == 0 || xr0 + p * X_RPP < BM)
+        cp_async16(x_off + slot * A_STAGE_BYTES + p * (X_RPP * XC * 16),
+                   p < x_rows ? src : row0, p < x_rows);
+      src += x_pass;
+    }
+#else
 #pragma unroll
     for (int p = 0; p < X_PASSES; ++p)
       if (xr0 + p * X_RPP < BM)
         cp_async16(x_off + slot * A_STAGE_BYTES + p * (X_RPP * XC * 16),
                    p < x_rows ? x_src + (long long)p * X_RPP * stride_x + s * BK : X,
                    p < x_rows);
+#endif
   };
 
   // Pipeline fill: the first stages' codes before the PDL wait, then their x, one commit
@@ -311,6 +335,20 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
   for (int j = 0; j < NTW; ++j) negoff[j] = neg_offset2(8.f);
 #endif
 
+#if LEAN
+  // The fragment loads' shared offsets per chunk kc of a stage, for m tile 0 / n tile 0: the
+  // swizzles XOR kc with a per-thread value, which the compiler cannot fold into immediates
+  // (the loop spent ~2 IMADs an mma on them, cuobjdump); rows 16i and 8 further (x) and 8j
+  // further (codes) have the same swizzle, so the other tiles add constants.
+  u32 xo[CPS], wo[CPS];
+#pragma unroll
+  for (int kc = 0; kc < CPS; ++kc) {
+    const int r = wm * (16 * MT) + g, n = wn * (8 * NTW) + g;
+    xo[kc] = (r * CPS * 4 + ((kc * 4 + t) ^ x_swizzle(r))) * 16;
+    wo[kc] = (n * CPS + (kc ^ w_swizzle(n))) * 16 + 4 * t;
+  }
+#endif
+
   for (int s = 0; s < stages; ++s) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage s is in; every warp is done with the slot refilled below
@@ -348,18 +386,28 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
       u32 b[NTW][4];
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
+#if LEAN
+        const u32 w = *reinterpret_cast<const u32*>(ws + wo[kc] + j * (8 * CPS * 16));
+#else
         const int n = wn * (8 * NTW) + 8 * j + g;
         const u32 w = *reinterpret_cast<const u32*>(
             ws + (n * CPS + (kc ^ w_swizzle(n))) * 16 + 4 * t);
+#endif
         dequant_word(w, negoff[j], b[j]);
       }
       u32 a[MT][8];  // per m16 tile: (l04, h04, l15, h15) for mma 1, (l26, h26, l37, h37) for 2
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
+#if LEAN
+        const unsigned char* xr = xs + xo[kc] + i * (16 * CPS * 4 * 16);
+        const uint4 lo = *reinterpret_cast<const uint4*>(xr);
+        const uint4 hi = *reinterpret_cast<const uint4*>(xr + 8 * CPS * 4 * 16);
+#else
         const int r = wm * (16 * MT) + 16 * i + g;
         const int c = (kc * 4 + t) ^ x_swizzle(r);  // rows r and r + 8: same swizzle
         const uint4 lo = *reinterpret_cast<const uint4*>(xs + (r * CPS * 4 + c) * 16);
         const uint4 hi = *reinterpret_cast<const uint4*>(xs + ((r + 8) * CPS * 4 + c) * 16);
+#endif
         // pairs (p, p + 4) of x[row][8t + p]: lo.x = (0, 1), lo.y = (2, 3), lo.z = (4, 5) ...
         a[i][0] = prmt(lo.x, lo.z, 0x5410);
         a[i][1] = prmt(hi.x, hi.z, 0x5410);
