@@ -54,6 +54,11 @@ def candidates(m: int):
                 out.add(c)
     # each tile also with LEAN (the .cu): fewer integer instructions a stage, unmeasured so far
     out |= {GemmW4Config(c.wm, c.wn, c.mt, c.ntw, c.cps, c.stages, True) for c in list(out)}
+    if m >= 64:  # split-K: the tall tiles' grids are small for 3072-5120 columns
+        for c in (GemmW4Config(2, 2, 4, 4, 4, 3), GemmW4Config(2, 2, 2, 4, 4, 3)):
+            for lean in (False, True):
+                for split in (2, 3, 4):
+                    out.add(GemmW4Config(c.wm, c.wn, c.mt, c.ntw, c.cps, c.stages, lean, split))
     return sorted(out, key=lambda c: c.describe())
 
 

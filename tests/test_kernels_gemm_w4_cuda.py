@@ -25,9 +25,12 @@ from llmaccel.kernels.gemm_w4_cuda import (DEFAULT_CONFIGS, GemmW4Config, _sourc
                                            supports, w4a16_gemm_cuda)
 
 
-# the default tiles with LEAN (the .cu): built for the next sweep, checked here first
+# the default tiles with LEAN (the .cu), and split-K tiles: built for the next sweep, checked
+# here first
 LEAN_CONFIGS = tuple(GemmW4Config(c.wm, c.wn, c.mt, c.ntw, c.cps, c.stages, True)
-                     for c in DEFAULT_CONFIGS)
+                     for c in DEFAULT_CONFIGS) + (
+    GemmW4Config(2, 2, 4, 4, 4, 3, True, 2), GemmW4Config(2, 2, 4, 4, 4, 3, False, 3),
+    GemmW4Config(1, 4, 1, 1, 4, 6, True, 4))
 
 
 def _weights(n, k, group, zeros, dev, scale_dtype=torch.bfloat16, seed=0):
@@ -52,6 +55,21 @@ def test_tiles_by_rows_and_columns():
         assert cfg.valid() and cfg.threads == 128
     assert GemmW4Config(2, 2, 4, 4, cps=3).valid() is False
     assert not GemmW4Config(8, 8, 16, 4, stages=8).valid()  # shared memory
+
+
+def test_split_k_takes_whole_stages_and_groups(monkeypatch):
+    monkeypatch.setattr(cuda_rtc, "available", lambda device=None: True)
+    fake = SimpleNamespace(is_cuda=True, numel=lambda: 128 * 3072, shape=(128, 3072),
+                           dim=lambda: 2, dtype=torch.bfloat16, device=torch.device("cuda", 0))
+    w, s, _ = _weights(64, 3072, 128, False, "cpu")  # 24 stages of 128 k, one group each
+    split = lambda n: GemmW4Config(2, 2, 4, 4, 4, 3, splitk=n)  # noqa: E731
+    assert supports(fake, w, s, None, 128, config=split(3))
+    assert not supports(fake, w, s, None, 128, config=split(5))  # 24 stages
+    w2, s2, _ = _weights(64, 3072, 512, False, "cpu")  # groups of 4 stages
+    assert supports(fake, w2, s2, None, 512, config=split(6))
+    assert not supports(fake, w2, s2, None, 512, config=split(8))  # 3 stages a split
+    assert split(3).describe().endswith("-split3")
+    assert not GemmW4Config(1, 1, 1, 1, splitk=17).valid()
     # x, codes, and per stage one scale word a row (group 128, 64-k stages), then zeros too
     assert GemmW4Config(2, 2, 4, 4).shared_bytes(4) == 4 * (128 * 64 * 2 + 64 * 32 + 64 * 4)
     assert GemmW4Config(2, 2, 4, 4, cps=4).shared_bytes(1, True) == 4 * (
@@ -94,7 +112,7 @@ def test_source_compiles_with_nvrtc(arch, monkeypatch):
             defines = {"WM": cfg.wm, "WN": cfg.wn, "MT": cfg.mt, "NTW": cfg.ntw,
                        "CPS": cfg.cps, "STAGES": cfg.stages, "X_BF16": xb,
                        "SCALE_KIND": kind, "HAS_ZEROS": zeros, "HAS_BIAS": zeros,
-                       "GROUP_CHUNKS": gc, "LEAN": int(cfg.lean)}
+                       "GROUP_CHUNKS": gc, "LEAN": int(cfg.lean), "SPLITK": cfg.splitk}
             assert cuda_rtc.compile_cubin(src, "gemm_w4", arch, defines, headers)
     ptx = cuda_rtc.compile_ptx(src, "gemm_w4", arch, defines, headers)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx

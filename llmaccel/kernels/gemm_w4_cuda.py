@@ -39,6 +39,7 @@ class GemmW4Config:
     cps: int = 2
     stages: int = 4
     lean: bool = False  # fewer integer instructions a stage (LEAN in the .cu; an experiment)
+    splitk: int = 1  # K in this many parts, added by each tile's last block (an experiment)
 
     @property
     def block_m(self) -> int:
@@ -69,12 +70,14 @@ class GemmW4Config:
 
     def describe(self) -> str:
         return (f"w{self.wm}x{self.wn}-m{self.mt}n{self.ntw}-k{self.block_k}"
-                f"s{self.stages}" + ("L" if self.lean else ""))
+                f"s{self.stages}" + ("L" if self.lean else "")
+                + (f"-split{self.splitk}" if self.splitk > 1 else ""))
 
     def valid(self) -> bool:
         return (min(self.wm, self.wn, self.mt, self.ntw) >= 1 and self.cps in (1, 2, 4)
                 and self.stages >= 2 and self.threads <= 1024
                 and self.threads % (4 * self.cps) == 0  # fixed copy columns a thread
+                and 1 <= self.splitk <= 16
                 and self.shared_bytes(1, True) <= MAX_SHARED)  # the most side bytes
 
 
@@ -118,6 +121,11 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     group = k if group_size == -1 else group_size
     cfg = config or config_for(max(1, x.numel() // max(k, 1)), n)
     gc = group // 32
+    stages = k // cfg.block_k if k % cfg.block_k == 0 else 0
+    # K splits of whole stages and whole groups
+    split_ok = cfg.splitk == 1 or (
+        stages % cfg.splitk == 0
+        and (group == k or (stages // cfg.splitk) * cfg.cps % gc == 0))
     # A stage holds whole groups or lies in one; a stage's scales (zeros) are copied as the
     # 4-byte words that hold them, so a row's groups must start word-aligned.
     side_ok = group == k or (
@@ -126,7 +134,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         and (zeros is None or zeros.stride(0) % 4 == 0))
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 1
             and k > 0 and k % cfg.block_k == 0 and group % 32 == 0 and k % group == 0
-            and side_ok
+            and side_ok and split_ok
             and n % 8 == 0 and weight.dtype == torch.int32 and weight.dim() == 2
             and weight.shape[1] == k // 8 and weight.stride(1) == 1
             and weight.stride(0) % 4 == 0 and weight.data_ptr() % 16 == 0
@@ -147,9 +155,21 @@ class _Prepared:
     k: int
     shared: int
     sms: int  # the GPU's multiprocessors
+    arrivals: torch.Tensor | None  # SPLITK > 1: a counter a tile, zero between launches
 
 
 _prepared: dict[tuple, _Prepared] = {}
+_ARRIVALS = 1 << 16  # tiles a split-K launch may have
+_arrival_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """The split-K tiles' arrival counters of `device`, allocated (zeroed) at the first call,
+    before any graph capture; each launch leaves them at zero. One stream at a time."""
+    t = _arrival_counters.get(device)
+    if t is None:
+        t = _arrival_counters[device] = torch.zeros(_ARRIVALS, dtype=torch.int32, device=device)
+    return t
 
 
 def _prepare(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -174,7 +194,7 @@ def _prepare(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         "STAGES": cfg.stages, "X_BF16": int(x.dtype == torch.bfloat16),
         "SCALE_KIND": _SCALE_KIND[scales.dtype], "HAS_ZEROS": int(zeros is not None),
         "HAS_BIAS": int(bias is not None), "GROUP_CHUNKS": gc,
-        "LEAN": int(cfg.lean)}, _source()[1])
+        "LEAN": int(cfg.lean), "SPLITK": cfg.splitk}, _source()[1])
     ptr = ctypes.c_void_p
     return _Prepared(
         kernel=kern,
@@ -184,7 +204,8 @@ def _prepare(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         strides=[ctypes.c_longlong(weight.stride(0)), ctypes.c_longlong(scales.stride(0)),
                  ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0)],
         n=n, k=k, shared=cfg.shared_bytes(gc, zeros is not None),
-        sms=torch.cuda.get_device_properties(x.device).multi_processor_count)
+        sms=torch.cuda.get_device_properties(x.device).multi_processor_count,
+        arrivals=_arrivals(x.device) if cfg.splitk > 1 else None)
 
 
 def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -218,11 +239,18 @@ def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     # RMSNorm before each GEMM took 99-109 us instead of 2.3, and W1's TTFT went from 6.8 to
     # 11.5 ms (2026-11-27-w4-gemm-prefill-profile-*-h100.txt). One wave also releases its own
     # dependent early (after its wait), as the batch-1 GEMVs do.
+    if cfg.splitk > 1 and grid > _ARRIVALS:
+        raise ValueError(f"split-K GEMM of {grid} tiles: at most {_ARRIVALS}")
+    partial = (torch.empty(cfg.splitk * m * n, dtype=torch.float32, device=x.device)
+               if cfg.splitk > 1 else None)
+    grid *= cfg.splitk
     one_wave = grid <= prep.sms
     args = [ctypes.c_void_p(x2.data_ptr()), *prep.static, ctypes.c_void_p(y.data_ptr()),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x2.stride(0)),
             *prep.strides, ctypes.c_longlong(y.stride(0)), ctypes.c_int(m_tiles),
             ctypes.c_int(int(one_wave))]
+    if partial is not None:  # the SPLITK > 1 kernel's two extra parameters
+        args += [ctypes.c_void_p(partial.data_ptr()), ctypes.c_void_p(prep.arrivals.data_ptr())]
     prep.kernel.launch(grid, cfg.threads, args, pdl=pdl.enabled() and one_wave,
                        shared_mem=prep.shared)
     return y.reshape(*x.shape[:-1], n)

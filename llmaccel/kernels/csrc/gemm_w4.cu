@@ -34,13 +34,16 @@
 // HAS_ZEROS (uint8 zeros [N, G], else zero point 8), HAS_BIAS, GROUP_CHUNKS, LEAN (1:
 // fragment addresses from per-thread offsets computed once and one x pointer walked over the
 // copy passes, fewer integer instructions a stage; an experiment until measured, see the
-// tile sweep).
+// tile sweep), SPLITK (K in that many block-sized parts; an experiment too).
 // Contract (gemm_w4_cuda.supports): K % BK == 0, N % 8 == 0, rows 16-byte aligned.
 
 #include "common.cuh"
 
 #ifndef LEAN
 #define LEAN 0
+#endif
+#ifndef SPLITK
+#define SPLITK 1  // K splits a tile (the last block to finish adds them)
 #endif
 
 #define THREADS (32 * WM * WN)
@@ -167,7 +170,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __restrict__ S,
         const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
         int M, int N, int K, long long stride_x, long long stride_w, long long stride_s,
-        long long stride_z, long long stride_y, int m_tiles, int early_release) {
+        long long stride_z, long long stride_y, int m_tiles, int early_release
+#if SPLITK > 1
+        , float* __restrict__ Partial, int* __restrict__ Arrivals
+#endif
+        ) {
   extern __shared__ __align__(16) unsigned char smem[];
   const u32 xs0 = smem_addr(smem);
   const u32 ws0 = xs0 + STAGES * A_STAGE_BYTES;
@@ -178,9 +185,20 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wm = warp / WN, wn = warp % WN;
+#if SPLITK > 1
+  // block order: the K splits of a tile, then the m tiles of one n tile are neighbours
+  // (they read the same codes). This block sums stages [sk0, sk0 + stages) of K (whole
+  // groups: the host checks); the tile's last block to finish adds the splits (epilogue).
+  const int ks = blockIdx.x % SPLITK, tile = blockIdx.x / SPLITK;
+  const int m0 = (tile % m_tiles) * BM, n0 = (tile / m_tiles) * BN;
+  const int stages = K / BK / SPLITK;
+  const int sk0 = ks * stages;
+#else
   // block order: the m tiles of one n tile are neighbours (they read the same codes)
   const int m0 = (blockIdx.x % m_tiles) * BM, n0 = (blockIdx.x / m_tiles) * BN;
   const int stages = K / BK;
+  constexpr int sk0 = 0;
+#endif
 
   // Copy assignments, fixed per thread: a thread always copies the same 16-byte column of
   // the x and code tiles, on rows a pass apart, so its global pointers and shared offsets
@@ -236,10 +254,10 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
     for (int p = 0; p < W_PASSES; ++p)
       if (p < w_rows)  // rows past N: never read (their results are not stored)
         cp_async16(w_off + slot * B_STAGE_BYTES + p * (W_RPP * CPS * 16),
-                   w_src + (long long)p * W_RPP * stride_w + s * (BK / 8), true);
+                   w_src + (long long)p * W_RPP * stride_w + (s + sk0) * (BK / 8), true);
 #if SPS > 0
     // the word holding (row, group) of each row and group of the stage
-    const int grp0 = (s * CPS) / GROUP_CHUNKS;
+    const int grp0 = ((s + sk0) * CPS) / GROUP_CHUNKS;
 #pragma unroll
     for (int p = 0; p < S_PASSES; ++p) {
       if (!s_ok[p]) continue;
@@ -260,7 +278,7 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
 #if LEAN
     // one pointer walked over the passes (a 64-bit multiply a copy otherwise); rows past M
     // copy nothing from the thread's first row (a valid address)
-    const u16* row0 = (x_rows > 0 ? x_src : X) + s * BK;
+    const u16* row0 = (x_rows > 0 ? x_src : X) + (s + sk0) * BK;
     const u16* src = row0;
 #pragma unroll
     for (int p = 0; p < X_PASSES; ++p) {
@@ -274,7 +292,7 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
     for (int p = 0; p < X_PASSES; ++p)
       if (xr0 + p * X_RPP < BM)
         cp_async16(x_off + slot * A_STAGE_BYTES + p * (X_RPP * XC * 16),
-                   p < x_rows ? x_src + (long long)p * X_RPP * stride_x + s * BK : X,
+                   p < x_rows ? x_src + (long long)p * X_RPP * stride_x + (s + sk0) * BK : X,
                    p < x_rows);
 #endif
   };
@@ -372,7 +390,7 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
     for (int kc = 0; kc < CPS; ++kc) {
       // B: word t of chunk kc of the warp's rows, to four (code - zero) pairs per n8 tile
 #if SPS > 0
-      const int grp = (s * CPS + kc) / GROUP_CHUNKS;  // the chunk's group
+      const int grp = ((s + sk0) * CPS + kc) / GROUP_CHUNKS;  // the chunk's group
       const int q = GROUP_CHUNKS >= CPS ? 0 : kc / GROUP_CHUNKS;  // its index in the stage
 #if HAS_ZEROS
       u32 negoff[NTW];
@@ -429,7 +447,7 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
             mma(part[(2 * kc + h) % PSPLIT][i][j], a[i][4 * h], a[i][4 * h + 1], a[i][4 * h + 2], a[i][4 * h + 3],
                 b[j][2 * h], b[j][2 * h + 1]);
 #if SPS > 0
-      if ((s * CPS + kc + 1) % GROUP_CHUNKS == 0) {  // the group ends: scale its sums into acc
+      if (((s + sk0) * CPS + kc + 1) % GROUP_CHUNKS == 0) {  // the group ends: scale its sums into acc
 #pragma unroll
         for (int j = 0; j < NTW; ++j) {
           const int c = wn * (8 * NTW) + 8 * j + 2 * t;
@@ -454,6 +472,49 @@ gemm_w4(const u16* __restrict__ X, const u32* __restrict__ W, const void* __rest
     for (int j = 0; j < NTW; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = take_part(part, i, j, e) * sc[j][e & 1];
+#endif
+
+#if SPLITK > 1
+  // Each split writes its fp32 sums to Partial [SPLITK, M, N]; the tile's last block to
+  // arrive (Arrivals[tile], reset by that block for the next launch) adds them in split
+  // order, so the result does not depend on which block came last.
+#pragma unroll
+  for (int j = 0; j < NTW; ++j)
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = m0 + wm * (16 * MT) + 16 * i + g + 8 * h, col = ncol0 + 8 * j;
+        if (row < M && col < N)
+          *reinterpret_cast<float2*>(Partial + ((long long)ks * M + row) * N + col) =
+              make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+      }
+  __threadfence();
+  __syncthreads();
+  __shared__ int last;
+  if (tid == 0) last = atomicAdd(Arrivals + tile, 1) == SPLITK - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+#pragma unroll
+  for (int j = 0; j < NTW; ++j)
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = m0 + wm * (16 * MT) + 16 * i + g + 8 * h, col = ncol0 + 8 * j;
+        if (row >= M || col >= N) continue;
+        float2 sum = make_float2(0.f, 0.f);
+        for (int q = 0; q < SPLITK; ++q) {  // through L2: other blocks wrote these
+          const float2 v = __ldcg(reinterpret_cast<const float2*>(
+              Partial + ((long long)q * M + row) * N + col));
+          sum.x += v.x;
+          sum.y += v.y;
+        }
+        acc[i][j][2 * h] = sum.x;
+        acc[i][j][2 * h + 1] = sum.y;
+      }
+  if (tid == 0) Arrivals[tile] = 0;
 #endif
 
   // Epilogue: rows g and g + 8 of each m16 tile, columns 2t and 2t + 1 of each n8 tile.
