@@ -233,12 +233,13 @@ def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         return y.reshape(*x.shape[:-1], n)
     m_tiles = -(-m // cfg.block_m)
     grid = m_tiles * -(-n // cfg.block_n)
-    # Programmatic dependent launch only for a one-wave grid. Launched early, this kernel's
-    # blocks (up to 72 KiB of shared memory and 255 registers a thread each) park on the SMs
-    # in their PDL wait and starve the kernel before them: in an eager 128-row prefill the
-    # RMSNorm before each GEMM took 99-109 us instead of 2.3, and W1's TTFT went from 6.8 to
-    # 11.5 ms (2026-11-27-w4-gemm-prefill-profile-*-h100.txt). One wave also releases its own
-    # dependent early (after its wait), as the batch-1 GEMVs do.
+    # Programmatic dependent launch only for a one-wave grid, which also releases its own
+    # dependent early (after its wait), as the batch-1 GEMVs do. Launched early, a larger
+    # grid's blocks (up to 72 KiB of shared memory and 255 registers a thread each) would sit
+    # on the SMs in their wait while the kernel before them still needs them. The slow
+    # prefill that suggested this turned out to be the tile choice (profiles with and without
+    # it: 2026-11-27-w4-gemm-prefill-profile-*-h100.txt); kept as the safe choice, and its
+    # effect on 2-16-row decode steps (160 blocks for qkv) is not measured.
     if cfg.splitk > 1 and grid > _ARRIVALS:
         raise ValueError(f"split-K GEMM of {grid} tiles: at most {_ARRIVALS}")
     partial = (torch.empty(cfg.splitk * m * n, dtype=torch.float32, device=x.device)
