@@ -19,16 +19,19 @@ def _is_linear(name: str) -> bool:
     return "gemv" in name or name.startswith("_linear_kernel")
 
 
-def build_llm(shape: str, quantization: str | None):
-    """The engine on a shape's dummy weights, quantized by a preset name (None / bf16: not)."""
+def build_llm(model: str, quantization: str | None, *, dummy: bool = True,
+              dtype: str = "bfloat16"):
+    """The engine for a profile: `model`'s weights or, `dummy`, random ones of a shape name;
+    quantized by a preset name (None / bf16: not)."""
     from llmaccel import LLM
 
     extra = {}
     if quantization and quantization != "bf16":
         from llmaccel.quant.presets import preset_config
         extra["hf_overrides"] = {"quantization_config": preset_config(quantization)}
-    return LLM(shape, load_format="dummy", dtype="bfloat16", max_model_len=2048, **extra,
-               skip_tokenizer_init=True, enable_prefix_caching=False)
+    if dummy:
+        extra.update(load_format="dummy", skip_tokenizer_init=True)
+    return LLM(model, dtype=dtype, max_model_len=2048, enable_prefix_caching=False, **extra)
 
 
 def main() -> None:
