@@ -144,9 +144,9 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
 
 @dataclass
 class _Prepared:
-    """What a call needs beyond x and y, worked out once per weight, dtype and tile: prefill
-    runs eagerly, one Python launch per layer, and the checks and argument building of a
-    first call cost more CPU time than the kernel takes on the GPU."""
+    """What a call needs beyond x and y, worked out once per weight, dtype and tile (the
+    checks, the compiled kernel, the fixed launch arguments): eager prefill calls each layer
+    once a step, and none of this changes between calls."""
 
     kernel: cuda_rtc.CudaKernel
     static: list  # ctypes args: weight, scales, zeros, bias

@@ -128,8 +128,9 @@ W4_GEMM_MAX_M = int(os.environ.get("LLMACCEL_W4_GEMM_MAX_M", "128"))
 
 
 def _use_w4_gemm(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Decided once per layer, activation dtype and bias (the checks cost more CPU time than
-    an eager prefill's kernel takes; the weights never change after loading)."""
+    """Decided once per layer, activation dtype and bias: the weights never change after
+    loading, so the checks (tensor queries, the device's CUDA C support) need not run per
+    call."""
     if not (W4_GEMM and 2 <= x2.shape[0] <= W4_GEMM_MAX_M):
         return False
     cache = layer.__dict__.setdefault("_w4_gemm_ok", {})
@@ -231,7 +232,7 @@ class PackedLinearMethod(LinearMethodBase):
             w4_gemm = self.bits == 4 and _w4_gemm_available(layer)
             if w4_gemm:
                 kernel += (f"; 2-{W4_GEMM_MAX_M} rows: CUDA C tensor-core W4A16 GEMM "
-                           "(kernels/csrc/gemm_w4.cu, tile by rows)")
+                           "(kernels/csrc/gemm_w4.cu, tile by rows and columns)")
             min_m = DEQUANT_GEMM_MIN_M.get(self.bits, 0)
             if min_m:
                 if w4_gemm:
