@@ -22,8 +22,8 @@ import torch
 
 from llmaccel.kernels import cuda_rtc, pdl
 from llmaccel.kernels.gemv_w4 import check_side_tensors
+from llmaccel.kernels.gemv_w4_cuda import SCALE_KINDS
 
-_SCALE_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 MAX_SHARED = 227 * 1024  # an H100 block's dynamic shared memory limit
 
 
@@ -138,7 +138,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             and n % 8 == 0 and weight.dtype == torch.int32 and weight.dim() == 2
             and weight.shape[1] == k // 8 and weight.stride(1) == 1
             and weight.stride(0) % 4 == 0 and weight.data_ptr() % 16 == 0
-            and scales.dtype in _SCALE_KIND and (bias is None or bias.dtype == x.dtype)
+            and scales.dtype in SCALE_KINDS and (bias is None or bias.dtype == x.dtype)
             and cuda_rtc.available(x.device))
 
 
@@ -192,7 +192,7 @@ def _prepare(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     kern = cuda_rtc.get_kernel(_source()[0], "gemm_w4", x.device, {
         "WM": cfg.wm, "WN": cfg.wn, "MT": cfg.mt, "NTW": cfg.ntw, "CPS": cfg.cps,
         "STAGES": cfg.stages, "X_BF16": int(x.dtype == torch.bfloat16),
-        "SCALE_KIND": _SCALE_KIND[scales.dtype], "HAS_ZEROS": int(zeros is not None),
+        "SCALE_KIND": SCALE_KINDS[scales.dtype], "HAS_ZEROS": int(zeros is not None),
         "HAS_BIAS": int(bias is not None), "GROUP_CHUNKS": gc,
         "LEAN": int(cfg.lean), "SPLITK": cfg.splitk}, _source()[1])
     ptr = ctypes.c_void_p

@@ -73,7 +73,8 @@ def _source() -> tuple[str, dict[str, str]]:
     return cuda_rtc.source_files("gemv_w4.cu", "common.cuh")
 
 
-_SCALE_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# common.cuh's SCALE_KIND of each scale dtype (the int4 GEMV and GEMM)
+SCALE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -87,7 +88,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             and k > 0 and k % 32 == 0 and group % 32 == 0 and k % group == 0
             and weight.dtype == torch.int32 and weight.dim() == 2 and weight.shape[1] == k // 8
             and weight.stride(1) == 1 and weight.stride(0) % 4 == 0
-            and weight.data_ptr() % 16 == 0 and scales.dtype in _SCALE_KIND
+            and weight.data_ptr() % 16 == 0 and scales.dtype in SCALE_KINDS
             and (bias is None or bias.dtype == x.dtype)
             and cuda_rtc.available(x.device))
 
@@ -205,7 +206,7 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     x1 = _aligned(x.reshape(x.shape[-1]))
     kern = cuda_rtc.get_kernel(_source()[0], "gemv_w4", x.device, {
         "ROWS": cfg.rows, "CHUNKS": cfg.chunks, "THREADS": threads,
-        "X_BF16": int(x.dtype == torch.bfloat16), "SCALE_KIND": _SCALE_KIND[scales.dtype],
+        "X_BF16": int(x.dtype == torch.bfloat16), "SCALE_KIND": SCALE_KINDS[scales.dtype],
         "HAS_ZEROS": int(zeros is not None), "HAS_BIAS": int(bias is not None),
         "MATH": cfg.math, "PROLOGUE": 1 if norm_weight is not None else (2 if silu else 0),
         "RESIDUAL": int(residual is not None), "SILU_OUT": int(silu_out),
