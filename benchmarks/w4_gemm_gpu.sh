@@ -5,6 +5,12 @@
 #   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w1  W1 on the 3B shape: bf16, GPTQ int4 and
 #        GPTQ int4 + int4 head with the GEMM (its default bound, or LLMACCEL_W4_GEMM_MAX_M), then
 #        the int4 rows without it (LLMACCEL_W4_GEMM=0)
+#   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG tests  the GPU tests of the W4 GEMM and of the
+#        paged decode attention
+#   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG gemv-table  exp_w4_cuda.py: the batch-1 GEMV's
+#        tiles per 3B shape, the fastest merged into this GPU's table (copied to OUT_DIR)
+#   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w1-attn  W1 bf16 and GPTQ int4 + int4 head with
+#        the decode attention's step inputs read after its PDL wait (LLMACCEL_ATTN_EARLY_INPUTS=0)
 #   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w2  W2 (offline throughput): bf16 and GPTQ int4
 #        with the GEMM, then GPTQ int4 without it
 set -uo pipefail
@@ -25,6 +31,23 @@ w1() {  # NAME QUANTS, env from the caller
     echo "== exp_w4_gemm.py"
     python3 benchmarks/exp_w4_gemm.py --out "$out" ${ROWS:+--rows $ROWS} 2>&1 | tail -40
     mv "$out/exp_w4_gemm.jsonl" "$out/$tag-kernel.jsonl"
+  elif [ "$part" = tests ]; then
+    python3 -m pytest -q -m gpu tests/test_kernels_gemm_w4_cuda.py \
+      tests/test_kernels_paged_attention.py -p no:cacheprovider 2>&1 | tail -3
+  elif [ "$part" = gemv-table ]; then
+    python3 benchmarks/exp_w4_cuda.py --out "$out" --out-table auto 2>&1 | tail -9
+    mv "$out/exp_w4_cuda.jsonl" "$out/$tag-gemv-table.jsonl"
+    cp "$(python3 -c 'import torch; from llmaccel.kernels.gemm_tuning import CONFIG_DIR, device_file_name
+print(CONFIG_DIR / device_file_name(torch.cuda.get_device_name()))')" "$out/"
+  elif [ "$part" = w1-attn ]; then
+    echo "== W1, attention step inputs after the PDL wait"
+    LLMACCEL_ATTN_EARLY_INPUTS=0 w1 attn-late bf16,gptq-int4-g128-lm-head
+    python3 - "$out/W1-$tag-attn-late.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r.get("quantization"), r.get("metric"), r.get("value"))
+PY
   elif [ "$part" = w1 ]; then
     echo "== W1 with the W4 GEMM (default bound, LLMACCEL_W4_GEMM_MAX_M=${LLMACCEL_W4_GEMM_MAX_M:-default})"
     w1 gemm bf16,gptq-int4-g128,gptq-int4-g128-lm-head

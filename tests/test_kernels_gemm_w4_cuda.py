@@ -25,9 +25,8 @@ from llmaccel.kernels.gemm_w4_cuda import (DEFAULT_CONFIGS, GemmW4Config, _sourc
                                            supports, w4a16_gemm_cuda)
 
 
-# the default tiles with LEAN (the .cu), and split-K tiles: built for the next sweep, checked
-# here first
-LEAN_CONFIGS = tuple(GemmW4Config(c.wm, c.wn, c.mt, c.ntw, c.cps, c.stages, True)
+# the default tiles without LEAN (the .cu; the defaults before run 6), and split-K tiles
+VARIANT_CONFIGS = tuple(GemmW4Config(c.wm, c.wn, c.mt, c.ntw, c.cps, c.stages, not c.lean)
                      for c in DEFAULT_CONFIGS) + (
     GemmW4Config(2, 2, 4, 4, 4, 3, True, 2), GemmW4Config(2, 2, 4, 4, 4, 3, False, 3),
     GemmW4Config(1, 4, 1, 1, 4, 6, True, 4))
@@ -46,13 +45,14 @@ def test_tiles_by_rows_and_columns():
     from llmaccel.kernels.gemm_w4_cuda import DECODE_NARROW, DECODE_WIDE, SHORT, TALL
 
     # llama-3.2-3b: qkv 5120, o / down 3072, gate_up 16384 columns (the sweeps' winners)
-    assert config_for(2, 5120) == DECODE_NARROW and config_for(16, 3072) == DECODE_NARROW
-    assert config_for(16, 16384) == DECODE_WIDE
+    assert config_for(2, 3072) == DECODE_NARROW and config_for(16, 3072) == DECODE_NARROW
+    # 16 x 32 would give qkv 160 blocks, more than one wave
+    assert config_for(2, 5120) == DECODE_WIDE and config_for(16, 16384) == DECODE_WIDE
     assert config_for(128, 16384) == TALL[0] and config_for(64, 16384) == TALL[1]
     assert config_for(128, 5120) == SHORT and config_for(128, 3072) == SHORT
     assert config_for(256, 5120) == TALL[1] and config_for(17, 16384) == SHORT
     for cfg in DEFAULT_CONFIGS:
-        assert cfg.valid() and cfg.threads == 128
+        assert cfg.valid() and cfg.threads == 128 and cfg.lean
     assert GemmW4Config(2, 2, 4, 4, cps=3).valid() is False
     assert not GemmW4Config(8, 8, 16, 4, stages=8).valid()  # shared memory
 
@@ -106,7 +106,7 @@ def test_not_chosen_off_cuda_or_for_shapes_it_cannot_take(monkeypatch):
 def test_source_compiles_with_nvrtc(arch, monkeypatch):
     use_nvrtc(monkeypatch)
     src, headers = _source()
-    for cfg in DEFAULT_CONFIGS + LEAN_CONFIGS + (GemmW4Config(2, 2, 4, 2, cps=4, stages=3),
+    for cfg in DEFAULT_CONFIGS + VARIANT_CONFIGS + (GemmW4Config(2, 2, 4, 2, cps=4, stages=3),
                                                  GemmW4Config(1, 4, 1, 2, cps=1, stages=6)):
         for xb, kind, zeros, gc in ((1, 0, 0, 4), (0, 1, 1, 1), (1, 2, 1, 0)):
             defines = {"WM": cfg.wm, "WN": cfg.wn, "MT": cfg.mt, "NTW": cfg.ntw,
@@ -223,7 +223,7 @@ gpu = pytest.mark.gpu
 @pytest.mark.parametrize("n,k,group", [(5120, 3072, 128), (200, 1536, 32), (72, 8960, 128),
                                        (64, 256, -1)])
 @pytest.mark.parametrize("zeros", [False, True])
-@pytest.mark.parametrize("cfg", DEFAULT_CONFIGS + LEAN_CONFIGS
+@pytest.mark.parametrize("cfg", DEFAULT_CONFIGS + VARIANT_CONFIGS
                          + (GemmW4Config(2, 2, 4, 2, 4, 3),), ids=lambda c: c.describe())
 def test_gpu_matches_reference(m, n, k, group, zeros, cfg):
     if not cuda_rtc.available():

@@ -38,7 +38,7 @@ class GemmW4Config:
     ntw: int
     cps: int = 2
     stages: int = 4
-    lean: bool = False  # fewer integer instructions a stage (LEAN in the .cu; an experiment)
+    lean: bool = False  # fewer integer instructions a stage (LEAN in the .cu; the defaults)
     splitk: int = 1  # K in this many parts, added by each tile's last block (an experiment)
 
     @property
@@ -81,25 +81,27 @@ class GemmW4Config:
                 and self.shared_bytes(1, True) <= MAX_SHARED)  # the most side bytes
 
 
-# Tiles, from the sweeps on the llama-3.2-3b shapes (H100, 2026-11-27-w4-gemm-h100.md): up to
-# 16 rows one m16 tile a warp and 32 (or, for wide layers, 64) columns a block; above, the
-# tallest block that still gives the grid two blocks an SM, else 32 x 64.
-DECODE_NARROW = GemmW4Config(wm=1, wn=4, mt=1, ntw=1, cps=4, stages=6)  # 16 x 32
-DECODE_WIDE = GemmW4Config(wm=1, wn=4, mt=1, ntw=2, cps=4, stages=4)    # 16 x 64
-TALL = (GemmW4Config(wm=2, wn=2, mt=4, ntw=4, cps=4, stages=3),         # 128 x 64
-        GemmW4Config(wm=2, wn=2, mt=2, ntw=4, cps=4, stages=3))         # 64 x 64
-SHORT = GemmW4Config(wm=1, wn=4, mt=2, ntw=2, cps=4, stages=4)          # 32 x 64
+# Tiles, from the sweeps on the llama-3.2-3b shapes (H100; 2026-11-27-w4-gemm-h100.md, run 6):
+# all LEAN, which was faster on every shape and row count (8-128 rows: 4-20%). Up to 16 rows one
+# m16 tile a warp and 32 columns a block, or 64 where 32 would take more than one wave of
+# blocks; above, the tallest block that still gives the grid two blocks an SM, else 32 x 64.
+DECODE_NARROW = GemmW4Config(wm=1, wn=4, mt=1, ntw=1, cps=4, stages=4, lean=True)  # 16 x 32
+DECODE_WIDE = GemmW4Config(wm=1, wn=4, mt=1, ntw=2, cps=4, stages=3, lean=True)    # 16 x 64
+TALL = (GemmW4Config(wm=2, wn=2, mt=4, ntw=4, cps=4, stages=3, lean=True),         # 128 x 64
+        GemmW4Config(wm=2, wn=2, mt=2, ntw=4, cps=4, stages=3, lean=True))         # 64 x 64
+SHORT = GemmW4Config(wm=1, wn=4, mt=2, ntw=2, cps=4, stages=4, lean=True)          # 32 x 64
 DEFAULT_CONFIGS = (DECODE_NARROW, DECODE_WIDE, *TALL, SHORT)
 MIN_BLOCKS = 256  # two blocks per SM of an H100 (132 SMs), about
+ONE_WAVE = 132  # blocks: one per SM of an H100
 
 
 def config_for(m: int, n: int) -> GemmW4Config:
-    """The tile for m rows of an N-column layer. Measured: at 2-16 rows the 16 x 32 tile on
-    qkv, o and down (12.9 / 9.6 / 22.7 us) and 16 x 64 on gate_up (18.4); at 128 rows 32 x 64
-    on qkv, o and down (32.0 / 22.9 / 58.0 us against 46.8 / 46.6 / 119.8 for 128 x 64) and
-    128 x 64 on gate_up (61.7)."""
+    """The tile for m rows of an N-column layer. Measured (run 6, us): at 8-16 rows 16 x 32 on
+    o and down (8.5 / 20.1) and 16 x 64 on qkv and gate_up (11.1 / 16.3; 16 x 32 gives qkv 160
+    blocks, more than a wave: 11.5); at 128 rows 32 x 64 on qkv, o and down (28.6 / 20.2 /
+    51.3) and 128 x 64 on gate_up (49.7)."""
     if m <= 16:
-        return DECODE_NARROW if -(-n // DECODE_NARROW.block_n) <= MIN_BLOCKS else DECODE_WIDE
+        return DECODE_NARROW if -(-n // DECODE_NARROW.block_n) <= ONE_WAVE else DECODE_WIDE
     for cfg in TALL:
         if cfg.block_m <= -(-m // 16) * 16 and \
                 -(-m // cfg.block_m) * -(-n // cfg.block_n) >= MIN_BLOCKS:

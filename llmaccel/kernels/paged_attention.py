@@ -52,16 +52,27 @@ def _paged_decode_kernel(
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr, FUSED_COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    EARLY_INPUTS: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
+    if not EARLY_INPUTS:
+        pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Before the PDL wait: the sequence's length and its first tile's block ids. They are step
+    # inputs, staged before the step's first layer, so at least two launches back, which a
+    # PDL kernel may read before its wait (see kernels/pdl.py); q and the K/V cache are not
+    # (the kernel before this one writes the new tokens' K/V). This takes two dependent
+    # loads off the path after the wait.
     seq_len = tl.load(SeqLens + seq)
     # Whole tiles per split, so every split but the last starts and ends on a tile boundary.
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    pos = start + tl.arange(0, BLOCK_N)
+    block = tl.load(BlockTables + seq * stride_bt + pos // BLOCK_SIZE, mask=pos < end, other=0)
+    if EARLY_INPUTS:
+        pdl_enter(USE_PDL)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
@@ -77,8 +88,10 @@ def _paged_decode_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         p_mask = pos < end
-        block = tl.load(BlockTables + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
         offs = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        # the next tile's block ids, loaded while this tile computes
+        block = tl.load(BlockTables + seq * stride_bt + (pos + BLOCK_N) // BLOCK_SIZE,
+                        mask=pos + BLOCK_N < end, other=0)
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(K + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * qk_scale
@@ -181,6 +194,9 @@ def _combine_splits_kernel(
 # The last split of a (sequence, KV head) merges the splits in the decode kernel itself
 # (LLMACCEL_ATTN_FUSED_COMBINE=0: the separate combine kernel, to measure it).
 FUSED_COMBINE = os.environ.get("LLMACCEL_ATTN_FUSED_COMBINE", "1") == "1"
+# The decode kernel reads the step's context lengths and block tables before its PDL wait
+# (LLMACCEL_ATTN_EARLY_INPUTS=0: after it, as before, to measure it).
+EARLY_INPUTS = os.environ.get("LLMACCEL_ATTN_EARLY_INPUTS", "1") == "1"
 # Arrival counters of the fused combine, one int32 per (sequence, KV head), per KV cache (so
 # two models' attention, e.g. a draft's on another stream, never share one). Zeroed once
 # outside graph capture; each call leaves them at 0 again.
@@ -298,7 +314,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         # fp32 models get full-precision dots (the default would round inputs to TF32).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         USE_PDL=pdl.enabled(), FUSED_COMBINE=counters is not None,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), **pdl.launch_kwargs(),
+        SPLITS_PAD=triton.next_power_of_2(num_splits), EARLY_INPUTS=EARLY_INPUTS,
+        **pdl.launch_kwargs(),
     )
     if num_splits > 1 and counters is None:
         _combine_splits_kernel[(num_seqs, num_heads)](

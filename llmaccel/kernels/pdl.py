@@ -13,6 +13,11 @@ anything at all; it calls `gdc_launch_dependents()` only after that wait. A kern
 run at most one kernel ahead, and waiting on the previous kernel transitively waits on all
 earlier ones. Kernels launched without PDL (torch's) serialize as usual.
 
+It follows that when a kernel starts, the kernel two launches back has finished: the one
+before it released it only after its own wait. So data written two or more launches back may
+be read before the wait. The decode attention kernel reads the step's staged inputs (context
+lengths, block tables) that way; they are written before the first layer's kernels.
+
 Never on below compute capability 9.0 or in Triton's interpreter (CPU): there the plain launch
 is the path, so nothing on the default path needs Hopper. On 9.0+ `configure` turns it on by
 default where a probe kernel launched with PDL ran; LLMACCEL_PDL=0 turns it off (to measure
