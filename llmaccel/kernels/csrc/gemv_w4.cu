@@ -31,10 +31,31 @@
 // the residual stream and gets the product added in place), SILU_OUT (a [gate; up] layer
 // whose output is silu(gate) * up, N / 2 wide; ROWS even), and ROPE (a fused qkv layer of
 // one decode token: rotary embedding and the paged K/V cache write in the epilogue, below).
+//
+// Norm statistics, for decode layers without RMSNorm kernels (models/transformer.py
+// `forward_norm_stats`): PROLOGUE 3 is PROLOGUE 1 with the row's sum of squares read from
+// Stats (32 fp64 slots, STATS_STRIDE doubles apart) instead of summed over the block, which
+// the layer producing the row left there; STATS_OUT (with RESIDUAL) is that producer: the
+// squares of the new residual values, summed per block, are added into StatsOut's slot
+// blockIdx % 32 with a fp64 atomic; STATS_ZERO (with RESIDUAL): block 0 zeroes StatsZero's
+// slots (read by the kernel before, or two before, so finished after the wait) for the next
+// step. The slots
+// are fp64 so that the atomics' order changes nothing at fp32 resolution: a bf16 or fp16
+// square is exact in fp32, and fp64 sums of those are exact or within 2^-53.
+// RESIDUAL 2 reads the residual stream's old values before the PDL wait: the caller
+// guarantees no kernel of the last two launches wrote them.
 
 #include "common.cuh"
 
 #define NWARPS ((THREADS + 31) / 32)
+#define STATS_SLOTS 32
+#define STATS_STRIDE 16  // doubles: a slot per 128-byte line
+#ifndef STATS_OUT
+#define STATS_OUT 0
+#endif
+#ifndef STATS_ZERO
+#define STATS_ZERO 0
+#endif
 
 // (nibble p of src) - zero, exact: magic[p] is the bit pattern of 2^(23-4p), off[p] is
 // 2^(23-4p) + zero. The magic patterns come in as a kernel argument: as compile-time
@@ -141,6 +162,8 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
         const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
         int N, int K, int group, long long stride_w16, long long stride_s, long long stride_z,
         u32 magic0, const u16* __restrict__ NormW, float eps,
+        const double* __restrict__ Stats, double* __restrict__ StatsOut,
+        double* __restrict__ StatsZero,
         const long long* __restrict__ Positions, const float* __restrict__ CosSin,
         long long stride_c, const long long* __restrict__ Slots, u16* __restrict__ KCache,
         u16* __restrict__ VCache, long long stride_cb, long long stride_cs,
@@ -175,7 +198,7 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #endif
     }
   }
-#if PROLOGUE == 1
+#if PROLOGUE == 1 || PROLOGUE == 3
   uint4 nw[CHUNKS][4];  // the RMSNorm weight of the thread's columns: read-only too
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) {
@@ -215,8 +238,19 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #endif
   }
 #endif
+#if RESIDUAL == 2
+  // the residual stream's old values of the block's rows (see the header)
+  float res_old = 0.f;
+  if (threadIdx.x < ROWS && row0 + (int)threadIdx.x < N)
+    res_old = act_to_float(__ldcg(Y + row0 + threadIdx.x));
+#endif
   // 2. The input, written by the previous kernel.
   pdl_wait();
+#if PROLOGUE == 3
+  // the row's sum of squares, left in the slots by the previous kernel: each warp adds the
+  // 32 slots in the same order
+  double ss_row = __ldcg(Stats + STATS_STRIDE * (threadIdx.x & 31));
+#endif
   float xv[CHUNKS][32];
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) {
@@ -244,6 +278,19 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #pragma unroll
       for (int i = 0; i < 32; ++i) ss = fmaf(xv[j][i], xv[j][i], ss);
     const float rstd = rsqrtf(block_sum(ss) / (float)K + eps);
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+      float wn[32];
+      unpack_chunk(nw[j], wn);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) xv[j][i] = round_act(wn[i] * round_act(xv[j][i] * rstd));
+    }
+  }
+#elif PROLOGUE == 3
+  {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss_row += __shfl_xor_sync(0xffffffffu, ss_row, o);
+    const float rstd = rsqrtf((float)ss_row / (float)K + eps);
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
       float wn[32];
@@ -373,6 +420,11 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
   }
 }
 #else
+#if STATS_ZERO
+  if (blockIdx.x == 0 && threadIdx.x < STATS_SLOTS) StatsZero[STATS_STRIDE * threadIdx.x] = 0.0;
+#endif
+  float sq = 0.f;  // STATS_OUT: the square of the new residual value
+  (void)sq;
   if (threadIdx.x < ROWS && row0 + (int)threadIdx.x < N) {
     float y = 0.f;
 #pragma unroll
@@ -380,11 +432,25 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #if HAS_BIAS
     y += act_to_float(__ldg(Bias + row0 + threadIdx.x));  // one rounding, as gemv_w4.py
 #endif
-#if RESIDUAL
+#if RESIDUAL == 2
+    y = round_act(y) + res_old;
+#elif RESIDUAL
     // Y holds the residual stream: Y += product, rounded as the unfused layers round
     y = round_act(y) + act_to_float(__ldcg(Y + row0 + threadIdx.x));
 #endif
-    Y[row0 + threadIdx.x] = float_to_act(y);
+    const u16 out = float_to_act(y);
+    Y[row0 + threadIdx.x] = out;
+#if STATS_OUT
+    const float h = act_to_float(out);
+    sq = h * h;
+#endif
   }
+#if STATS_OUT
+  if (threadIdx.x < 32) {  // ROWS <= 32: the block's rows are warp 0's lanes
+    sq = warp_sum(sq);
+    if (threadIdx.x == 0)
+      atomicAdd(StatsOut + STATS_STRIDE * (blockIdx.x % STATS_SLOTS), (double)sq);
+  }
+#endif
 }
 #endif
