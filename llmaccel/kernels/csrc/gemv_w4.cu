@@ -32,16 +32,15 @@
 // whose output is silu(gate) * up, N / 2 wide; ROWS even), and ROPE (a fused qkv layer of
 // one decode token: rotary embedding and the paged K/V cache write in the epilogue, below).
 //
-// Norm statistics, for decode layers without RMSNorm kernels (models/transformer.py
-// `forward_norm_stats`): PROLOGUE 3 is PROLOGUE 1 with the row's sum of squares read from
-// Stats (32 fp64 slots, STATS_STRIDE doubles apart) instead of summed over the block, which
-// the layer producing the row left there; STATS_OUT (with RESIDUAL) is that producer: the
-// squares of the new residual values, summed per block, are added into StatsOut's slot
-// blockIdx % 32 with a fp64 atomic; STATS_ZERO (with RESIDUAL): block 0 zeroes StatsZero's
-// slots (read by the kernel before, or two before, so finished after the wait) for the next
-// step. The slots
-// are fp64 so that the atomics' order changes nothing at fp32 resolution: a bf16 or fp16
-// square is exact in fp32, and fp64 sums of those are exact or within 2^-53.
+// Norm statistics, for decode layers without RMSNorm kernels (models/norm_stats.py):
+// PROLOGUE 3 is PROLOGUE 1 with the row's sum of squares read from Stats (32 fp64 slots,
+// STATS_STRIDE doubles apart), which the kernel that wrote the row left there, instead of
+// summed over the block. STATS_OUT (with RESIDUAL) is that writer: the squares of the new
+// residual values, summed per block, are added into StatsOut's slot blockIdx % 32 with a fp64
+// atomic. STATS_ZERO (with RESIDUAL): block 0 zeroes StatsZero's slots, after the wait, for
+// the next step (their reader is the kernel before, or two before: finished by then). The
+// slots are fp64 so that the atomics' order changes nothing at fp32 resolution: a bf16 or
+// fp16 square is exact in fp32, and fp64 sums of those are exact or within 2^-53.
 // RESIDUAL 2 reads the residual stream's old values before the PDL wait: the caller
 // guarantees no kernel of the last two launches wrote them.
 
