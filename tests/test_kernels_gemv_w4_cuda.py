@@ -435,6 +435,9 @@ def test_gpu_engine_rope_epilogue_same_tokens(shape, monkeypatch):
         return q
 
     monkeypatch.setattr(linear_methods.PackedLinearMethod, "apply_qkv_rope", spy)
+    from llmaccel.models import norm_stats
+
+    monkeypatch.setattr(norm_stats, "ENABLED", False)  # the unfused layers' qkv, both ways
     tokens = {}
     for fused in (True, False):
         monkeypatch.setattr(lq, "QKV_ROPE_EPILOGUE", fused)

@@ -36,7 +36,11 @@ ENABLED = os.environ.get("LLMACCEL_NORM_STATS", "1") == "1"
 def _layer_takes(layer, x: torch.Tensor) -> bool:
     """Every product of `layer` takes the norm-statistics GEMVs for rows like `x`, its norms
     and rope run on the kernels, and the qkv GEMV can rotate and write the cache."""
+    from llmaccel.models.layers import quantization
+
     attn, mlp = layer.self_attn, layer.mlp
+    if not quantization.QKV_ROPE_EPILOGUE:  # the qkv GEMV must write the cache
+        return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not all(hasattr(lin.quant_method, "takes_norm_stats") for lin in linears):
         return False

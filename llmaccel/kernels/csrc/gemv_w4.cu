@@ -247,8 +247,9 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
   pdl_wait();
 #if PROLOGUE == 3
   // the row's sum of squares, left in the slots by the previous kernel: each warp adds the
-  // 32 slots in the same order
-  double ss_row = __ldcg(Stats + STATS_STRIDE * (threadIdx.x & 31));
+  // 32 slots in the same order. A plain (L1-cached) load, as x's: through L2 only, every warp
+  // of the grid would queue on the same 32 lines.
+  double ss_row = Stats[STATS_STRIDE * (threadIdx.x & 31)];
 #endif
   float xv[CHUNKS][32];
 #pragma unroll
