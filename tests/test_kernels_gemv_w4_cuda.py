@@ -465,7 +465,8 @@ def test_gpu_norm_statistics_variants(cfg):
     wait and statistics out equals the plain residual epilogue, leaves sum(h^2) in the slot
     heads and zeroes another set; gate_up with the norm from those statistics equals the
     block-summed norm (PROLOGUE 1) up to the fp32 summation order; qkv with the norm from
-    statistics and rope equals rope on the norm computed in PyTorch."""
+    statistics and rope equals rope on the norm computed in PyTorch. The statistics norm is
+    not rounded to bf16 before the product (see the .cu), hence the bf16-level tolerances."""
     from llmaccel.kernels.gemv_w4_cuda import STATS_SLOTS, STATS_STRIDE, new_norm_stats
 
     if not cuda_rtc.available():
@@ -486,7 +487,8 @@ def test_gpu_norm_statistics_variants(cfg):
     slots = stats[0].view(STATS_SLOTS, STATS_STRIDE)
     ss = float(slots[:, 0].sum())
     assert abs(ss - float((got_h.double() ** 2).sum())) <= 1e-6 * ss
-    assert (slots[:, 1:] == 0).all() and (stats[2] == 0).all()
+    zeroed = stats[2].view(STATS_SLOTS, STATS_STRIDE)
+    assert (slots[:, 1:] == 0).all() and (zeroed[:, 0] == 0).all() and (zeroed[:, 1:] == 7).all()
     assert (slots[:, 0] != 0).sum() == STATS_SLOTS  # the blocks spread over every slot
 
     nw = (torch.rand(k, device=dev, generator=g) + 0.5).to(torch.bfloat16)
@@ -496,8 +498,7 @@ def test_gpu_norm_statistics_variants(cfg):
                            silu_out=True)
     got = w4a16_gemv_cuda(got_h, wg, sg, zg, group, None, even, norm_weight=nw, eps=1e-5,
                           norm_stats=stats[0], silu_out=True)
-    assert (got.float() - want.float()).norm() / want.float().norm() < 2e-3
-    assert (got != want).float().mean() < 0.02
+    assert (got.float() - want.float()).norm() / want.float().norm() < 8e-3
     wrong = stats[0].clone()
     wrong.view(STATS_SLOTS, STATS_STRIDE)[0, 0] += ss  # twice the mean square
     off = w4a16_gemv_cuda(got_h, wg, sg, zg, group, None, even, norm_weight=nw, eps=1e-5,
@@ -517,8 +518,8 @@ def test_gpu_norm_statistics_variants(cfg):
     rope.kv_cache.copy_(cache0)
     got_q = w4a16_gemv_cuda(hq, w, s, z, grp, bias, rope=rope, norm_weight=nq, eps=1e-5,
                             norm_stats=st)
-    assert (got_q.float() - want_q.float()).norm() / want_q.float().norm() < 5e-3
-    assert (rope.kv_cache.float() - want_cache.float()).norm() / want_cache.float().norm() < 5e-3
+    assert (got_q.float() - want_q.float()).norm() / want_q.float().norm() < 8e-3
+    assert (rope.kv_cache.float() - want_cache.float()).norm() / want_cache.float().norm() < 8e-3
     assert not torch.equal(rope.kv_cache, cache0)
 
 

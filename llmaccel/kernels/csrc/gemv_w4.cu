@@ -33,9 +33,13 @@
 // one decode token: rotary embedding and the paged K/V cache write in the epilogue, below).
 //
 // Norm statistics, for decode layers without RMSNorm kernels (models/norm_stats.py):
-// PROLOGUE 3 is PROLOGUE 1 with the row's sum of squares read from Stats (32 fp64 slots,
-// STATS_STRIDE doubles apart), which the kernel that wrote the row left there, instead of
-// summed over the block. STATS_OUT (with RESIDUAL) is that writer: the squares of the new
+// PROLOGUE 3 is RMSNorm(x) * NormW with the row's sum of squares read from Stats (32 fp64
+// slots, STATS_STRIDE doubles apart), which the kernel that wrote the row left there, instead
+// of summed over the block; and arranged so that it adds no instruction after the wait: the
+// norm weight is folded into MATH 1's per-nibble pre-scale of x (computed before the wait),
+// and the scalar 1/rms multiplies each thread's row sums, not x. So the normalized input is
+// not rounded to the activation dtype in between as PROLOGUE 1 (and the RMSNorm kernel)
+// round it: fp32 throughout, within that rounding of the unfused layers. STATS_OUT (with RESIDUAL) is that writer: the squares of the new
 // residual values, summed per block, are added into StatsOut's slot blockIdx % 32 with a fp64
 // atomic. STATS_ZERO (with RESIDUAL): block 0 zeroes StatsZero's slots, after the wait, for
 // the next step (their reader is the kernel before, or two before: finished by then). The
@@ -208,6 +212,24 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
                             : make_uint4(0, 0, 0, 0);
   }
 #endif
+#if PROLOGUE == 3
+  // the norm weight (gn) and, for MATH 1, the weight times x's pre-scale (gs; see 3.)
+  float gn[CHUNKS][32];
+#if MATH == 1
+  float gs[CHUNKS][32];
+#endif
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    unpack_chunk(nw[j], gn[j]);
+#if MATH == 1
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int n = i & 7;
+      gs[j][i] = gn[j][i] * __uint_as_float((u32)(127 + SUB_E - 4 * (n < 5 ? n : n - 4)) << 23);
+    }
+#endif
+  }
+#endif
   // A later GEMV's weights and scales into L2 (common.cuh; none: 0 bytes), after this
   // thread's own loads are issued, so they queue behind them.
   l2_prefetch_share(Prefetch0, prefetch_bytes0, prefetch_tail);
@@ -286,19 +308,6 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
       for (int i = 0; i < 32; ++i) xv[j][i] = round_act(wn[i] * round_act(xv[j][i] * rstd));
     }
   }
-#elif PROLOGUE == 3
-  {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss_row += __shfl_xor_sync(0xffffffffu, ss_row, o);
-    const float rstd = rsqrtf((float)ss_row / (float)K + eps);
-#pragma unroll
-    for (int j = 0; j < CHUNKS; ++j) {
-      float wn[32];
-      unpack_chunk(nw[j], wn);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) xv[j][i] = round_act(wn[i] * round_act(xv[j][i] * rstd));
-    }
-  }
 #endif
   pdl_launch_dependents();
   // 3. Products: each chunk's 32 weights are x-major within its 4 words.
@@ -310,6 +319,14 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) {
     float t = 0.f;
+#if PROLOGUE == 3
+    // x * NormW: its sum, and pre-scaled, with the instructions the plain input takes
+#pragma unroll
+    for (int i = 0; i < 32; ++i) t = fmaf(xv[j][i], gn[j][i], t);
+    sx[j] = t;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) xv[j][i] *= gs[j][i];
+#else
 #pragma unroll
     for (int i = 0; i < 32; ++i) t += xv[j][i];
     sx[j] = t;
@@ -318,7 +335,13 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
       const int n = i & 7;  // nibble n of its word; n >= 5 is read from the word >> 16
       xv[j][i] *= __uint_as_float((u32)(127 + SUB_E - 4 * (n < 5 ? n : n - 4)) << 23);
     }
+#endif
   }
+#elif PROLOGUE == 3
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) xv[j][i] *= gn[j][i];
 #endif
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
@@ -348,6 +371,17 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #endif
     }
   }
+#if PROLOGUE == 3
+  {
+    // 1/rms of the row from the 32 slots (loaded after the wait, summed in the same order in
+    // every warp), on the thread's row sums
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss_row += __shfl_xor_sync(0xffffffffu, ss_row, o);
+    const float rstd = rsqrtf((float)ss_row / (float)K + eps);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] *= rstd;
+  }
+#endif
   // 4. Reduce each row over the block.
   __shared__ float partial[NWARPS][ROWS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
