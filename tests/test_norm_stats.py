@@ -92,11 +92,13 @@ class _Emulated:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_decode_equals_the_torch_reference_and_leaves_the_slots_zero(family, tmp_path):
+def test_decode_equals_the_torch_reference_and_leaves_the_slots_zero(family, tmp_path,
+                                                                     monkeypatch):
     """A tiny model, one sequence: prefill, then decode steps through the norm-statistics
     layers (taken on every decode step) give the torch reference's logits; each norm's slots
     are written by the layer's o or down GEMV, read by the next GEMV and zeroed by the one
     after, so all are zero after every step."""
+    monkeypatch.setattr(norm_stats, "ENABLED", True)  # LLMACCEL_NORM_STATS=1 (off by default)
     make_tiny_model(tiny_configs()[family], tmp_path)
     _, ref = load_model(str(tmp_path), dtype="float32", device="cpu", attention_backend="torch")
     _, ours = load_model(str(tmp_path), dtype="float32", device="cpu",
@@ -119,12 +121,9 @@ def test_decode_equals_the_torch_reference_and_leaves_the_slots_zero(family, tmp
     vocab = ref.config.vocab_size
     steps = [([6], [6], torch.randint(0, vocab, (6,), generator=gen))]
     steps += [([1], [6 + s], torch.randint(0, vocab, (1,), generator=gen)) for s in (1, 2, 3)]
-    mp = pytest.MonkeyPatch()
-    mp.setattr(norm_stats, "forward", spy)
-    try:
-        got = _run(ours, steps)
-    finally:
-        mp.undo()
+    monkeypatch.setattr(norm_stats, "forward", spy)
+    got = _run(ours, steps)
+    monkeypatch.undo()
     want = _run(ref, steps)
     assert taken == [True] * 3  # every decode step, never the prefill; slots zero after each
     for g, w in zip(got, want):
@@ -146,8 +145,9 @@ def test_decode_equals_the_torch_reference_and_leaves_the_slots_zero(family, tmp
         assert (down[2] is None) == (i == n - 1)
 
 
-def test_not_taken_without_the_int4_gemv(tmp_path):
-    """Dense layers (no such hooks), several rows, or LLMACCEL_NORM_STATS=0: the usual layers."""
+def test_not_taken_without_the_int4_gemv(tmp_path, monkeypatch):
+    """Dense layers (no such hooks), several rows, or LLMACCEL_NORM_STATS unset: the usual
+    layers."""
     from llmaccel.models.attention import AttentionMetadata
 
     make_tiny_model(tiny_configs()["llama"], tmp_path)
@@ -157,15 +157,13 @@ def test_not_taken_without_the_int4_gemv(tmp_path):
     x = torch.zeros(1, model.config.hidden_size)
     meta = AttentionMetadata.build([1], [4], "cpu", [3], [[0]])
     model.bind_kv_caches([torch.zeros(2, 4, 4, model.config.num_key_value_heads, 8)] * 2)
-    assert not norm_stats.step_takes(model.model, x, meta)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(norm_stats, "_layer_takes", lambda layer, x: True)
-    try:
-        assert norm_stats.step_takes(model.model, x, meta) is False  # cached per dtype/device
-        model.set_fused_kernels(True)  # clears the decision
-        assert norm_stats.step_takes(model.model, x, meta)
-        assert not norm_stats.step_takes(model.model, torch.zeros(2, x.shape[1]), meta)
-        mp.setattr(norm_stats, "ENABLED", False)
-        assert not norm_stats.step_takes(model.model, x, meta)
-    finally:
-        mp.undo()
+    monkeypatch.setattr(norm_stats, "_layer_takes", lambda layer, x: True)
+    assert not norm_stats.step_takes(model.model, x, meta)  # off by default
+    monkeypatch.undo()
+    monkeypatch.setattr(norm_stats, "ENABLED", True)
+    assert not norm_stats.step_takes(model.model, x, meta)  # dense layers have no such hooks
+    monkeypatch.setattr(norm_stats, "_layer_takes", lambda layer, x: True)
+    assert norm_stats.step_takes(model.model, x, meta) is False  # cached per dtype/device
+    model.set_fused_kernels(True)  # clears the decision
+    assert norm_stats.step_takes(model.model, x, meta)
+    assert not norm_stats.step_takes(model.model, torch.zeros(2, x.shape[1]), meta)

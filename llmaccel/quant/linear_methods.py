@@ -229,7 +229,7 @@ class PackedLinearMethod(LinearMethodBase):
                 if norm_stats.ENABLED and not FUSED_CUDA:
                     kernel += ("; batch-1 decode layers whose four products all take it: "
                                "RMSNorm from the previous GEMV's statistics "
-                               "(models/norm_stats.py)")
+                               "(models/norm_stats.py, LLMACCEL_NORM_STATS=1)")
             elif self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
                                                     layer.kernel_weight.device) is not None:
                 tuned = _tuned_w4(layer)
