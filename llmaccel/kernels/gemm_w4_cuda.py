@@ -81,7 +81,8 @@ class GemmW4Config:
                 and self.shared_bytes(1, True) <= MAX_SHARED)  # the most side bytes
 
 
-# Tiles, from the sweeps on the llama-3.2-3b shapes (H100; 2026-11-27-w4-gemm-h100.md, run 6):
+# Tiles, from the sweeps on the llama-3.2-3b shapes (H100; 2026-11-27-w4-gemm-h100.md, and
+# run 6 in 2026-11-27-s28-int4-w1-h100.md):
 # all LEAN, which was faster on every shape and row count (8-128 rows: 4-20%). Up to 16 rows one
 # m16 tile a warp and 32 columns a block, or 64 where 32 would take more than one wave of
 # blocks; above, the tallest block that still gives the grid two blocks an SM, else 32 x 64.

@@ -22,9 +22,10 @@ them). The o and down GEMVs read the stream's old values before their PDL wait: 
 kernel that wrote them ran three (o) or two (down) launches earlier.
 
 Off by default, measured slower: LLMACCEL_NORM_STATS=1 turns it on. W1 on llama-3.2-3b, GPTQ
-int4 + int4 head, H100, one call (2026-11-27-w4-gemm-h100.md, run s28g): 836.9 tok/s with it
-against 899.4 without (decode 851.2 against 915.9). The first version, with the prologue
-rounding the normalized row as PROLOGUE 1 does, ran 759.9 against 897.2.
+int4 + int4 head, H100, one call (2026-11-27-s28-int4-w1-h100.md, commit aeaa18e): 836.9 tok/s with it
+against 899.4 without (decode 851.2 against 915.9); with one copy of the norm weight in
+registers (fe8857e) 847.3 against 899.7. The gate_up GEMV lost more (12.3 -> 17.4 us a call:
+4,096 blocks each redoing per-input work, and more registers) than the norm kernels saved.
 """
 
 from __future__ import annotations
