@@ -173,7 +173,8 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
 
     Norm statistics (`new_norm_stats` slots; see the .cu): with `norm_stats` the norm of
     `norm_weight` takes the row's sum of squares from those slots (filled by the kernel that
-    wrote x) instead of summing it; `stats_out` (with `residual`) adds the squares of the new
+    wrote x) instead of summing it, in fp32 without PROLOGUE 1's rounding of the normalized
+    row to x's dtype; `stats_out` (with `residual`) adds the squares of the new
     residual values into its slots, and `stats_zero`'s slots are zeroed. `residual_early`
     reads the residual's old values before the PDL wait: only where no kernel of the last
     two launches wrote them."""
