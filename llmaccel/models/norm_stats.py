@@ -8,8 +8,8 @@ GEMV's prologue was slower, because every block then summed the whole row's squa
 (2026-11-26-w4-cuda-gemv-h100.md). Here the GEMV that writes the residual stream (o and
 down, residual add in the epilogue) also leaves the row's sum of squares in 32 fp64 slots
 (each block adds its rows' squares with one atomic), and the next GEMV (gate_up, or the next
-layer's qkv) reads the 32 slots and normalizes its input in the prologue, at no block-wide
-cost (`kernels/csrc/gemv_w4.cu`, PROLOGUE 3 and STATS_OUT).
+layer's qkv) reads the 32 slots and normalizes its input in the prologue without a block
+reduction (`kernels/csrc/gemv_w4.cu`, PROLOGUE 3 and STATS_OUT).
 
 The stream stays in one tensor updated in place, as in `DecoderLayer.forward_fused`. Slot
 sets, one per norm (`new_norm_stats`): S[2i] for layer i's post-attention norm (written by
@@ -21,11 +21,12 @@ between steps. Layer 0's input norm and the final norm stay RMSNorm kernels (no 
 them). The o and down GEMVs read the stream's old values before their PDL wait: the last
 kernel that wrote them ran three (o) or two (down) launches earlier.
 
-Off by default, measured slower: LLMACCEL_NORM_STATS=1 turns it on. W1 on llama-3.2-3b, GPTQ
-int4 + int4 head, H100, one call (2026-11-27-s28-int4-w1-h100.md, commit aeaa18e): 836.9 tok/s with it
-against 899.4 without (decode 851.2 against 915.9); with one copy of the norm weight in
-registers (fe8857e) 847.3 against 899.7. The gate_up GEMV lost more (12.3 -> 17.4 us a call:
-4,096 blocks each redoing per-input work, and more registers) than the norm kernels saved.
+Off by default, measured slower: LLMACCEL_NORM_STATS=1 turns it on. W1 on llama-3.2-3b,
+GPTQ int4 + int4 head, H100, each against off in one call (2026-11-27-s28-int4-w1-h100.md):
+836.9 against 899.4 tok/s (aeaa18e; decode 851.2 against 915.9), and 847.3 against 899.7
+with one copy of the norm weight in registers (fe8857e). The gate_up GEMV lost more (12.3 ->
+17.4 us a call: 4,096 blocks each redoing per-input work, and more registers) than the norm
+kernels saved.
 """
 
 from __future__ import annotations

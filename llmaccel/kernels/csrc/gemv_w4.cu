@@ -32,14 +32,14 @@
 // whose output is silu(gate) * up, N / 2 wide; ROWS even), and ROPE (a fused qkv layer of
 // one decode token: rotary embedding and the paged K/V cache write in the epilogue, below).
 //
-// Norm statistics, for decode layers without RMSNorm kernels (models/norm_stats.py):
-// PROLOGUE 3 is RMSNorm(x) * NormW with the row's sum of squares read from Stats (32 fp64
-// slots, STATS_STRIDE doubles apart), which the kernel that wrote the row left there, instead
-// of summed over the block; arranged so that it adds one FMUL per input after the wait (x
-// times the norm weight, unpacked before it), while the scalar 1/rms multiplies each
-// thread's row sums, not x. So the normalized input is
-// not rounded to the activation dtype in between as PROLOGUE 1 (and the RMSNorm kernel)
-// round it: fp32 throughout, within that rounding of the unfused layers. STATS_OUT (with RESIDUAL) is that writer: the squares of the new
+// Norm statistics, for decode layers without RMSNorm kernels (models/norm_stats.py; off by
+// default, measured slower). PROLOGUE 3 is RMSNorm(x) * NormW with the row's sum of squares
+// read from Stats (32 fp64 slots, STATS_STRIDE doubles apart), which the kernel that wrote the
+// row left there, instead of summed over the block. It adds one FMUL per input after the wait
+// (x times the norm weight, unpacked before it); the scalar 1/rms multiplies each thread's
+// row sums, not x. So the normalized input is not rounded to the activation dtype in between
+// as PROLOGUE 1 (and the RMSNorm kernel) round it: fp32 throughout, within that rounding of
+// the unfused layers. STATS_OUT (with RESIDUAL) is that writer: the squares of the new
 // residual values, summed per block, are added into StatsOut's slot blockIdx % 32 with a fp64
 // atomic. STATS_ZERO (with RESIDUAL): block 0 zeroes StatsZero's slots, after the wait, for
 // the next step (their reader is the kernel before, or two before: finished by then). The
