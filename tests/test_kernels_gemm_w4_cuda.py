@@ -297,16 +297,25 @@ def test_gpu_pdl_chain_in_a_graph():
 
 def test_engine_takes_it_for_2_to_128_rows(monkeypatch):
     """`PackedLinearMethod` routes 2-128-row int4 products here, not one row (the GEMV) nor
-    more (dequantize + cuBLAS measured faster at 256 rows)."""
+    more (dequantize + cuBLAS measured faster at 256 rows); layers of at most 8192 columns
+    only up to 127 rows (dequantize + cuBLAS measured faster for them at 128)."""
     from llmaccel.kernels import gemm_w4_cuda
     from llmaccel.quant import linear_methods
 
     monkeypatch.setattr(gemm_w4_cuda, "supports", lambda *a, **k: True)
-    layer = SimpleNamespace(kernel_weight=SimpleNamespace(is_cuda=True), kernel_scales=None,
-                            kernel_zeros=None, kernel_group_size=128)
-    rows = [m for m in (1, 2, 16, 31, 32, 128) if
-            linear_methods._use_w4_gemm(layer, torch.empty(m, 8), None)]
-    assert rows == [2, 16, 31, 32, 128]
+
+    def layer(n):
+        return SimpleNamespace(kernel_weight=SimpleNamespace(is_cuda=True), kernel_scales=None,
+                               kernel_zeros=None, kernel_group_size=128, output_size=n)
+
+    wide, narrow = layer(16384), layer(5120)
+    rows = [m for m in (1, 2, 16, 31, 32, 127, 128, 129) if
+            linear_methods._use_w4_gemm(wide, torch.empty(m, 8), None)]
+    assert rows == [2, 16, 31, 32, 127, 128]
+    rows = [m for m in (1, 2, 64, 127, 128) if
+            linear_methods._use_w4_gemm(narrow, torch.empty(m, 8), None)]
+    assert rows == [2, 64, 127]
+    layer = wide
     monkeypatch.setattr(linear_methods, "W4_GEMM", False)
     assert not linear_methods._use_w4_gemm(layer, torch.empty(2, 8), None)
 
@@ -332,6 +341,10 @@ def test_layer_log_names_the_gemm(monkeypatch):
     layer = SimpleNamespace(kernel_weight=torch.zeros(1), kernel_perm=None, use_triton=True,
                             input_size=256, output_size=64)
     monkeypatch.setattr(method, "fused_decode_config", lambda *a: None)
+    text = method.describe(layer)
+    assert "2-127 rows: CUDA C tensor-core W4A16 GEMM" in text  # a narrow layer
+    assert "from 128 rows: dequantize" in text
+    layer.output_size = 16384
     text = method.describe(layer)
     assert "2-128 rows: CUDA C tensor-core W4A16 GEMM" in text
     assert "from 129 rows: dequantize" in text

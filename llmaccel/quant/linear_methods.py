@@ -125,6 +125,14 @@ DEQUANT_GEMM_MIN_M = ({4: 32, 8: 256} if _DEQUANT_ENV is None
 # LLMACCEL_W4_GEMM=0 turns it off; LLMACCEL_W4_GEMM_MAX_M moves the bound.
 W4_GEMM = os.environ.get("LLMACCEL_W4_GEMM", "1") == "1"
 W4_GEMM_MAX_M = int(os.environ.get("LLMACCEL_W4_GEMM_MAX_M", "128"))
+# From this many rows, layers of at most W4_GEMM_NARROW_N columns take dequantize + cuBLAS
+# instead: their tiles give the GEMM few blocks. The LEAN tiles against the pair at 128 rows,
+# same call (H100, 2026-11-27-s28-int4-w1-h100.md, run 6), us: qkv (5120 columns) 28.6 vs
+# 23.1, o (3072) 20.2 vs 18.1, down (3072) 51.3 vs 48.6; gate_up (16384) 49.7 vs 93.6. At 64
+# rows the GEMM won on all four (20.3 vs 22.7 ... 33.1 vs 44.3); 65-127 rows were not
+# measured, so they keep it.
+W4_GEMM_NARROW_MIN_M = 128
+W4_GEMM_NARROW_N = 8192
 
 
 def _use_w4_gemm(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -132,6 +140,8 @@ def _use_w4_gemm(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) 
     loading, so the checks (tensor queries, the device's CUDA C support) need not run per
     call."""
     if not (W4_GEMM and 2 <= x2.shape[0] <= W4_GEMM_MAX_M):
+        return False
+    if x2.shape[0] >= W4_GEMM_NARROW_MIN_M and layer.output_size <= W4_GEMM_NARROW_N:
         return False
     cache = layer.__dict__.setdefault("_w4_gemm_ok", {})
     key = (x2.dtype, x2.shape[-1], bias is None)
@@ -237,12 +247,14 @@ class PackedLinearMethod(LinearMethodBase):
                            f"{'tuned' if tuned else 'default'} tile)")
             w4_gemm = self.bits == 4 and _w4_gemm_available(layer)
             if w4_gemm:
-                kernel += (f"; 2-{W4_GEMM_MAX_M} rows: CUDA C tensor-core W4A16 GEMM "
+                top = (W4_GEMM_MAX_M if layer.output_size > W4_GEMM_NARROW_N
+                       else min(W4_GEMM_MAX_M, W4_GEMM_NARROW_MIN_M - 1))
+                kernel += (f"; 2-{top} rows: CUDA C tensor-core W4A16 GEMM "
                            "(kernels/csrc/gemm_w4.cu, tile by rows and columns)")
             min_m = DEQUANT_GEMM_MIN_M.get(self.bits, 0)
             if min_m:
                 if w4_gemm:
-                    min_m = max(min_m, W4_GEMM_MAX_M + 1)
+                    min_m = max(min_m, top + 1)
                 kernel += (f"; from {min_m} rows: dequantize (kernels/gemm.py "
                            "dequantize_packed) + cuBLAS")
             if self.fused_decode_config(layer, 1, "norm") is not None:
