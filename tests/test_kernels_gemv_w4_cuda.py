@@ -10,7 +10,6 @@ awkward shapes, and a chain of PDL launches inside a CUDA graph.
 
 from __future__ import annotations
 
-import gc
 from types import SimpleNamespace
 
 import pytest
@@ -81,16 +80,7 @@ def test_source_compiles_with_nvrtc(arch, monkeypatch):
                     {"ROWS": 4, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
                      "HAS_ZEROS": 1, "HAS_BIAS": 1, "MATH": 1, "ROPE": 1, "HEAD_DIM": 128},
                     {"ROWS": 2, "CHUNKS": 1, "THREADS": 32, "X_BF16": 0, "SCALE_KIND": 1,
-                     "HAS_ZEROS": 0, "HAS_BIAS": 0, "MATH": 0, "ROPE": 1, "HEAD_DIM": 64},
-                    # the norm-statistics variants of forward_norm_stats
-                    {"ROWS": 4, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
-                     "HAS_ZEROS": 0, "HAS_BIAS": 0, "MATH": 1, "PROLOGUE": 3, "ROPE": 1,
-                     "HEAD_DIM": 128},
-                    {"ROWS": 4, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 0,
-                     "HAS_ZEROS": 1, "HAS_BIAS": 0, "MATH": 1, "PROLOGUE": 3, "SILU_OUT": 1},
-                    {"ROWS": 2, "CHUNKS": 1, "THREADS": 96, "X_BF16": 0, "SCALE_KIND": 0,
-                     "HAS_ZEROS": 0, "HAS_BIAS": 1, "MATH": 1, "RESIDUAL": 2, "STATS_OUT": 1,
-                     "STATS_ZERO": 1}):
+                     "HAS_ZEROS": 0, "HAS_BIAS": 0, "MATH": 0, "ROPE": 1, "HEAD_DIM": 64}):
         cubin = cuda_rtc.compile_cubin(_source()[0], "gemv_w4", arch, defines, _source()[1])
         assert cubin[:4] == b"\x7fELF"
     with pytest.raises(cuda_rtc.CudaRtcError, match="could not compile"):
@@ -435,9 +425,6 @@ def test_gpu_engine_rope_epilogue_same_tokens(shape, monkeypatch):
         return q
 
     monkeypatch.setattr(linear_methods.PackedLinearMethod, "apply_qkv_rope", spy)
-    from llmaccel.models import norm_stats
-
-    monkeypatch.setattr(norm_stats, "ENABLED", False)  # the unfused layers' qkv, both ways
     tokens = {}
     for fused in (True, False):
         monkeypatch.setattr(lq, "QKV_ROPE_EPILOGUE", fused)
@@ -455,127 +442,3 @@ def test_gpu_engine_rope_epilogue_same_tokens(shape, monkeypatch):
             layers = 16 if shape == "llama-3.2-1b" else 28
             assert taken.count(True) >= layers  # every layer's capture took it
     assert tokens[True] == tokens[False]
-
-
-@gpu
-@pytest.mark.parametrize("cfg", [CudaGemvW4Config(2, 1, 1), CudaGemvW4Config(4, 1, 0),
-                                 CudaGemvW4Config(6, 1, 1)], ids=lambda c: c.describe())
-def test_gpu_norm_statistics_variants(cfg):
-    """models/norm_stats.py's kernels. The o GEMV with the residual's old values read before the
-    wait and statistics out equals the plain residual epilogue, leaves sum(h^2) in the slot
-    heads and zeroes another set; gate_up with the norm from those statistics equals the
-    block-summed norm (PROLOGUE 1) up to the fp32 summation order; qkv with the norm from
-    statistics and rope equals rope on the norm computed in PyTorch. The statistics norm is
-    not rounded to bf16 before the product (see the .cu), hence the bf16-level tolerances."""
-    from llmaccel.kernels.gemv_w4_cuda import STATS_SLOTS, STATS_STRIDE, new_norm_stats
-
-    if not cuda_rtc.available():
-        pytest.skip("no CUDA C kernels here")
-    dev, k, group = "cuda", 1536, 128
-    g = torch.Generator(device=dev).manual_seed(4)
-    wo, so, zo = _weights(k, 1024, group, True, dev, seed=11)
-    x_o = torch.randn(1, 1024, device=dev, generator=g).to(torch.bfloat16)
-    h = (torch.randn(1, k, device=dev, generator=g) * 2).to(torch.bfloat16)
-    stats = new_norm_stats(3, dev)
-    stats[2].fill_(7.0)
-    want_h = h.clone()
-    w4a16_gemv_cuda(x_o, wo, so, zo, group, None, cfg, residual=want_h)
-    got_h = h.clone()
-    out = w4a16_gemv_cuda(x_o, wo, so, zo, group, None, cfg, residual=got_h,
-                          stats_out=stats[0], stats_zero=stats[2], residual_early=True)
-    assert out.data_ptr() == got_h.data_ptr() and torch.equal(got_h, want_h)
-    slots = stats[0].view(STATS_SLOTS, STATS_STRIDE)
-    ss = float(slots[:, 0].sum())
-    assert abs(ss - float((got_h.double() ** 2).sum())) <= 1e-6 * ss
-    zeroed = stats[2].view(STATS_SLOTS, STATS_STRIDE)
-    assert (slots[:, 1:] == 0).all() and (zeroed[:, 0] == 0).all() and (zeroed[:, 1:] == 7).all()
-    assert (slots[:, 0] != 0).sum() == STATS_SLOTS  # the blocks spread over every slot
-
-    nw = (torch.rand(k, device=dev, generator=g) + 0.5).to(torch.bfloat16)
-    even = CudaGemvW4Config(cfg.rows + cfg.rows % 2, cfg.chunks, cfg.math)
-    wg, sg, zg = _weights(1000, k, group, True, dev, seed=12)
-    want = w4a16_gemv_cuda(got_h, wg, sg, zg, group, None, even, norm_weight=nw, eps=1e-5,
-                           silu_out=True)
-    got = w4a16_gemv_cuda(got_h, wg, sg, zg, group, None, even, norm_weight=nw, eps=1e-5,
-                          norm_stats=stats[0], silu_out=True)
-    assert (got.float() - want.float()).norm() / want.float().norm() < 8e-3
-    wrong = stats[0].clone()
-    wrong.view(STATS_SLOTS, STATS_STRIDE)[0, 0] += ss  # twice the mean square
-    off = w4a16_gemv_cuda(got_h, wg, sg, zg, group, None, even, norm_weight=nw, eps=1e-5,
-                          norm_stats=wrong, silu_out=True)
-    assert (off.float() - want.float()).norm() / want.float().norm() > 0.1
-
-    (w, s, z, grp, bias), x, rope = _rope_case(8, 2, 64, dev)
-    hq = (x.float() * 3).to(torch.bfloat16)
-    nq = (torch.rand(x.shape[-1], device=dev, generator=g) + 0.5).to(torch.bfloat16)
-    st = new_norm_stats(1, dev)
-    st.view(STATS_SLOTS, STATS_STRIDE)[0, 0] = (hq.double() ** 2).sum()
-    rstd = torch.rsqrt((hq.float() ** 2).sum() / hq.shape[-1] + 1e-5)
-    xn = (nq.float() * (hq.float() * rstd).to(torch.bfloat16).float()).to(torch.bfloat16)
-    cache0 = rope.kv_cache.clone()
-    want_q = w4a16_gemv_cuda(xn, w, s, z, grp, bias, rope=rope)
-    want_cache = rope.kv_cache.clone()
-    rope.kv_cache.copy_(cache0)
-    got_q = w4a16_gemv_cuda(hq, w, s, z, grp, bias, rope=rope, norm_weight=nq, eps=1e-5,
-                            norm_stats=st)
-    assert (got_q.float() - want_q.float()).norm() / want_q.float().norm() < 8e-3
-    assert (rope.kv_cache.float() - want_cache.float()).norm() / want_cache.float().norm() < 8e-3
-    assert not torch.equal(rope.kv_cache, cache0)
-
-
-def test_norm_statistics_arguments_are_checked():
-    from llmaccel.kernels.gemv_w4_cuda import new_norm_stats
-
-    w, s, _ = _weights(64, 256, 128, False, "cpu")
-    x = torch.randn(1, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="norm_stats needs norm_weight"):
-        w4a16_gemv_cuda(x, w, s, None, 128, norm_stats=new_norm_stats(1, "cpu")[0])
-    with pytest.raises(ValueError, match="need residual"):
-        w4a16_gemv_cuda(x, w, s, None, 128, stats_out=new_norm_stats(1, "cpu")[0])
-    with pytest.raises(ValueError, match="contiguous float64"):
-        w4a16_gemv_cuda(x, w, s, None, 128, norm_weight=torch.ones(256, dtype=torch.bfloat16),
-                        norm_stats=torch.zeros(512))
-
-
-@gpu
-def test_gpu_engine_norm_statistics_layers(monkeypatch):
-    """Batch-1 decode through CUDA graphs on a dummy GPTQ int4 llama-3.2-1b: the norm-statistics
-    layers (LLMACCEL_NORM_STATS=1) run and leave every slot zero; the first decode step's
-    greedy token matches the unfused layers'. Later ones may not: the statistics norm is not
-    rounded to bf16 before its product, which flips near-ties of random logits."""
-    from llmaccel import LLM, SamplingParams
-    from llmaccel.models import norm_stats
-    from llmaccel.quant.presets import preset_config
-
-    if not cuda_rtc.available():
-        pytest.skip("no CUDA C kernels here")
-    runs = []
-    real = norm_stats.forward
-
-    def spy(model, *args):
-        runs.append(1)
-        return real(model, *args)
-
-    monkeypatch.setattr(norm_stats, "forward", spy)
-    tokens = {}
-    for on in (True, False):
-        monkeypatch.setattr(norm_stats, "ENABLED", on)
-        runs.clear()
-        llm = LLM("llama-3.2-1b", load_format="dummy", dtype="bfloat16", max_model_len=512,
-                  hf_overrides={"quantization_config": preset_config("gptq-int4-g128")},
-                  skip_tokenizer_init=True, enable_prefix_caching=False,
-                  cudagraph_capture_sizes=[1], gpu_memory_utilization=0.3)
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        tokens[on] = [list(llm.generate({"prompt_token_ids": [(17 * i + 5 * j) % 900 + 10
-                                                              for j in range(40)]},
-                                        params)[0].outputs[0].token_ids) for i in range(3)]
-        if on:
-            assert runs  # the capture's warm-up run and eager steps took it
-            assert (llm.engine.model.model._norm_stats_slots == 0).all()
-        else:
-            assert not runs
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    for a, b in zip(tokens[True], tokens[False]):
-        assert a[:2] == b[:2], tokens

@@ -24,7 +24,6 @@ from llmaccel.kernels import cuda_rtc, l2_prefetch, pdl
 from llmaccel.kernels.gemv_w4 import MAGIC_2_23, check_side_tensors, gemv_output
 
 MAX_THREADS = 1024
-STATS_SLOTS, STATS_STRIDE = 32, 16  # the .cu's norm-statistics slots (fp64, 128 B apart)
 MAX_REGS_PRODUCT = 16  # rows x chunks: 4 registers each for the codes, more spills
 
 
@@ -155,11 +154,7 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                     silu: bool = False, residual: torch.Tensor | None = None,
                     silu_out: bool = False, rope: RopeCache | None = None,
-                    prefetch: tuple[tuple[int, int], ...] = (),
-                    norm_stats: torch.Tensor | None = None,
-                    stats_out: torch.Tensor | None = None,
-                    stats_zero: torch.Tensor | None = None,
-                    residual_early: bool = False) -> torch.Tensor:
+                    prefetch: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """y [..., N] = x @ dequant(weight)^T (+ bias), in x's dtype (see the module docstring).
 
     The fused decode variants of `gemv_w4.w4a16_gemv`, rounded the same way: `norm_weight`
@@ -169,32 +164,12 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     [..., I], the activation computed in the epilogue (the tile's rows must be even).
     `rope` (a qkv layer of one decode token) returns q [..., num_q_heads * head_dim] rotated
     and writes rotated k and v to the paged cache (see `RopeCache`). `prefetch`: ranges of a
-    later kernel's weights for the blocks to prefetch into L2 (`kernels/l2_prefetch.py`).
-
-    Norm statistics (`new_norm_stats` slots; see the .cu): with `norm_stats` the norm of
-    `norm_weight` takes the row's sum of squares from those slots (filled by the kernel that
-    wrote x) instead of summing it, in fp32 without PROLOGUE 1's rounding of the normalized
-    row to x's dtype; `stats_out` (with `residual`) adds the squares of the new
-    residual values into its slots, and `stats_zero`'s slots are zeroed. `residual_early`
-    reads the residual's old values before the PDL wait: only where no kernel of the last
-    two launches wrote them."""
+    later kernel's weights for the blocks to prefetch into L2 (`kernels/l2_prefetch.py`)."""
     if silu and norm_weight is not None:
         raise ValueError("one prologue at a time: silu or norm_weight")
-    if rope is not None and (silu or residual is not None or silu_out
-                             or (norm_weight is not None and norm_stats is None)):
-        raise ValueError("the rope epilogue takes no residual, silu_out or prologue but the "
-                         "norm from statistics")
-    if norm_stats is not None and norm_weight is None:
-        raise ValueError("norm_stats needs norm_weight")
-    if (stats_out is not None or stats_zero is not None or residual_early) and residual is None:
-        raise ValueError("stats_out, stats_zero and residual_early need residual")
-    for name, t in (("norm_stats", norm_stats), ("stats_out", stats_out),
-                    ("stats_zero", stats_zero)):
-        if t is not None and (t.dtype != torch.float64 or t.numel() < STATS_SLOTS * STATS_STRIDE
-                              or not t.is_contiguous() or t.device != x.device):
-            raise ValueError(f"{name} must be a contiguous float64 tensor of "
-                             f"{STATS_SLOTS * STATS_STRIDE} values on {x.device} "
-                             "(new_norm_stats)")
+    if rope is not None and (silu or norm_weight is not None or residual is not None
+                             or silu_out):
+        raise ValueError("the rope epilogue takes no prologue, residual or silu_out")
     if silu_out and (silu or residual is not None or weight.shape[0] % 2):
         raise ValueError("silu_out needs an even N ([gate; up] rows), no silu prologue and no "
                          "residual")
@@ -233,12 +208,8 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         "ROWS": cfg.rows, "CHUNKS": cfg.chunks, "THREADS": threads,
         "X_BF16": int(x.dtype == torch.bfloat16), "SCALE_KIND": SCALE_KINDS[scales.dtype],
         "HAS_ZEROS": int(zeros is not None), "HAS_BIAS": int(bias is not None),
-        "MATH": cfg.math,
-        "PROLOGUE": (3 if norm_stats is not None else 1) if norm_weight is not None
-        else (2 if silu else 0),
-        "RESIDUAL": (2 if residual_early else 1) if residual is not None else 0,
-        "STATS_OUT": int(stats_out is not None), "STATS_ZERO": int(stats_zero is not None),
-        "SILU_OUT": int(silu_out),
+        "MATH": cfg.math, "PROLOGUE": 1 if norm_weight is not None else (2 if silu else 0),
+        "RESIDUAL": int(residual is not None), "SILU_OUT": int(silu_out),
         "ROPE": int(rope is not None), "HEAD_DIM": rope.head_dim if rope is not None else 0},
         _source()[1])
     ptr = ctypes.c_void_p
@@ -250,18 +221,9 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0),
             ctypes.c_uint(MAGIC_2_23),
             ptr(norm_weight.data_ptr() if norm_weight is not None else 0),
-            ctypes.c_float(eps)] + [ptr(t.data_ptr() if t is not None else 0)
-                                    for t in (norm_stats, stats_out, stats_zero)] \
-        + (rope.args() if rope is not None else _NO_ROPE) \
+            ctypes.c_float(eps)] + (rope.args() if rope is not None else _NO_ROPE) \
         + l2_prefetch.kernel_args(prefetch)
     grid = -(-(n // 2) // (cfg.rows // 2)) if pairs else -(-n // cfg.rows)
     kern.launch(grid, threads, args, pdl=pdl.enabled())
     return y
 
-
-
-def new_norm_stats(count: int, device: torch.device) -> torch.Tensor:
-    """`count` zeroed sets of norm-statistics slots ([count, STATS_SLOTS * STATS_STRIDE]
-    float64) for `w4a16_gemv_cuda`'s norm_stats / stats_out / stats_zero; every set must be
-    zero before its producer runs (the producers' stats_zero keep them so)."""
-    return torch.zeros(count, STATS_SLOTS * STATS_STRIDE, dtype=torch.float64, device=device)

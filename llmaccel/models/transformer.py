@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from llmaccel.models import norm_stats
 from llmaccel.models.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from llmaccel.models.layers.activation import SiluAndMul
 from llmaccel.models.layers.embedding import VocabEmbedding
@@ -83,11 +82,10 @@ class Attention(nn.Module):
         return out.reshape(-1, self.q_size)
 
     def _qkv_rope(self, positions: torch.Tensor, x: torch.Tensor,
-                  meta: AttentionMetadata, **norm) -> torch.Tensor | None:
+                  meta: AttentionMetadata) -> torch.Tensor | None:
         """q from the fused qkv + rope + cache-write GEMV, or None where it does not apply:
         the same conditions as the backend's own rope + cache kernel (`forward_with_rope`),
-        a pure decode step of one token, a cache in the activations' dtype (not FP8).
-        `norm`: the input norm in the GEMV's prologue (models/norm_stats.py)."""
+        a pure decode step of one token, a cache in the activations' dtype (not FP8)."""
         kv = self.kv_cache
         # the cheap test first: most layers (unquantized, FP8) have no such GEMV, and eager
         # decode steps come here for every layer
@@ -102,7 +100,7 @@ class Attention(nn.Module):
 
         rope = RopeCache(positions, self.rotary_emb.cos_sin_cache, kv, meta.slot_mapping,
                          self.num_heads, self.num_kv_heads, self.head_dim)
-        return qkv_rope(self.qkv_proj, x, rope, **norm)
+        return qkv_rope(self.qkv_proj, x, rope)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
@@ -224,14 +222,9 @@ class TransformerModel(nn.Module):
             DecoderLayer(config, backend, rotary_emb, quant_config, f"model.layers.{i}")
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # models/norm_stats.py: whether its layers can run, per (dtype, device), and its slots
-        self._norm_stats_ok: dict[tuple, bool] = {}
-        self._norm_stats_slots: torch.Tensor | None = None
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
-        if norm_stats.step_takes(self, x, meta):
-            return norm_stats.forward(self, positions, x, meta)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         if x is None:  # the last layer ran fused: the residual stream is the output
@@ -305,8 +298,6 @@ class TransformerForCausalLM(nn.Module):
             if isinstance(module, DecoderLayer):
                 module.fuse_decode = fuse_decode
                 module._fused_by_rows.clear()
-            if isinstance(module, TransformerModel):
-                module._norm_stats_ok.clear()
         backend = self.attention_backend
         if hasattr(backend, "fuse_rope_cache"):
             backend.fuse_rope_cache = fuse_decode

@@ -234,12 +234,6 @@ class PackedLinearMethod(LinearMethodBase):
                               if _qkv_layer(layer) else "")
                            + (", SiLU-and-mul in its epilogue" if _gate_up_layer(layer)
                               and CUDA_SILU_OUT else "") + ")")
-                from llmaccel.models import norm_stats
-
-                if norm_stats.ENABLED and not FUSED_CUDA:
-                    kernel += ("; batch-1 decode layers whose four products all take it: "
-                               "RMSNorm from the previous GEMV's statistics "
-                               "(models/norm_stats.py, LLMACCEL_NORM_STATS=1)")
             elif self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
                                                     layer.kernel_weight.device) is not None:
                 tuned = _tuned_w4(layer)
@@ -384,11 +378,10 @@ class PackedLinearMethod(LinearMethodBase):
                                prefetch=layer_ranges(layer))
 
     def apply_qkv_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       rope, **norm) -> torch.Tensor | None:
+                       rope) -> torch.Tensor | None:
         """q [1, q_size] of one decode token of a [q; k; v] int4 layer through the CUDA C
         GEMV with rope and the K/V cache write in its epilogue (`kernels/gemv_w4_cuda.py`,
-        `RopeCache`), or None where that GEMV does not run. `norm`: norm_weight, eps and
-        norm_stats of a norm from statistics in its prologue (models/norm_stats.py)."""
+        `RopeCache`), or None where that GEMV does not run."""
         if (not hasattr(layer, "kernel_weight") or layer.kernel_perm is not None
                 or not _use_cuda_gemv(layer, x, bias)):
             return None
@@ -396,24 +389,7 @@ class PackedLinearMethod(LinearMethodBase):
 
         return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
                                layer.kernel_group_size, bias, rope=rope,
-                               prefetch=layer_ranges(layer), **norm)
-
-    def takes_norm_stats(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """Whether this layer's batch-1 product of `x` can run in the norm-statistics decode
-        layers (models/norm_stats.py): the int4 CUDA C GEMV, no act-order permutation."""
-        return (self.bits == 4 and hasattr(layer, "kernel_weight")
-                and layer.kernel_perm is None and getattr(layer, "use_triton", False)
-                and _use_cuda_gemv(layer, x, layer.bias))
-
-    def apply_norm_stats(self, layer: nn.Module, x: torch.Tensor, **fusion) -> torch.Tensor:
-        """The batch-1 int4 CUDA C GEMV of the norm-statistics decode layers, `fusion` as
-        `w4a16_gemv_cuda` takes it (norm_weight / eps / norm_stats, silu_out, or residual /
-        stats_out / stats_zero / residual_early)."""
-        from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_cuda
-
-        return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-                               layer.kernel_group_size, layer.bias,
-                               prefetch=layer_ranges(layer), **fusion)
+                               prefetch=layer_ranges(layer))
 
     def _unpack(self, layer: nn.Module) -> None:
         """Replace the checkpoint tensors with the unpacked layout (via `_set_unpacked`)."""

@@ -31,34 +31,10 @@
 // the residual stream and gets the product added in place), SILU_OUT (a [gate; up] layer
 // whose output is silu(gate) * up, N / 2 wide; ROWS even), and ROPE (a fused qkv layer of
 // one decode token: rotary embedding and the paged K/V cache write in the epilogue, below).
-//
-// Norm statistics, for decode layers without RMSNorm kernels (models/norm_stats.py; off by
-// default, measured slower). PROLOGUE 3 is RMSNorm(x) * NormW with the row's sum of squares
-// read from Stats (32 fp64 slots, STATS_STRIDE doubles apart), which the kernel that wrote the
-// row left there, instead of summed over the block. It adds one FMUL per input after the wait
-// (x times the norm weight, unpacked before it); the scalar 1/rms multiplies each thread's
-// row sums, not x. So the normalized input is not rounded to the activation dtype in between
-// as PROLOGUE 1 (and the RMSNorm kernel) round it: fp32 throughout, within that rounding of
-// the unfused layers. STATS_OUT (with RESIDUAL) is that writer: the squares of the new
-// residual values, summed per block, are added into StatsOut's slot blockIdx % 32 with a fp64
-// atomic. STATS_ZERO (with RESIDUAL): block 0 zeroes StatsZero's slots, after the wait, for
-// the next step (their reader is the kernel before, or two before: finished by then). The
-// slots are fp64 so that the atomics' order changes nothing at fp32 resolution: a bf16 or
-// fp16 square is exact in fp32, and fp64 sums of those are exact or within 2^-53.
-// RESIDUAL 2 reads the residual stream's old values before the PDL wait: the caller
-// guarantees no kernel of the last two launches wrote them.
 
 #include "common.cuh"
 
 #define NWARPS ((THREADS + 31) / 32)
-#define STATS_SLOTS 32
-#define STATS_STRIDE 16  // doubles: a slot per 128-byte line
-#ifndef STATS_OUT
-#define STATS_OUT 0
-#endif
-#ifndef STATS_ZERO
-#define STATS_ZERO 0
-#endif
 
 // (nibble p of src) - zero, exact: magic[p] is the bit pattern of 2^(23-4p), off[p] is
 // 2^(23-4p) + zero. The magic patterns come in as a kernel argument: as compile-time
@@ -165,8 +141,6 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
         const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
         int N, int K, int group, long long stride_w16, long long stride_s, long long stride_z,
         u32 magic0, const u16* __restrict__ NormW, float eps,
-        const double* __restrict__ Stats, double* __restrict__ StatsOut,
-        double* __restrict__ StatsZero,
         const long long* __restrict__ Positions, const float* __restrict__ CosSin,
         long long stride_c, const long long* __restrict__ Slots, u16* __restrict__ KCache,
         u16* __restrict__ VCache, long long stride_cb, long long stride_cs,
@@ -201,7 +175,7 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #endif
     }
   }
-#if PROLOGUE == 1 || PROLOGUE == 3
+#if PROLOGUE == 1
   uint4 nw[CHUNKS][4];  // the RMSNorm weight of the thread's columns: read-only too
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) {
@@ -211,13 +185,6 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
       nw[j][q] = c < chunks ? __ldg(reinterpret_cast<const uint4*>(NormW) + 4 * c + q)
                             : make_uint4(0, 0, 0, 0);
   }
-#endif
-#if PROLOGUE == 3
-  // the norm weight, unpacked before the wait (32 registers a chunk: a second, pre-scaled
-  // copy cost gate_up's GEMV occupancy, 17.4 against 12.3 us a call in a W1 step)
-  float gn[CHUNKS][32];
-#pragma unroll
-  for (int j = 0; j < CHUNKS; ++j) unpack_chunk(nw[j], gn[j]);
 #endif
   // A later GEMV's weights and scales into L2 (common.cuh; none: 0 bytes), after this
   // thread's own loads are issued, so they queue behind them.
@@ -248,20 +215,8 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #endif
   }
 #endif
-#if RESIDUAL == 2
-  // the residual stream's old values of the block's rows (see the header)
-  float res_old = 0.f;
-  if (threadIdx.x < ROWS && row0 + (int)threadIdx.x < N)
-    res_old = act_to_float(__ldcg(Y + row0 + threadIdx.x));
-#endif
   // 2. The input, written by the previous kernel.
   pdl_wait();
-#if PROLOGUE == 3
-  // the row's sum of squares, left in the slots by the previous kernel: each warp adds the
-  // 32 slots in the same order. A plain (L1-cached) load, as x's: through L2 only, every warp
-  // of the grid would queue on the same 32 lines.
-  double ss_row = Stats[STATS_STRIDE * (threadIdx.x & 31)];
-#endif
   float xv[CHUNKS][32];
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) {
@@ -308,10 +263,6 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) {
     float t = 0.f;
-#if PROLOGUE == 3
-#pragma unroll
-    for (int i = 0; i < 32; ++i) xv[j][i] *= gn[j][i];  // x * NormW: one FMUL an input
-#endif
 #pragma unroll
     for (int i = 0; i < 32; ++i) t += xv[j][i];
     sx[j] = t;
@@ -321,11 +272,6 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
       xv[j][i] *= __uint_as_float((u32)(127 + SUB_E - 4 * (n < 5 ? n : n - 4)) << 23);
     }
   }
-#elif PROLOGUE == 3
-#pragma unroll
-  for (int j = 0; j < CHUNKS; ++j)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) xv[j][i] *= gn[j][i];
 #endif
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
@@ -355,17 +301,6 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #endif
     }
   }
-#if PROLOGUE == 3
-  {
-    // 1/rms of the row from the 32 slots (loaded after the wait, summed in the same order in
-    // every warp), on the thread's row sums
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss_row += __shfl_xor_sync(0xffffffffu, ss_row, o);
-    const float rstd = rsqrtf((float)ss_row / (float)K + eps);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r] *= rstd;
-  }
-#endif
   // 4. Reduce each row over the block.
   __shared__ float partial[NWARPS][ROWS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -438,11 +373,6 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
   }
 }
 #else
-#if STATS_ZERO
-  if (blockIdx.x == 0 && threadIdx.x < STATS_SLOTS) StatsZero[STATS_STRIDE * threadIdx.x] = 0.0;
-#endif
-  float sq = 0.f;  // STATS_OUT: the square of the new residual value
-  (void)sq;
   if (threadIdx.x < ROWS && row0 + (int)threadIdx.x < N) {
     float y = 0.f;
 #pragma unroll
@@ -450,25 +380,11 @@ gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __re
 #if HAS_BIAS
     y += act_to_float(__ldg(Bias + row0 + threadIdx.x));  // one rounding, as gemv_w4.py
 #endif
-#if RESIDUAL == 2
-    y = round_act(y) + res_old;
-#elif RESIDUAL
+#if RESIDUAL
     // Y holds the residual stream: Y += product, rounded as the unfused layers round
     y = round_act(y) + act_to_float(__ldcg(Y + row0 + threadIdx.x));
 #endif
-    const u16 out = float_to_act(y);
-    Y[row0 + threadIdx.x] = out;
-#if STATS_OUT
-    const float h = act_to_float(out);
-    sq = h * h;
-#endif
+    Y[row0 + threadIdx.x] = float_to_act(y);
   }
-#if STATS_OUT
-  if (threadIdx.x < 32) {  // ROWS <= 32: the block's rows are warp 0's lanes
-    sq = warp_sum(sq);
-    if (threadIdx.x == 0)
-      atomicAdd(StatsOut + STATS_STRIDE * (blockIdx.x % STATS_SLOTS), (double)sq);
-  }
-#endif
 }
 #endif

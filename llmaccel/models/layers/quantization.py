@@ -134,7 +134,7 @@ def gate_up_silu(layer: nn.Module, x: torch.Tensor,
 QKV_ROPE_EPILOGUE = os.environ.get("LLMACCEL_QKV_ROPE_EPILOGUE", "1") == "1"
 
 
-def qkv_rope(layer: nn.Module, x: torch.Tensor, rope, **norm) -> torch.Tensor | None:
+def qkv_rope(layer: nn.Module, x: torch.Tensor, rope) -> torch.Tensor | None:
     """q for one decode token of a [q; k; v] layer whose quantized method has a batch-1 GEMV
     with rope and the K/V cache write in its epilogue (`apply_qkv_rope`; `rope` is a
     `kernels.gemv_w4_cuda.RopeCache`), the rotated k and v written to the cache; None where
@@ -143,8 +143,7 @@ def qkv_rope(layer: nn.Module, x: torch.Tensor, rope, **norm) -> torch.Tensor | 
             or not isinstance(x, torch.Tensor) or x.numel() != x.shape[-1]):
         return None
     apply_qkv_rope = getattr(layer.quant_method, "apply_qkv_rope", None)
-    return None if apply_qkv_rope is None else apply_qkv_rope(layer, x, layer.bias, rope,
-                                                              **norm)
+    return None if apply_qkv_rope is None else apply_qkv_rope(layer, x, layer.bias, rope)
 
 
 # RMSNorm and the FP8 quantization of its row in one kernel, before a batch-1 FP8 GEMV that
