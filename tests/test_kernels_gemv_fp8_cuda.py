@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cuda_graph_helpers import pdl_on, replay_in_graph
 from nvrtc_helpers import use_nvrtc
 
 from llmaccel.kernels import cuda_rtc
@@ -110,13 +111,11 @@ def test_gpu_matches_reference(n, k, dtype, rg):
 
 @gpu
 def test_gpu_pdl_chain_in_a_graph():
-    from llmaccel.kernels import pdl
     from llmaccel.kernels.gemv_fp8 import fp8_gemv_ref, quantize_row_fp8
 
     if not (cuda_rtc.available() and torch.cuda.get_device_capability() >= (8, 9)):
         pytest.skip("no FP8 CUDA C kernels here")
-    used = pdl.configure(torch.device("cuda"), True)
-    try:
+    with pdl_on():
         k = 2048
         layers = [_case(k, k, torch.bfloat16, i)[:2] for i in range(5)]
         x0 = _case(k, k, torch.bfloat16, 9)[2]
@@ -133,17 +132,5 @@ def test_gpu_pdl_chain_in_a_graph():
             q, s = quantize_row_fp8(h)
             return fp8_gemv_cuda(q, s, w, ws)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain(ours)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(ours)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
+        out = replay_in_graph(lambda: chain(ours))
         assert (out.float() - ref.float()).norm() / ref.float().norm() < 3e-2
-    finally:
-        pdl.configure(torch.device("cuda"), used)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cuda_graph_helpers import pdl_on, replay_in_graph
 from nvrtc_helpers import use_nvrtc
 
 from llmaccel.kernels import cuda_rtc
@@ -169,12 +170,9 @@ def test_gpu_half_activations_bias_and_scale_kinds(dtype, scale_dtype):
 def test_gpu_pdl_chain_in_a_graph():
     """Each GEMV reads the previous one's output: with PDL every launch starts early and must
     still wait for its input (a missing wait reads stale x and the chain drifts)."""
-    from llmaccel.kernels import pdl
-
     if not cuda_rtc.available():
         pytest.skip("no CUDA C kernels here")
-    used = pdl.configure(torch.device("cuda"), True)
-    try:
+    with pdl_on():
         k = 2048
         layers = [_weights(k, k, 128, i % 2 == 1, "cuda", seed=i) for i in range(6)]
         x0 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -189,20 +187,8 @@ def test_gpu_pdl_chain_in_a_graph():
 
         ref = chain(lambda h, w, s, z: linear_ref(h.float(), w, 4, s.float(), z, 128)
                     .to(h.dtype))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain(lambda h, w, s, z: w4a16_gemv_cuda(h, w, s, z, 128))  # compile first
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(lambda h, w, s, z: w4a16_gemv_cuda(h, w, s, z, 128))
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
+        out = replay_in_graph(lambda: chain(lambda h, w, s, z: w4a16_gemv_cuda(h, w, s, z, 128)))
         assert (out.float() - ref.float()).norm() / ref.float().norm() < 3e-2
-    finally:
-        pdl.configure(torch.device("cuda"), used)
 
 
 @gpu
