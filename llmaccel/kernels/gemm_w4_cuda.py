@@ -242,7 +242,7 @@ def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     # on the SMs in their wait while the kernel before them still needs them. The slow
     # prefill that suggested this turned out to be the tile choice (profiles with and without
     # it: 2026-11-27-w4-gemm-prefill-profile-*-h100.txt); kept as the safe choice, and its
-    # effect on 2-16-row decode steps (160 blocks for qkv) is not measured.
+    # effect on 2-16-row decode steps (gate_up's 256 blocks on the 3B shape) is not measured.
     if cfg.splitk > 1 and grid > _ARRIVALS:
         raise ValueError(f"split-K GEMM of {grid} tiles: at most {_ARRIVALS}")
     partial = (torch.empty(cfg.splitk * m * n, dtype=torch.float32, device=x.device)
