@@ -263,20 +263,22 @@ _cache: dict[tuple, CudaKernel] = {}
 
 
 def get_kernel(source: str, func_name: str, device: torch.device,
-               defines: dict[str, int | str], headers: dict[str, str] | None = None
-               ) -> CudaKernel:
+               defines: dict[str, int | str], headers: dict[str, str] | None = None,
+               arch_suffix: str = "") -> CudaKernel:
     """The kernel compiled for `device`'s architecture with `defines` (and the #include-able
-    `headers`), compiled once per process (about a second each)."""
+    `headers`), compiled once per process (about a second each). `arch_suffix` "a" targets
+    the architecture-specific features (sm_90a: wgmma), which run on that GPU only."""
     device = torch.device(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (hash(source), func_name, device.index, tuple(sorted(defines.items())),
-           tuple(sorted((headers or {}).items())))
+           tuple(sorted((headers or {}).items())), arch_suffix)
     with _lock:
         k = _cache.get(key)
         if k is None:
             major, minor = torch.cuda.get_device_capability(device)
-            cubin = compile_cubin(source, func_name, f"sm_{major}{minor}", defines, headers)
+            cubin = compile_cubin(source, func_name, f"sm_{major}{minor}{arch_suffix}", defines,
+                                  headers)
             k = _cache[key] = CudaKernel(cubin, func_name, device)
         return k
 

@@ -135,6 +135,30 @@ W4_GEMM_NARROW_MIN_M = 128
 W4_GEMM_NARROW_N = 8192
 
 
+# From W4_WGMMA_MIN_M rows, int4 layers on an sm_90 GPU take the wgmma W4A16 GEMM
+# (`kernels/gemm_w4_wgmma.py`) where it can run (scales in the activation dtype, K and the group
+# multiples of 64), before the mma.sync GEMM and dequantize + cuBLAS. LLMACCEL_W4_WGMMA=0 turns
+# it off; LLMACCEL_W4_WGMMA_MIN_M moves the bound.
+W4_WGMMA = os.environ.get("LLMACCEL_W4_WGMMA", "1") == "1"
+W4_WGMMA_MIN_M = int(os.environ.get("LLMACCEL_W4_WGMMA_MIN_M", "64"))
+
+
+def _use_w4_wgmma(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Decided once per layer, activation dtype and bias (as `_use_w4_gemm`)."""
+    if not (W4_WGMMA and x2.shape[0] >= W4_WGMMA_MIN_M):
+        return False
+    cache = layer.__dict__.setdefault("_w4_wgmma_ok", {})
+    key = (x2.dtype, x2.shape[-1], bias is None)
+    ok = cache.get(key)
+    if ok is None:
+        from llmaccel.kernels.gemm_w4_wgmma import supports
+
+        ok = cache[key] = bool(layer.kernel_weight.is_cuda and supports(
+            x2, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
+            layer.kernel_group_size, bias))
+    return ok
+
+
 def _use_w4_gemm(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Decided once per layer, activation dtype and bias: the weights never change after
     loading, so the checks (tensor queries, the device's CUDA C support) need not run per
@@ -412,6 +436,11 @@ class PackedLinearMethod(LinearMethodBase):
         if not layer.use_triton:  # fused kernels switched off: the same layout, in PyTorch
             return linear_ref(x, *args)
         x2 = x.reshape(-1, x.shape[-1])
+        if self.bits == 4 and _use_w4_wgmma(layer, x2, bias):  # prefill rows on Hopper
+            from llmaccel.kernels.gemm_w4_wgmma import w4a16_gemm_wgmma
+
+            return w4a16_gemm_wgmma(x, layer.kernel_weight, layer.kernel_scales,
+                                    layer.kernel_zeros, layer.kernel_group_size, bias)
         if self.bits == 4 and _use_w4_gemm(layer, x2, bias):  # 2+ rows: tensor cores on int4
             from llmaccel.kernels.gemm_w4_cuda import w4a16_gemm_cuda
 

@@ -1,0 +1,362 @@
+// W4A16 GEMM on Hopper's warpgroup MMA (wgmma), for prefill-sized row counts:
+// y[m, n] = sum_k x[m, k] * round16((code[n, k] - zero[n, g]) * scale[n, g]) (+ bias[n]).
+// Compiled at run time by NVRTC for sm_90a (kernels/gemm_w4_wgmma.py); includes common.cuh and
+// wgmma_inst.cuh, which the host generates for the tile's wgmma width (BM).
+//
+// Why a second GEMM: mma.sync (csrc/gemm_w4.cu) tops out near 200-260 TFLOP/s at 128 rows because
+// every m16n8k16 needs 6-10 other instructions (dequantization, fragment shuffles, addressing) and
+// the SM can issue only a few per mma; cuBLAS on bf16 weights is twice as fast there. A wgmma
+// m64nBMk16 does 64 x BM x 16 multiply-adds per instruction, so the same dequantization work is a
+// small share of the issue slots and the tensor cores, not the issue, set the pace.
+//
+// Roles are swapped (as vLLM's Machete does): the weights are wgmma's A operand, dequantized into
+// registers, and the activations its B operand, read from shared memory by the tensor cores;
+// the warpgroup computes y^T for its 64 weight rows x the block's BM activation rows.
+//
+// Work: a block of WGS warpgroups owns BN = 64 WGS output columns (weight rows) x BM rows of x;
+// warpgroup w takes weight rows 64w..64w+63 against the block's one x tile. K goes in stages of
+// 64; STAGES of them in flight through cp.async (x, codes, and the words holding the stage's
+// scales and zeros), the codes before the programmatic-dependent-launch wait, x after it.
+//
+// x in shared memory: per stage BM rows x 64 bf16 = 128 bytes a row, in the 128-byte swizzle
+// wgmma reads K-major operands in (16-byte chunk c of row r at chunk c ^ (r & 7), 8-row atoms of
+// 1024 bytes); the descriptor steps 32 bytes a k16 step.
+//
+// A fragments: the wgmma register layout is mma.sync's m16n8k16 A per warp: lane (g, t) of warp
+// q holds rows 16q + g and 16q + g + 8 at k = 2t, 2t + 1 and 2t + 8, 2t + 9 of the k16 step. In the
+// GPTQ word layout (int32 [N, K/8], word w holds k = 8w..8w+7, lowest nibble first) that pair
+// is byte t of a word: low nibble k = 2t, high nibble k = 2t + 1. PRMT moves byte t to the bottom,
+// a multiply by 0x1001 copies it 12 bits up (so the high nibble lands at bits 16-19), a LOP3
+// masks both nibbles into the mantissas of the 16-bit magic 128 (bf16; 1024 for fp16, both
+// with an ulp of 1), one packed FMA subtracts 128 + zero exactly, and one packed multiply by
+// the group's scale rounds the weight to 16 bits: exactly the dequantized weight of the
+// reference (gemm.linear_ref), so only the fp32 summation order differs from it.
+//
+// Macros: BM (x rows a block, the wgmma N: a multiple of 8, at most 256), WGS (warpgroups a
+// block), STAGES, SPLITK (K in that many parts, added by each tile's last block), X_BF16,
+// HAS_ZEROS (uint8 zeros [N, G]; else zero point 8), HAS_BIAS, GROUP_STAGES (group / 64; 0:
+// one scale per row, for the whole K). Scales are in the activation dtype.
+// Contract (gemm_w4_wgmma.supports): K % 64 == 0, N % 8 == 0, 16-byte aligned rows.
+
+#include "common.cuh"
+#include "wgmma_inst.cuh"
+
+#ifndef SPLITK
+#define SPLITK 1
+#endif
+
+#define THREADS (128 * WGS)
+#define BN (64 * WGS)
+#define X_STAGE_BYTES (BM * 128)  // a multiple of 1024: every stage's x tile is atom-aligned
+#define W_STAGE_BYTES (BN * 32)
+#define S_STAGE_BYTES (GROUP_STAGES > 0 ? BN * 4 : 0)
+#define Z_STAGE_BYTES (GROUP_STAGES > 0 && HAS_ZEROS ? BN * 4 : 0)
+// rounded up to whole 1024-byte atoms, so every stage's x tile starts on one
+#define STAGE_BYTES \
+  ((X_STAGE_BYTES + W_STAGE_BYTES + S_STAGE_BYTES + Z_STAGE_BYTES + 1023) / 1024 * 1024)
+
+#if X_BF16
+#define MAGIC2 0x43004300u  // bf16 128.0 in both halves
+#define ONE2 0x3F803F80u
+#define MAGIC_F 128.f
+#else
+#define MAGIC2 0x64006400u  // fp16 1024.0
+#define ONE2 0x3C003C00u
+#define MAGIC_F 1024.f
+#endif
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+// This thread's completed shared-memory writes, ordered before later async-proxy reads (wgmma)
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
+  u32 d;
+#if X_BF16
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#endif
+  return d;
+}
+__device__ __forceinline__ u32 mul2(u32 a, u32 b) {
+  u32 d;
+#if X_BF16
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#endif
+  return d;
+}
+
+// -(magic + zero) in both halves: the FMA's addend
+__device__ __forceinline__ u32 neg_offset2(float zero) {
+  const u16 h = float_to_act(MAGIC_F + zero);
+  return (((u32)h << 16) | h) ^ 0x80008000u;
+}
+
+// The dequantized 16-bit pair (k = 2t, 2t + 1) from byte t of word w: sel_t moves byte t to the
+// bottom with zeros above, magic is MAGIC2 (in a register: a LOP3 takes one immediate)
+__device__ __forceinline__ u32 pair(u32 w, u32 sel_t, u32 magic, u32 negoff, u32 scale2) {
+  const u32 b = prmt(w, 0u, sel_t) * 0x1001u;  // low nibble at bits 0-3, high at 16-19
+  const u32 q = (b & 0x000F000Fu) | magic;      // 16-bit (magic + code) pair
+  return mul2(fma2(q, ONE2, negoff), scale2);
+}
+
+// The 64-bit wgmma descriptor of a K-major operand in the 128-byte swizzle, at shared address
+// addr (1024-aligned atoms of 8 rows x 128 bytes; consecutive 8-row atoms 1024 bytes apart).
+__device__ __forceinline__ unsigned long long x_descriptor(u32 addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4)
+         | ((unsigned long long)(16 >> 4) << 16)      // leading offset: unused in this layout
+         | ((unsigned long long)(1024 >> 4) << 32)    // stride: 8-row atom to the next
+         | (1ull << 62);                               // 128-byte swizzle
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* __restrict__ S,
+              const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
+              int M, int N, int K, long long stride_x, long long stride_w, long long stride_s,
+              long long stride_z, long long stride_y, int m_tiles, int group
+#if SPLITK > 1
+              , float* __restrict__ Partial, int* __restrict__ Arrivals
+#endif
+              ) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  // 1024-align the stages (the dynamic window's start is at least 16-aligned; the host adds
+  // 1024 bytes of room)
+  const u32 base_raw = smem_addr(smem);
+  const u32 base = (base_raw + 1023u) & ~1023u;
+  unsigned char* const sbase = smem + (base - base_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, q = warp & 3;  // warpgroup, warp within it
+  const int g = lane >> 2, t = lane & 3;
+#if SPLITK > 1
+  const int ks = blockIdx.x % SPLITK, tile = blockIdx.x / SPLITK;
+  const int stages = K / 64 / SPLITK;
+  const int sk0 = ks * stages;
+#else
+  const int tile = blockIdx.x;
+  const int stages = K / 64;
+  constexpr int sk0 = 0;
+#endif
+  // the m tiles of one n tile are neighbours: they read the same codes
+  const int m0 = (tile % m_tiles) * BM, n0 = (tile / m_tiles) * BN;
+
+  // Copy assignments, fixed per thread. x: 8 chunks of 16 bytes a row, THREADS / 8 rows a pass
+  // (a multiple of 8, so a thread's swizzle is the same on every pass).
+  constexpr int X_RPP = THREADS / 8;
+  constexpr int X_PASSES = (BM + X_RPP - 1) / X_RPP;
+  const int xr0 = tid >> 3, xc = tid & 7;
+  const u32 x_dst0 = (u32)(xr0 * 128 + ((xc ^ (xr0 & 7)) << 4));
+  // codes: 2 chunks of 16 bytes a row (64 codes), BN rows: one copy a thread
+  const int wr = tid >> 1, wc = tid & 1;
+  const u32* w_src = W + (long long)min(n0 + wr, N - 1) * stride_w + wc * 4;
+  const u32 w_dst = (u32)(X_STAGE_BYTES + wr * 32 + wc * 16);
+#if GROUP_STAGES > 0
+  // the 4-byte word holding (row, group) of scales (zeros), for rows tid < BN
+  const long long s_elem0 = (long long)min(n0 + tid, N - 1) * stride_s;
+#if HAS_ZEROS
+  const long long z_elem0 = (long long)min(n0 + tid, N - 1) * stride_z;
+#endif
+#endif
+
+  auto load_w = [&](int s) {
+    const u32 st = base + (u32)((s % STAGES) * STAGE_BYTES);
+    cp_async16(st + w_dst, w_src + (long long)(s + sk0) * 8, true);
+#if GROUP_STAGES > 0
+    if (tid < BN) {
+      const int grp = (s + sk0) / GROUP_STAGES;
+      cp_async4(st + X_STAGE_BYTES + W_STAGE_BYTES + tid * 4,
+                reinterpret_cast<const char*>(S) + (((s_elem0 + grp) * 2) & ~3LL));
+#if HAS_ZEROS
+      cp_async4(st + X_STAGE_BYTES + W_STAGE_BYTES + S_STAGE_BYTES + tid * 4,
+                reinterpret_cast<const char*>(Z) + ((z_elem0 + grp) & ~3LL));
+#endif
+    }
+#endif
+  };
+  auto load_x = [&](int s) {  // rows past M are zero-filled (from row 0, a valid address)
+    const u32 st = base + (u32)((s % STAGES) * STAGE_BYTES);
+#pragma unroll
+    for (int p = 0; p < X_PASSES; ++p) {
+      const int r = xr0 + p * X_RPP;
+      if (BM % X_RPP == 0 || r < BM) {
+        const bool ok = m0 + r < M;
+        cp_async16(st + x_dst0 + p * (X_RPP * 128),
+                   X + (ok ? (long long)(m0 + r) * stride_x : 0) + (s + sk0) * 64 + xc * 8, ok);
+      }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < stages) load_w(s);
+  pdl_wait();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < stages) load_x(s);
+    cp_async_commit();
+  }
+
+  // This thread's two weight rows (of the block's BN) and their fixed dequantization inputs.
+  const int row_a = 64 * wg + 16 * q + g, row_b = row_a + 8;
+  const u32 sel_t = (u32)t | 0x4440u;  // prmt: byte t of the first operand, then zeros
+  const u32 magic = MAGIC2;
+  u32 negoff_a = neg_offset2(8.f), negoff_b = negoff_a;
+  u32 scale_a = 0, scale_b = 0;
+#if GROUP_STAGES == 0
+  {
+    const u32 sa = S[(long long)min(n0 + row_a, N - 1) * stride_s];
+    const u32 sb = S[(long long)min(n0 + row_b, N - 1) * stride_s];
+    scale_a = sa | (sa << 16);
+    scale_b = sb | (sb << 16);
+#if HAS_ZEROS
+    negoff_a = neg_offset2((float)Z[(long long)min(n0 + row_a, N - 1) * stride_z]);
+    negoff_b = neg_offset2((float)Z[(long long)min(n0 + row_b, N - 1) * stride_z]);
+#endif
+  }
+#endif
+
+  float d[BM / 2];
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) d[i] = 0.f;
+
+  for (int s = 0; s < stages; ++s) {
+    cp_async_wait<STAGES - 2>();
+    fence_proxy_async();
+    __syncthreads();  // stage s is in; every warpgroup is done with the slot refilled below
+    if (s + STAGES - 1 < stages) {
+      load_w(s + STAGES - 1);
+      load_x(s + STAGES - 1);
+    }
+    cp_async_commit();
+    const u32 st = base + (u32)((s % STAGES) * STAGE_BYTES);
+    const unsigned char* sp = sbase + (s % STAGES) * STAGE_BYTES;
+#if GROUP_STAGES > 0
+    {
+      const int grp = (s + sk0) / GROUP_STAGES;
+      const u32* sw = reinterpret_cast<const u32*>(sp + X_STAGE_BYTES + W_STAGE_BYTES);
+      const long long ia = (long long)min(n0 + row_a, N - 1) * stride_s + grp;
+      const long long ib = (long long)min(n0 + row_b, N - 1) * stride_s + grp;
+      const u32 sa = (sw[row_a] >> (16 * (int)(ia & 1))) & 0xFFFFu;
+      const u32 sb = (sw[row_b] >> (16 * (int)(ib & 1))) & 0xFFFFu;
+      scale_a = sa | (sa << 16);
+      scale_b = sb | (sb << 16);
+#if HAS_ZEROS
+      const u32* zw = reinterpret_cast<const u32*>(sp + X_STAGE_BYTES + W_STAGE_BYTES
+                                                   + S_STAGE_BYTES);
+      const long long za = (long long)min(n0 + row_a, N - 1) * stride_z + grp;
+      const long long zb = (long long)min(n0 + row_b, N - 1) * stride_z + grp;
+      negoff_a = neg_offset2((float)((zw[row_a] >> (8 * (int)(za & 3))) & 0xFFu));
+      negoff_b = neg_offset2((float)((zw[row_b] >> (8 * (int)(zb & 3))) & 0xFFu));
+#endif
+    }
+#endif
+    // the two rows' 64 codes of the stage: words 2j, 2j + 1 hold k16 step j
+    const uint4* wa = reinterpret_cast<const uint4*>(sp + X_STAGE_BYTES + row_a * 32);
+    const uint4* wb = reinterpret_cast<const uint4*>(sp + X_STAGE_BYTES + row_b * 32);
+    const uint4 a_lo = wa[0], a_hi = wa[1], b_lo = wb[0], b_hi = wb[1];
+    const u32 wa8[8] = {a_lo.x, a_lo.y, a_lo.z, a_lo.w, a_hi.x, a_hi.y, a_hi.z, a_hi.w};
+    const u32 wb8[8] = {b_lo.x, b_lo.y, b_lo.z, b_lo.w, b_hi.x, b_hi.y, b_hi.z, b_hi.w};
+    u32 a[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      a[j][0] = pair(wa8[2 * j], sel_t, magic, negoff_a, scale_a);      // row g, k 2t..
+      a[j][1] = pair(wb8[2 * j], sel_t, magic, negoff_b, scale_b);      // row g + 8
+      a[j][2] = pair(wa8[2 * j + 1], sel_t, magic, negoff_a, scale_a);  // row g, k 2t + 8..
+      a[j][3] = pair(wb8[2 * j + 1], sel_t, magic, negoff_b, scale_b);
+    }
+    const unsigned long long desc = x_descriptor(st);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      wgmma_m64k16(d, a[j][0], a[j][1], a[j][2], a[j][3], desc + 2ull * j);  // +32 bytes a step
+    wgmma_commit();
+    wgmma_wait0();
+  }
+  cp_async_wait<0>();
+  pdl_launch_dependents();
+
+  // d[i]: weight row 64 wg + 16 q + g + 8 ((i / 2) % 2), x row 8 (i / 4) + 2t + (i % 2)
+#if SPLITK > 1
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) {
+    const int col = n0 + 64 * wg + 16 * q + g + 8 * ((i >> 1) & 1);
+    const int row = m0 + 8 * (i >> 2) + 2 * t + (i & 1);
+    if (row < M && col < N) Partial[((long long)ks * M + row) * N + col] = d[i];
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int last;
+  if (tid == 0) last = atomicAdd(Arrivals + tile, 1) == SPLITK - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) {
+    const int col = n0 + 64 * wg + 16 * q + g + 8 * ((i >> 1) & 1);
+    const int row = m0 + 8 * (i >> 2) + 2 * t + (i & 1);
+    if (row >= M || col >= N) continue;
+    float sum = 0.f;
+    for (int p = 0; p < SPLITK; ++p)  // through L2, in split order: other blocks wrote these
+      sum += __ldcg(Partial + ((long long)p * M + row) * N + col);
+    d[i] = sum;
+  }
+  if (tid == 0) Arrivals[tile] = 0;
+#endif
+
+  // Epilogue through shared memory (the pipeline's, now idle): the tile as y rows of BN
+  // 16-bit values (+ 8 of padding against bank conflicts), then 16-byte row stores.
+  __syncthreads();
+  constexpr int YP = BN + 8;
+  u16* ys = reinterpret_cast<u16*>(sbase);
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) {
+    const int c = 64 * wg + 16 * q + g + 8 * ((i >> 1) & 1);
+    const int r = 8 * (i >> 2) + 2 * t + (i & 1);
+    float v = d[i];
+#if HAS_BIAS
+    v += act_to_float(__ldg(Bias + min(n0 + c, N - 1)));
+#endif
+    ys[r * YP + c] = float_to_act(v);
+  }
+  __syncthreads();
+  constexpr int CPR = BN / 8;  // 16-byte chunks a row
+  for (int i = tid; i < BM * CPR; i += THREADS) {
+    const int r = i / CPR, c = (i % CPR) * 8;
+    if (m0 + r >= M || n0 + c >= N) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(ys + r * YP + c);
+    *reinterpret_cast<uint4*>(Y + (long long)(m0 + r) * stride_y + n0 + c) = v;
+  }
+}

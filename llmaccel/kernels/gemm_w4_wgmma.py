@@ -1,0 +1,246 @@
+"""W4A16 GEMM on Hopper's warpgroup MMA (`csrc/gemm_w4_wgmma.cu`, NVRTC for sm_90a).
+
+y [M, N] = x [M, K] @ dequant(weight)^T (+ bias) on the int4 layout of `kernels/gemm.py`
+(weight int32 [N, K/8], scales [N, G] in the activation dtype, uint8 zeros [N, G] or None for
+zero point 8). The weights are wgmma's A operand, dequantized in registers to exactly the
+reference's 16-bit weight; x is its B operand in shared memory. For prefill-sized row counts,
+where the mma.sync GEMM (`gemm_w4_cuda.py`) is bound by instruction issue.
+
+`supports` says whether a call can take it (an sm_90 GPU, CUDA C kernels available, bf16/fp16
+activations with scales of the same dtype, K a multiple of 64, groups a multiple of 64 or
+per channel, N a multiple of 8, aligned rows); `config_for(m, n, k)` picks the tile. The
+reference is `gemm.linear_ref`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from llmaccel.kernels import cuda_rtc, pdl
+from llmaccel.kernels.gemv_w4 import check_side_tensors
+
+MAX_SHARED = 227 * 1024  # an H100 block's dynamic shared memory limit
+BK = 64  # k a stage
+
+
+@dataclass(frozen=True)
+class WgmmaW4Config:
+    """A block of `wgs` warpgroups (64 weight rows each) against `bm` rows of x (the wgmma N),
+    K in stages of 64, `stages` in flight, K split into `splitk` parts."""
+
+    bm: int
+    wgs: int = 1
+    stages: int = 4
+    splitk: int = 1
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.wgs
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.wgs
+
+    def stage_bytes(self, grouped: bool, zeros: bool) -> int:
+        side = self.block_n * 4 * ((1 + int(zeros)) if grouped else 0)
+        raw = self.bm * 128 + self.block_n * 32 + side
+        return -(-raw // 1024) * 1024
+
+    def shared_bytes(self, grouped: bool = True, zeros: bool = False) -> int:
+        pipeline = self.stages * self.stage_bytes(grouped, zeros)
+        epilogue = self.bm * (self.block_n + 8) * 2
+        return max(pipeline, epilogue) + 1024  # room to 1024-align the start
+
+    def describe(self) -> str:
+        return (f"wg{self.wgs}-n{self.block_n}-m{self.bm}-s{self.stages}"
+                + (f"-split{self.splitk}" if self.splitk > 1 else ""))
+
+    def valid(self) -> bool:
+        return (self.bm % 8 == 0 and 8 <= self.bm <= 256 and self.wgs in (1, 2)
+                and self.stages >= 2 and 1 <= self.splitk <= 16
+                and self.shared_bytes(True, True) <= MAX_SHARED)
+
+
+def config_for(m: int, n: int, k: int, group: int = -1, sms: int = 132) -> WgmmaW4Config:
+    """The tile for m rows of an N x K layer: x tiles of 64 rows up to 64, else 128; two
+    warpgroups a block (x read once for 128 weight rows) where that still gives every SM a
+    block (about: 128 blocks on 132 SMs count); K split until the grid covers the SMs, in
+    whole stages and whole groups (`group`; -1 per channel) of at least 8 stages a split."""
+    bm = 64 if m <= 64 else 128
+    m_tiles = -(-m // bm)
+    wgs = 2 if m_tiles * -(-n // 128) >= 0.9 * sms else 1
+    tiles = m_tiles * -(-n // (64 * wgs))
+    stages = k // BK
+    split = 1
+    for s in (2, 3, 4):
+        if tiles * split >= 0.9 * sms:
+            break
+        per = stages // s
+        if stages % s == 0 and per >= 8 and (group in (-1, k) or per % max(1, group // BK) == 0):
+            split = s
+    return WgmmaW4Config(bm, wgs, 4, split)
+
+
+def wgmma_header(bm: int, bf16: bool) -> str:
+    """wgmma_inst.cuh for a tile of `bm` x rows: `wgmma_m64k16(d, a0..a3, desc)`, one
+    m64n{bm}k16 with A from registers and B from the descriptor, accumulating into d[bm / 2]
+    (the operand list depends on bm, so the host writes it)."""
+    n = bm // 2
+    dt = "bf16" if bf16 else "f16"
+    outs = ", ".join(f"%{i}" for i in range(n))
+    cons = ", ".join(f'"+f"(d[{i}])' for i in range(n))
+    return (
+        "#pragma once\n"
+        "__device__ __forceinline__ void wgmma_m64k16(float* d, u32 a0, u32 a1, u32 a2, u32 a3,"
+        " unsigned long long desc) {\n"
+        f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.{dt}.{dt} "\n'
+        f'               "{{{outs}}}, {{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, 1, 1, 1, 0;"\n'
+        f"               : {cons}\n"
+        '               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");\n'
+        "}\n")
+
+
+@functools.lru_cache(maxsize=1)
+def _source() -> tuple[str, dict[str, str]]:
+    return cuda_rtc.source_files("gemm_w4_wgmma.cu", "common.cuh")
+
+
+def kernel_defines(cfg: WgmmaW4Config, bf16: bool, zeros: bool, bias: bool,
+                   group_stages: int) -> dict[str, int]:
+    return {"BM": cfg.bm, "WGS": cfg.wgs, "STAGES": cfg.stages, "SPLITK": cfg.splitk,
+            "X_BF16": int(bf16), "HAS_ZEROS": int(zeros), "HAS_BIAS": int(bias),
+            "GROUP_STAGES": group_stages}
+
+
+def kernel_headers(cfg: WgmmaW4Config, bf16: bool) -> dict[str, str]:
+    return {**_source()[1], "wgmma_inst.cuh": wgmma_header(cfg.bm, bf16)}
+
+
+def _sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+             zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,
+             config: WgmmaW4Config | None = None) -> bool:
+    """Whether `w4a16_gemm_wgmma` takes this call."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    group = k if group_size == -1 else group_size
+    m = max(1, x.numel() // max(k, 1))
+    cfg = config or config_for(m, n, k, group)
+    stages = k // BK if k % BK == 0 else 0
+    split_ok = cfg.splitk == 1 or (
+        stages % cfg.splitk == 0
+        and (group == k or (stages // cfg.splitk) % (group // BK) == 0))
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 1
+            and k > 0 and k % BK == 0 and group % BK == 0 and k % group == 0 and split_ok
+            and cfg.valid() and n % 8 == 0 and weight.dtype == torch.int32 and weight.dim() == 2
+            and weight.shape[1] == k // 8 and weight.stride(1) == 1
+            and weight.stride(0) % 4 == 0 and weight.data_ptr() % 16 == 0
+            and scales.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+            and cuda_rtc.available(x.device) and _sm90(x.device))
+
+
+@dataclass
+class _Prepared:
+    kernel: cuda_rtc.CudaKernel
+    static: list  # ctypes args: weight, scales, zeros, bias
+    strides: list  # ctypes args: weight, scales, zeros row strides
+    n: int
+    k: int
+    group: int
+    shared: int
+    sms: int
+    arrivals: torch.Tensor | None
+
+
+_prepared: dict[tuple, _Prepared] = {}
+_ARRIVALS = 1 << 16
+_arrival_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """Split-K arrival counters of `device` (zeroed at the first call, before any graph
+    capture; each launch leaves them at zero). One stream at a time."""
+    t = _arrival_counters.get(device)
+    if t is None:
+        t = _arrival_counters[device] = torch.zeros(_ARRIVALS, dtype=torch.int32, device=device)
+    return t
+
+
+def _prepare(x, weight, scales, zeros, group_size, bias, cfg) -> _Prepared:
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if not supports(x, weight, scales, zeros, group_size, bias, cfg):
+        raise ValueError(f"w4a16_gemm_wgmma cannot take x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}, scales {scales.dtype}, group "
+                         f"{group_size} with tile {cfg.describe()}")
+    group = k if group_size == -1 else group_size
+    checked, zeros_c = check_side_tensors(n, k, group, scales, zeros, bias)
+    if checked.data_ptr() != scales.data_ptr() or (
+            zeros is not None and zeros_c.data_ptr() != zeros.data_ptr()):
+        raise ValueError("scales and zeros must be contiguous")
+    bf16 = x.dtype == torch.bfloat16
+    group_stages = 0 if group == k else group // BK
+    kern = cuda_rtc.get_kernel(
+        _source()[0], "gemm_w4_wgmma", x.device,
+        kernel_defines(cfg, bf16, zeros is not None, bias is not None, group_stages),
+        kernel_headers(cfg, bf16), arch_suffix="a")
+    ptr = ctypes.c_void_p
+    return _Prepared(
+        kernel=kern,
+        static=[ptr(weight.data_ptr()), ptr(scales.data_ptr()),
+                ptr(zeros.data_ptr() if zeros is not None else 0),
+                ptr(bias.data_ptr() if bias is not None else 0)],
+        strides=[ctypes.c_longlong(weight.stride(0)), ctypes.c_longlong(scales.stride(0)),
+                 ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0)],
+        n=n, k=k, group=group, shared=cfg.shared_bytes(group_stages > 0, zeros is not None),
+        sms=torch.cuda.get_device_properties(x.device).multi_processor_count,
+        arrivals=_arrivals(x.device) if cfg.splitk > 1 else None)
+
+
+def w4a16_gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor | None, group_size: int,
+                     bias: torch.Tensor | None = None,
+                     config: WgmmaW4Config | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(weight)^T (+ bias), in x's dtype. The first call for a
+    weight, activation dtype and tile checks everything (ValueError naming what it cannot
+    take); later ones only x."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    cfg = config or config_for(m, weight.shape[0], k, group_size)
+    key = (weight.data_ptr(), tuple(weight.shape), scales.data_ptr(), tuple(scales.shape),
+           None if zeros is None else zeros.data_ptr(),
+           None if bias is None else bias.data_ptr(), x.dtype, x.device, group_size, cfg)
+    prep = _prepared.get(key)
+    if prep is None:
+        prep = _prepared[key] = _prepare(x, weight, scales, zeros, group_size, bias, cfg)
+    n = prep.n
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous().clone() if x2.data_ptr() % 16 else x2.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.reshape(*x.shape[:-1], n)
+    m_tiles = -(-m // cfg.bm)
+    tiles = m_tiles * -(-n // cfg.block_n)
+    if cfg.splitk > 1 and tiles > _ARRIVALS:
+        raise ValueError(f"split-K GEMM of {tiles} tiles: at most {_ARRIVALS}")
+    grid = tiles * cfg.splitk
+    args = [ctypes.c_void_p(x2.data_ptr()), *prep.static, ctypes.c_void_p(y.data_ptr()),
+            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x2.stride(0)),
+            *prep.strides, ctypes.c_longlong(y.stride(0)), ctypes.c_int(m_tiles),
+            ctypes.c_int(prep.group)]
+    if cfg.splitk > 1:
+        partial = torch.empty(cfg.splitk * m * n, dtype=torch.float32, device=x.device)
+        args += [ctypes.c_void_p(partial.data_ptr()), ctypes.c_void_p(prep.arrivals.data_ptr())]
+    # PDL only for a grid that fits on the GPU at once (as gemm_w4_cuda: a dependent launched
+    # early would park blocks on SMs a later wave needs)
+    prep.kernel.launch(grid, cfg.threads, args, pdl=pdl.enabled() and grid <= prep.sms,
+                       shared_mem=prep.shared)
+    return y.reshape(*x.shape[:-1], n)
