@@ -61,7 +61,7 @@ class WgmmaW4Config:
 
     def valid(self) -> bool:
         return (self.bm % 8 == 0 and 8 <= self.bm <= 256 and self.wgs in (1, 2)
-                and self.stages >= 2 and 1 <= self.splitk <= 16
+                and self.stages >= 3 and 1 <= self.splitk <= 16
                 and self.shared_bytes(True, True) <= MAX_SHARED)
 
 

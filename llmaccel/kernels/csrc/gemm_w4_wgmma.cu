@@ -95,6 +95,9 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
+__device__ __forceinline__ void wgmma_wait1() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+}
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 d;
@@ -248,48 +251,33 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
   }
 #endif
 
-  float d[BM / 2];
-#pragma unroll
-  for (int i = 0; i < BM / 2; ++i) d[i] = 0.f;
-
-  for (int s = 0; s < stages; ++s) {
-    cp_async_wait<STAGES - 2>();
-    fence_proxy_async();
-    __syncthreads();  // stage s is in; every warpgroup is done with the slot refilled below
-    if (s + STAGES - 1 < stages) {
-      load_w(s + STAGES - 1);
-      load_x(s + STAGES - 1);
-    }
-    cp_async_commit();
-    const u32 st = base + (u32)((s % STAGES) * STAGE_BYTES);
+  // Stage s's A fragments (the two rows' 64 codes: words 2j, 2j + 1 hold k16 step j), from its
+  // shared slot: scales (and zeros) of its group first.
+  auto dequant = [&](int s, u32 (&a)[4][4]) {
     const unsigned char* sp = sbase + (s % STAGES) * STAGE_BYTES;
 #if GROUP_STAGES > 0
-    {
-      const int grp = (s + sk0) / GROUP_STAGES;
-      const u32* sw = reinterpret_cast<const u32*>(sp + X_STAGE_BYTES + W_STAGE_BYTES);
-      const long long ia = (long long)min(n0 + row_a, N - 1) * stride_s + grp;
-      const long long ib = (long long)min(n0 + row_b, N - 1) * stride_s + grp;
-      const u32 sa = (sw[row_a] >> (16 * (int)(ia & 1))) & 0xFFFFu;
-      const u32 sb = (sw[row_b] >> (16 * (int)(ib & 1))) & 0xFFFFu;
-      scale_a = sa | (sa << 16);
-      scale_b = sb | (sb << 16);
+    const int grp = (s + sk0) / GROUP_STAGES;
+    const u32* sw = reinterpret_cast<const u32*>(sp + X_STAGE_BYTES + W_STAGE_BYTES);
+    const long long ia = (long long)min(n0 + row_a, N - 1) * stride_s + grp;
+    const long long ib = (long long)min(n0 + row_b, N - 1) * stride_s + grp;
+    const u32 sa = (sw[row_a] >> (16 * (int)(ia & 1))) & 0xFFFFu;
+    const u32 sb = (sw[row_b] >> (16 * (int)(ib & 1))) & 0xFFFFu;
+    scale_a = sa | (sa << 16);
+    scale_b = sb | (sb << 16);
 #if HAS_ZEROS
-      const u32* zw = reinterpret_cast<const u32*>(sp + X_STAGE_BYTES + W_STAGE_BYTES
-                                                   + S_STAGE_BYTES);
-      const long long za = (long long)min(n0 + row_a, N - 1) * stride_z + grp;
-      const long long zb = (long long)min(n0 + row_b, N - 1) * stride_z + grp;
-      negoff_a = neg_offset2((float)((zw[row_a] >> (8 * (int)(za & 3))) & 0xFFu));
-      negoff_b = neg_offset2((float)((zw[row_b] >> (8 * (int)(zb & 3))) & 0xFFu));
+    const u32* zw = reinterpret_cast<const u32*>(sp + X_STAGE_BYTES + W_STAGE_BYTES
+                                                 + S_STAGE_BYTES);
+    const long long za = (long long)min(n0 + row_a, N - 1) * stride_z + grp;
+    const long long zb = (long long)min(n0 + row_b, N - 1) * stride_z + grp;
+    negoff_a = neg_offset2((float)((zw[row_a] >> (8 * (int)(za & 3))) & 0xFFu));
+    negoff_b = neg_offset2((float)((zw[row_b] >> (8 * (int)(zb & 3))) & 0xFFu));
 #endif
-    }
 #endif
-    // the two rows' 64 codes of the stage: words 2j, 2j + 1 hold k16 step j
     const uint4* wa = reinterpret_cast<const uint4*>(sp + X_STAGE_BYTES + row_a * 32);
     const uint4* wb = reinterpret_cast<const uint4*>(sp + X_STAGE_BYTES + row_b * 32);
     const uint4 a_lo = wa[0], a_hi = wa[1], b_lo = wb[0], b_hi = wb[1];
     const u32 wa8[8] = {a_lo.x, a_lo.y, a_lo.z, a_lo.w, a_hi.x, a_hi.y, a_hi.z, a_hi.w};
     const u32 wb8[8] = {b_lo.x, b_lo.y, b_lo.z, b_lo.w, b_hi.x, b_hi.y, b_hi.z, b_hi.w};
-    u32 a[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       a[j][0] = pair(wa8[2 * j], sel_t, magic, negoff_a, scale_a);      // row g, k 2t..
@@ -297,14 +285,50 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
       a[j][2] = pair(wa8[2 * j + 1], sel_t, magic, negoff_a, scale_a);  // row g, k 2t + 8..
       a[j][3] = pair(wb8[2 * j + 1], sel_t, magic, negoff_b, scale_b);
     }
-    const unsigned long long desc = x_descriptor(st);
+  };
+  // Stage s landed (cp.async groups: one a stage, STAGES - 1 issued ahead of stage 0) and is
+  // visible to every warpgroup and to the tensor cores' async proxy.
+  auto arrive = [&]() {
+    fence_proxy_async();
+    __syncthreads();
+  };
+
+  float d[BM / 2];
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) d[i] = 0.f;
+
+  // Software pipeline, two A register sets: stage s's wgmmas run while this warpgroup
+  // dequantizes stage s + 1 (wgmma.wait_group 1 keeps one group in flight). A slot is refilled
+  // only after every warpgroup's wait showed the wgmmas that read it complete (the barrier in
+  // `arrive` comes after the wait).
+  u32 a0[4][4], a1[4][4];
+  cp_async_wait<STAGES - 2>();
+  arrive();
+  dequant(0, a0);
+  auto step = [&](int s, u32 (&cur)[4][4], u32 (&next)[4][4]) {
+    const unsigned long long desc = x_descriptor(base + (u32)((s % STAGES) * STAGE_BYTES));
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      wgmma_m64k16(d, a[j][0], a[j][1], a[j][2], a[j][3], desc + 2ull * j);  // +32 bytes a step
+      wgmma_m64k16(d, cur[j][0], cur[j][1], cur[j][2], cur[j][3], desc + 2ull * j);  // +32 B
     wgmma_commit();
-    wgmma_wait0();
+    wgmma_wait1();  // stage s - 1's wgmmas are done: `next` and its slot may be reused
+    if (s + 1 < stages) {
+      cp_async_wait<STAGES - 3>();  // stage s + 1 is in
+      arrive();
+      if (s + STAGES - 1 < stages) {  // into stage s - 1's slot
+        load_w(s + STAGES - 1);
+        load_x(s + STAGES - 1);
+      }
+      cp_async_commit();
+      dequant(s + 1, next);
+    }
+  };
+  for (int s = 0; s < stages; s += 2) {
+    step(s, a0, a1);
+    if (s + 1 < stages) step(s + 1, a1, a0);
   }
+  wgmma_wait0();
   cp_async_wait<0>();
   pdl_launch_dependents();
 
