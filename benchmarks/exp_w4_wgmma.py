@@ -31,6 +31,8 @@ CYCLE_BYTES = 256 * 2**20
 
 
 def candidates(m: int, n: int, k: int):
+    """The default tile and a grid around it: x tiles of 64 / 128 (/ 256) rows, one or two
+    warpgroups, K split 1-4 ways, 4-16 stages (as many as shared memory holds)."""
     from llmaccel.kernels.gemm_w4_wgmma import WgmmaW4Config, config_for
 
     out = {config_for(m, n, k, GROUP)}
@@ -40,10 +42,8 @@ def candidates(m: int, n: int, k: int):
     for bm in bms:
         for wgs in (1, 2):
             for split in (1, 2, 3, 4):
-                out.add(WgmmaW4Config(bm, wgs, 4, split))
-    for stages in (3, 6):
-        c = config_for(m, n, k, GROUP)
-        out.add(WgmmaW4Config(c.bm, c.wgs, stages, c.splitk))
+                for stages in (4, 6, 8, 12, 16):
+                    out.add(WgmmaW4Config(bm, wgs, stages, split))
     return sorted((c for c in out if c.valid()), key=lambda c: c.describe())
 
 
