@@ -32,7 +32,8 @@ CYCLE_BYTES = 256 * 2**20
 
 def candidates(m: int, n: int, k: int):
     """The default tile and a grid around it: x tiles of 64 / 128 (/ 256) rows, one or two
-    warpgroups, K split 1-4 ways, 4-16 stages (as many as shared memory holds)."""
+    warpgroups, K split 1, 2 or 4 ways, 4 or 6 stages (run 3: 4-16 stages changed little),
+    1, 2 or 4 accumulator sets."""
     from llmaccel.kernels.gemm_w4_wgmma import WgmmaW4Config, config_for
 
     out = {config_for(m, n, k, GROUP)}
@@ -41,9 +42,10 @@ def candidates(m: int, n: int, k: int):
         bms = [max(16, -(-m // 16) * 16), 64]
     for bm in bms:
         for wgs in (1, 2):
-            for split in (1, 2, 3, 4):
-                for stages in (4, 6, 8, 12, 16):
-                    out.add(WgmmaW4Config(bm, wgs, stages, split))
+            for split in (1, 2, 4):
+                for stages in (4, 6):
+                    for acc in (1, 2, 4):
+                        out.add(WgmmaW4Config(bm, wgs, stages, split, acc))
     return sorted((c for c in out if c.valid()), key=lambda c: c.describe())
 
 

@@ -36,6 +36,7 @@ class WgmmaW4Config:
     wgs: int = 1
     stages: int = 4
     splitk: int = 1
+    acc: int = 1  # accumulator sets (independent wgmma chains), summed at the end
 
     @property
     def block_n(self) -> int:
@@ -57,11 +58,13 @@ class WgmmaW4Config:
 
     def describe(self) -> str:
         return (f"wg{self.wgs}-n{self.block_n}-m{self.bm}-s{self.stages}"
+                + (f"-acc{self.acc}" if self.acc > 1 else "")
                 + (f"-split{self.splitk}" if self.splitk > 1 else ""))
 
     def valid(self) -> bool:
         return (self.bm % 8 == 0 and 8 <= self.bm <= 256 and self.wgs in (1, 2)
                 and self.stages >= 3 and 1 <= self.splitk <= 16
+                and self.acc in (1, 2, 4) and self.acc * self.bm <= 256  # registers
                 and self.shared_bytes(True, True) <= MAX_SHARED)
 
 
@@ -112,6 +115,7 @@ def _source() -> tuple[str, dict[str, str]]:
 def kernel_defines(cfg: WgmmaW4Config, bf16: bool, zeros: bool, bias: bool,
                    group_stages: int) -> dict[str, int]:
     return {"BM": cfg.bm, "WGS": cfg.wgs, "STAGES": cfg.stages, "SPLITK": cfg.splitk,
+            "ACC": cfg.acc,
             "X_BF16": int(bf16), "HAS_ZEROS": int(zeros), "HAS_BIAS": int(bias),
             "GROUP_STAGES": group_stages}
 

@@ -33,7 +33,7 @@
 // reference (gemm.linear_ref), so only the fp32 summation order differs from it.
 //
 // Macros: BM (x rows a block, the wgmma N: a multiple of 8, at most 256), WGS (warpgroups a
-// block), STAGES, SPLITK (K in that many parts, added by each tile's last block), X_BF16,
+// block), STAGES, ACC (accumulator sets the k16 steps rotate over), SPLITK (K in that many parts, added by each tile's last block), X_BF16,
 // HAS_ZEROS (uint8 zeros [N, G]; else zero point 8), HAS_BIAS, GROUP_STAGES (group / 64; 0:
 // one scale per row, for the whole K). Scales are in the activation dtype.
 // Contract (gemm_w4_wgmma.supports): K % 64 == 0, N % 8 == 0, 16-byte aligned rows.
@@ -43,6 +43,9 @@
 
 #ifndef SPLITK
 #define SPLITK 1
+#endif
+#ifndef ACC
+#define ACC 1  // accumulator sets (1, 2 or 4)
 #endif
 
 #define THREADS (128 * WGS)
@@ -293,9 +296,16 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
     __syncthreads();
   };
 
+  // ACC accumulator sets, k16 step j of a stage into set j % ACC: consecutive wgmmas into one
+  // accumulator form a dependency chain the tensor pipe cannot overlap; summed at the end.
   float d[BM / 2];
+  float dacc[ACC > 1 ? ACC - 1 : 1][BM / 2];
 #pragma unroll
-  for (int i = 0; i < BM / 2; ++i) d[i] = 0.f;
+  for (int i = 0; i < BM / 2; ++i) {
+    d[i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < ACC - 1; ++c) dacc[c][i] = 0.f;
+  }
 
   // Software pipeline, two A register sets: stage s's wgmmas run while this warpgroup
   // dequantizes stage s + 1 (wgmma.wait_group 1 keeps one group in flight). A slot is refilled
@@ -310,7 +320,8 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      wgmma_m64k16(d, cur[j][0], cur[j][1], cur[j][2], cur[j][3], desc + 2ull * j);  // +32 B
+      wgmma_m64k16(j % ACC == 0 ? d : dacc[j % ACC - 1], cur[j][0], cur[j][1], cur[j][2],
+                   cur[j][3], desc + 2ull * j);  // +32 bytes a k16 step
     wgmma_commit();
     wgmma_wait1();  // stage s - 1's wgmmas are done: `next` and its slot may be reused
     if (s + 1 < stages) {
@@ -329,6 +340,10 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
     if (s + 1 < stages) step(s + 1, a1, a0);
   }
   wgmma_wait0();
+#pragma unroll
+  for (int c = 0; c < ACC - 1; ++c)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) d[i] += dacc[c][i];
   cp_async_wait<0>();
   pdl_launch_dependents();
 
