@@ -31,21 +31,18 @@ CYCLE_BYTES = 256 * 2**20
 
 
 def candidates(m: int, n: int, k: int):
-    """The default tile and a grid around it: x tiles of 64 / 128 (/ 256) rows, one or two
-    warpgroups, K split 1, 2 or 4 ways, 4 or 6 stages (run 3: 4-16 stages changed little),
-    1, 2 or 4 accumulator sets."""
+    """The default tile and the families that led runs 2-4 (x tiles of 64 or 128 rows, one or
+    two warpgroups, K split 1, 2 or 4 ways), each with and without the proxy fence."""
     from llmaccel.kernels.gemm_w4_wgmma import WgmmaW4Config, config_for
 
     out = {config_for(m, n, k, GROUP)}
-    bms = [64, 128] + ([256] if m > 128 else [])
+    fams = [(64, 1, 6, 1), (64, 1, 6, 2), (64, 1, 6, 4), (128, 1, 4, 1), (128, 2, 4, 1),
+            (64, 2, 4, 1), (128, 1, 4, 2)] + ([(256, 2, 4, 1)] if m > 128 else [])
     if m <= 32:
-        bms = [max(16, -(-m // 16) * 16), 64]
-    for bm in bms:
-        for wgs in (1, 2):
-            for split in (1, 2, 4):
-                for stages in (4, 6):
-                    for acc in (1, 2, 4):
-                        out.add(WgmmaW4Config(bm, wgs, stages, split, acc))
+        fams += [(max(16, -(-m // 16) * 16), 1, 6, s) for s in (1, 2, 4)]
+    for bm, wgs, stages, split in fams:
+        for fence in (True, False):
+            out.add(WgmmaW4Config(bm, wgs, stages, split, 1, fence))
     return sorted((c for c in out if c.valid()), key=lambda c: c.describe())
 
 

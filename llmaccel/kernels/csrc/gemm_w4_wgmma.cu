@@ -47,6 +47,9 @@
 #ifndef ACC
 #define ACC 1  // accumulator sets (1, 2 or 4)
 #endif
+#ifndef PROXY_FENCE
+#define PROXY_FENCE 1  // fence.proxy.async between the cp.async writes and the wgmma reads
+#endif
 
 #define THREADS (128 * WGS)
 #define BN (64 * WGS)
@@ -292,7 +295,9 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
   // Stage s landed (cp.async groups: one a stage, STAGES - 1 issued ahead of stage 0) and is
   // visible to every warpgroup and to the tensor cores' async proxy.
   auto arrive = [&]() {
+#if PROXY_FENCE
     fence_proxy_async();
+#endif
     __syncthreads();
   };
 
