@@ -168,7 +168,9 @@ def _sm90_or_skip():
 @pytest.mark.parametrize("zeros", [False, True])
 @pytest.mark.parametrize("cfg", [None, WgmmaW4Config(64, 1, 4, 1), WgmmaW4Config(128, 2, 3, 1),
                                  WgmmaW4Config(256, 1, 4, 2), WgmmaW4Config(16, 2, 4, 1),
-                                 WgmmaW4Config(128, 1, 4, 4)],
+                                 WgmmaW4Config(128, 1, 4, 4), WgmmaW4Config(64, 1, 6, 2, 2),
+                                 WgmmaW4Config(64, 1, 6, 1, 1, False),
+                                 WgmmaW4Config(128, 2, 4, 2, 1, False)],
                          ids=lambda c: "default" if c is None else c.describe())
 def test_gpu_matches_reference(m, n, k, group, zeros, cfg):
     _sm90_or_skip()
