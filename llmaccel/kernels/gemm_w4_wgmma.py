@@ -38,6 +38,7 @@ class WgmmaW4Config:
     splitk: int = 1
     acc: int = 1  # accumulator sets (independent wgmma chains), summed at the end
     fence: bool = True  # fence.proxy.async each stage (PROXY_FENCE)
+    diag: int = 0  # timing experiments only (DIAG in the .cu): the results are wrong
 
     @property
     def block_n(self) -> int:
@@ -61,6 +62,7 @@ class WgmmaW4Config:
         return (f"wg{self.wgs}-n{self.block_n}-m{self.bm}-s{self.stages}"
                 + (f"-acc{self.acc}" if self.acc > 1 else "")
                 + ("" if self.fence else "-nofence")
+                + (f"-diag{self.diag}" if self.diag else "")
                 + (f"-split{self.splitk}" if self.splitk > 1 else ""))
 
     def valid(self) -> bool:
@@ -117,7 +119,7 @@ def _source() -> tuple[str, dict[str, str]]:
 def kernel_defines(cfg: WgmmaW4Config, bf16: bool, zeros: bool, bias: bool,
                    group_stages: int) -> dict[str, int]:
     return {"BM": cfg.bm, "WGS": cfg.wgs, "STAGES": cfg.stages, "SPLITK": cfg.splitk,
-            "ACC": cfg.acc, "PROXY_FENCE": int(cfg.fence),
+            "ACC": cfg.acc, "PROXY_FENCE": int(cfg.fence), "DIAG": cfg.diag,
             "X_BF16": int(bf16), "HAS_ZEROS": int(zeros), "HAS_BIAS": int(bias),
             "GROUP_STAGES": group_stages}
 

@@ -47,6 +47,10 @@
 #ifndef ACC
 #define ACC 1  // accumulator sets (1, 2 or 4)
 #endif
+#ifndef DIAG
+#define DIAG 0  // timing experiments only, wrong results: 1 no dequantization, 2 no x loads
+                // in the loop, 4 no wgmma, 8 no barrier
+#endif
 #ifndef PROXY_FENCE
 #define PROXY_FENCE 1  // fence.proxy.async between the cp.async writes and the wgmma reads
 #endif
@@ -323,21 +327,34 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
   auto step = [&](int s, u32 (&cur)[4][4], u32 (&next)[4][4]) {
     const unsigned long long desc = x_descriptor(base + (u32)((s % STAGES) * STAGE_BYTES));
     wgmma_fence();
+#if !(DIAG & 4)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       wgmma_m64k16(j % ACC == 0 ? d : dacc[j % ACC - 1], cur[j][0], cur[j][1], cur[j][2],
                    cur[j][3], desc + 2ull * j);  // +32 bytes a k16 step
+#endif
     wgmma_commit();
     wgmma_wait1();  // stage s - 1's wgmmas are done: `next` and its slot may be reused
     if (s + 1 < stages) {
       cp_async_wait<STAGES - 3>();  // stage s + 1 is in
+#if !(DIAG & 8)
       arrive();
+#endif
       if (s + STAGES - 1 < stages) {  // into stage s - 1's slot
         load_w(s + STAGES - 1);
+#if !(DIAG & 2)
         load_x(s + STAGES - 1);
+#endif
       }
       cp_async_commit();
+#if !(DIAG & 1)
       dequant(s + 1, next);
+#else
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) next[j][e] = cur[j][e] ^ (u32)s;
+#endif
     }
   };
   for (int s = 0; s < stages; s += 2) {
