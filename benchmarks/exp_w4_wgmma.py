@@ -31,18 +31,20 @@ CYCLE_BYTES = 256 * 2**20
 
 
 def candidates(m: int, n: int, k: int):
-    """The default tile and the families that led runs 2-4 (x tiles of 64 or 128 rows, one or
-    two warpgroups, K split 1, 2 or 4 ways), each with and without the proxy fence."""
+    """The default tile and the families that led runs 2-5 (x tiles of 64 or 128 rows, one or
+    two warpgroups, K split 1, 2 or 4 ways), without the proxy fence, with 64, 128 or 256 k a
+    stage and 3, 4 or 6 stages (what shared memory holds)."""
     from llmaccel.kernels.gemm_w4_wgmma import WgmmaW4Config, config_for
 
     out = {config_for(m, n, k, GROUP)}
-    fams = [(64, 1, 6, 1), (64, 1, 6, 2), (64, 1, 6, 4), (128, 1, 4, 1), (128, 2, 4, 1),
-            (64, 2, 4, 1), (128, 1, 4, 2)] + ([(256, 2, 4, 1)] if m > 128 else [])
+    fams = [(64, 1, 1), (64, 1, 2), (64, 1, 4), (128, 1, 1), (128, 2, 1), (64, 2, 1),
+            (128, 1, 2)] + ([(256, 2, 1)] if m > 128 else [])
     if m <= 32:
-        fams += [(max(16, -(-m // 16) * 16), 1, 6, s) for s in (1, 2, 4)]
-    for bm, wgs, stages, split in fams:
-        for fence in (True, False):
-            out.add(WgmmaW4Config(bm, wgs, stages, split, 1, fence))
+        fams += [(max(16, -(-m // 16) * 16), 1, s) for s in (1, 2, 4)]
+    for bm, wgs, split in fams:
+        for ksteps in (4, 8, 16):
+            for stages in (3, 4, 6):
+                out.add(WgmmaW4Config(bm, wgs, stages, split, 1, False, 0, ksteps))
     return sorted((c for c in out if c.valid()), key=lambda c: c.describe())
 
 

@@ -73,6 +73,8 @@ def test_not_taken_off_sm90():
     (WgmmaW4Config(64, 2, 3, 2), True, True, True, 1),
     (WgmmaW4Config(256, 2, 4, 1), False, False, False, 0),
     (WgmmaW4Config(16, 1, 6, 4), False, True, True, 2),
+    (WgmmaW4Config(64, 1, 4, 2, 1, False, 0, 8), True, True, False, 1),
+    (WgmmaW4Config(128, 2, 3, 1, 2, True, 0, 16), True, False, True, 0),
 ], ids=lambda v: v.describe() if isinstance(v, WgmmaW4Config) else str(v))
 def test_source_compiles_with_nvrtc_for_sm90a(cfg, bf16, zeros, bias, gs, monkeypatch):
     use_nvrtc(monkeypatch)
@@ -170,7 +172,10 @@ def _sm90_or_skip():
                                  WgmmaW4Config(256, 1, 4, 2), WgmmaW4Config(16, 2, 4, 1),
                                  WgmmaW4Config(128, 1, 4, 4), WgmmaW4Config(64, 1, 6, 2, 2),
                                  WgmmaW4Config(64, 1, 6, 1, 1, False),
-                                 WgmmaW4Config(128, 2, 4, 2, 1, False)],
+                                 WgmmaW4Config(128, 2, 4, 2, 1, False),
+                                 WgmmaW4Config(64, 1, 4, 1, 1, False, 0, 8),
+                                 WgmmaW4Config(128, 2, 3, 2, 1, False, 0, 8),
+                                 WgmmaW4Config(64, 1, 3, 1, 1, True, 0, 16)],
                          ids=lambda c: "default" if c is None else c.describe())
 def test_gpu_matches_reference(m, n, k, group, zeros, cfg):
     _sm90_or_skip()

@@ -24,7 +24,6 @@ from llmaccel.kernels import cuda_rtc, pdl
 from llmaccel.kernels.gemv_w4 import check_side_tensors
 
 MAX_SHARED = 227 * 1024  # an H100 block's dynamic shared memory limit
-BK = 64  # k a stage
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,11 @@ class WgmmaW4Config:
     acc: int = 1  # accumulator sets (independent wgmma chains), summed at the end
     fence: bool = True  # fence.proxy.async each stage (PROXY_FENCE)
     diag: int = 0  # timing experiments only (DIAG in the .cu): the results are wrong
+    ksteps: int = 4  # k16 steps a stage (KSTEPS): 64, 128 or 256 k a stage
+
+    @property
+    def block_k(self) -> int:
+        return 16 * self.ksteps
 
     @property
     def block_n(self) -> int:
@@ -50,7 +54,7 @@ class WgmmaW4Config:
 
     def stage_bytes(self, grouped: bool, zeros: bool) -> int:
         side = self.block_n * 4 * ((1 + int(zeros)) if grouped else 0)
-        raw = self.bm * 128 + self.block_n * 32 + side
+        raw = self.bm * 2 * self.block_k + self.block_n * self.block_k // 2 + side
         return -(-raw // 1024) * 1024
 
     def shared_bytes(self, grouped: bool = True, zeros: bool = False) -> int:
@@ -59,7 +63,7 @@ class WgmmaW4Config:
         return max(pipeline, epilogue) + 1024  # room to 1024-align the start
 
     def describe(self) -> str:
-        return (f"wg{self.wgs}-n{self.block_n}-m{self.bm}-s{self.stages}"
+        return (f"wg{self.wgs}-n{self.block_n}-m{self.bm}-k{self.block_k}-s{self.stages}"
                 + (f"-acc{self.acc}" if self.acc > 1 else "")
                 + ("" if self.fence else "-nofence")
                 + (f"-diag{self.diag}" if self.diag else "")
@@ -69,6 +73,7 @@ class WgmmaW4Config:
         return (self.bm % 8 == 0 and 8 <= self.bm <= 256 and self.wgs in (1, 2)
                 and self.stages >= 3 and 1 <= self.splitk <= 16
                 and self.acc in (1, 2, 4) and self.acc * self.bm <= 256  # registers
+                and self.ksteps in (4, 8, 16)
                 and self.shared_bytes(True, True) <= MAX_SHARED)
 
 
@@ -81,13 +86,14 @@ def config_for(m: int, n: int, k: int, group: int = -1, sms: int = 132) -> Wgmma
     m_tiles = -(-m // bm)
     wgs = 2 if m_tiles * -(-n // 128) >= 0.9 * sms else 1
     tiles = m_tiles * -(-n // (64 * wgs))
-    stages = k // BK
+    bk = 64
+    stages = k // bk
     split = 1
     for s in (2, 3, 4):
         if tiles * split >= 0.9 * sms:
             break
         per = stages // s
-        if stages % s == 0 and per >= 8 and (group in (-1, k) or per % max(1, group // BK) == 0):
+        if stages % s == 0 and per >= 8 and (group in (-1, k) or per % max(1, group // bk) == 0):
             split = s
     return WgmmaW4Config(bm, wgs, 4, split)
 
@@ -118,8 +124,10 @@ def _source() -> tuple[str, dict[str, str]]:
 
 def kernel_defines(cfg: WgmmaW4Config, bf16: bool, zeros: bool, bias: bool,
                    group_stages: int) -> dict[str, int]:
+    """The .cu's macros; `group_stages` = group / the tile's block_k (0: per channel)."""
     return {"BM": cfg.bm, "WGS": cfg.wgs, "STAGES": cfg.stages, "SPLITK": cfg.splitk,
             "ACC": cfg.acc, "PROXY_FENCE": int(cfg.fence), "DIAG": cfg.diag,
+            "KSTEPS": cfg.ksteps,
             "X_BF16": int(bf16), "HAS_ZEROS": int(zeros), "HAS_BIAS": int(bias),
             "GROUP_STAGES": group_stages}
 
@@ -141,12 +149,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     group = k if group_size == -1 else group_size
     m = max(1, x.numel() // max(k, 1))
     cfg = config or config_for(m, n, k, group)
-    stages = k // BK if k % BK == 0 else 0
+    bk = cfg.block_k
+    stages = k // bk if k % bk == 0 else 0
     split_ok = cfg.splitk == 1 or (
         stages % cfg.splitk == 0
-        and (group == k or (stages // cfg.splitk) % (group // BK) == 0))
+        and (group == k or (stages // cfg.splitk) % max(1, group // bk) == 0))
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 1
-            and k > 0 and k % BK == 0 and group % BK == 0 and k % group == 0 and split_ok
+            and k > 0 and k % bk == 0 and k % group == 0 and split_ok
+            and (group == k or group % bk == 0)
             and cfg.valid() and n % 8 == 0 and weight.dtype == torch.int32 and weight.dim() == 2
             and weight.shape[1] == k // 8 and weight.stride(1) == 1
             and weight.stride(0) % 4 == 0 and weight.data_ptr() % 16 == 0
@@ -194,7 +204,7 @@ def _prepare(x, weight, scales, zeros, group_size, bias, cfg) -> _Prepared:
             zeros is not None and zeros_c.data_ptr() != zeros.data_ptr()):
         raise ValueError("scales and zeros must be contiguous")
     bf16 = x.dtype == torch.bfloat16
-    group_stages = 0 if group == k else group // BK
+    group_stages = 0 if group == k else group // cfg.block_k
     kern = cuda_rtc.get_kernel(
         _source()[0], "gemm_w4_wgmma", x.device,
         kernel_defines(cfg, bf16, zeros is not None, bias is not None, group_stages),

@@ -34,8 +34,8 @@
 //
 // Macros: BM (x rows a block, the wgmma N: a multiple of 8, at most 256), WGS (warpgroups a
 // block), STAGES, ACC (accumulator sets the k16 steps rotate over), SPLITK (K in that many parts, added by each tile's last block), X_BF16,
-// HAS_ZEROS (uint8 zeros [N, G]; else zero point 8), HAS_BIAS, GROUP_STAGES (group / 64; 0:
-// one scale per row, for the whole K). Scales are in the activation dtype.
+// HAS_ZEROS (uint8 zeros [N, G]; else zero point 8), HAS_BIAS, KSTEPS (k16 steps a stage, 4, 8
+// or 16: BK = 64, 128 or 256), GROUP_STAGES (group / BK; 0: one scale per row, for the whole K). Scales are in the activation dtype.
 // Contract (gemm_w4_wgmma.supports): K % 64 == 0, N % 8 == 0, 16-byte aligned rows.
 
 #include "common.cuh"
@@ -55,10 +55,15 @@
 #define PROXY_FENCE 1  // fence.proxy.async between the cp.async writes and the wgmma reads
 #endif
 
+#ifndef KSTEPS
+#define KSTEPS 4  // k16 steps a stage: BK = 16 KSTEPS = 64, 128 or 256
+#endif
+#define BK (16 * KSTEPS)
+#define ATOMS (KSTEPS / 4)  // 64-k column blocks of the x tile, BM x 128 bytes each
 #define THREADS (128 * WGS)
 #define BN (64 * WGS)
-#define X_STAGE_BYTES (BM * 128)  // a multiple of 1024: every stage's x tile is atom-aligned
-#define W_STAGE_BYTES (BN * 32)
+#define X_STAGE_BYTES (BM * 128 * ATOMS)  // a multiple of 1024: every x atom is aligned
+#define W_STAGE_BYTES (BN * BK / 2)
 #define S_STAGE_BYTES (GROUP_STAGES > 0 ? BN * 4 : 0)
 #define Z_STAGE_BYTES (GROUP_STAGES > 0 && HAS_ZEROS ? BN * 4 : 0)
 // rounded up to whole 1024-byte atoms, so every stage's x tile starts on one
@@ -176,26 +181,27 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
   const int g = lane >> 2, t = lane & 3;
 #if SPLITK > 1
   const int ks = blockIdx.x % SPLITK, tile = blockIdx.x / SPLITK;
-  const int stages = K / 64 / SPLITK;
+  const int stages = K / BK / SPLITK;
   const int sk0 = ks * stages;
 #else
   const int tile = blockIdx.x;
-  const int stages = K / 64;
+  const int stages = K / BK;
   constexpr int sk0 = 0;
 #endif
   // the m tiles of one n tile are neighbours: they read the same codes
   const int m0 = (tile % m_tiles) * BM, n0 = (tile / m_tiles) * BN;
 
-  // Copy assignments, fixed per thread. x: 8 chunks of 16 bytes a row, THREADS / 8 rows a pass
-  // (a multiple of 8, so a thread's swizzle is the same on every pass).
-  constexpr int X_RPP = THREADS / 8;
+  // Copy assignments, fixed per thread. x: XC chunks of 16 bytes a row (chunk c: atom c / 8,
+  // chunk c % 8 of its 128-byte row), THREADS / XC rows a pass.
+  constexpr int XC = 2 * KSTEPS;
+  constexpr int X_RPP = THREADS / XC;
   constexpr int X_PASSES = (BM + X_RPP - 1) / X_RPP;
-  const int xr0 = tid >> 3, xc = tid & 7;
-  const u32 x_dst0 = (u32)(xr0 * 128 + ((xc ^ (xr0 & 7)) << 4));
-  // codes: 2 chunks of 16 bytes a row (64 codes), BN rows: one copy a thread
-  const int wr = tid >> 1, wc = tid & 1;
-  const u32* w_src = W + (long long)min(n0 + wr, N - 1) * stride_w + wc * 4;
-  const u32 w_dst = (u32)(X_STAGE_BYTES + wr * 32 + wc * 16);
+  const int xr0 = tid / XC, xc = tid % XC;
+  // codes: KSTEPS / 2 chunks of 16 bytes a row (32 codes each), BN rows, W_PASSES a thread
+  constexpr int WC = KSTEPS / 2;
+  constexpr int W_PASSES = BN * WC / THREADS;
+  const int wr = tid / WC, wc = tid % WC;
+  const u32 w_dst = (u32)(X_STAGE_BYTES + wr * (BK / 2) + wc * 16);
 #if GROUP_STAGES > 0
   // the 4-byte word holding (row, group) of scales (zeros), for rows tid < BN
   const long long s_elem0 = (long long)min(n0 + tid, N - 1) * stride_s;
@@ -206,7 +212,13 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
 
   auto load_w = [&](int s) {
     const u32 st = base + (u32)((s % STAGES) * STAGE_BYTES);
-    cp_async16(st + w_dst, w_src + (long long)(s + sk0) * 8, true);
+#pragma unroll
+    for (int p = 0; p < W_PASSES; ++p) {  // a pass moves THREADS / WC rows
+      const int r = wr + p * (THREADS / WC);
+      cp_async16(st + w_dst + p * (THREADS / WC) * (BK / 2),
+                 W + (long long)min(n0 + r, N - 1) * stride_w + wc * 4
+                   + (long long)(s + sk0) * (BK / 8), true);
+    }
 #if GROUP_STAGES > 0
     if (tid < BN) {
       const int grp = (s + sk0) / GROUP_STAGES;
@@ -226,8 +238,9 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
       const int r = xr0 + p * X_RPP;
       if (BM % X_RPP == 0 || r < BM) {
         const bool ok = m0 + r < M;
-        cp_async16(st + x_dst0 + p * (X_RPP * 128),
-                   X + (ok ? (long long)(m0 + r) * stride_x : 0) + (s + sk0) * 64 + xc * 8, ok);
+        const u32 dst = (u32)((xc >> 3) * (BM * 128) + r * 128 + (((xc & 7) ^ (r & 7)) << 4));
+        cp_async16(st + dst,
+                   X + (ok ? (long long)(m0 + r) * stride_x : 0) + (s + sk0) * BK + xc * 8, ok);
       }
     }
   };
@@ -263,7 +276,7 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
 
   // Stage s's A fragments (the two rows' 64 codes: words 2j, 2j + 1 hold k16 step j), from its
   // shared slot: scales (and zeros) of its group first.
-  auto dequant = [&](int s, u32 (&a)[4][4]) {
+  auto dequant = [&](int s, u32 (&a)[KSTEPS][4]) {
     const unsigned char* sp = sbase + (s % STAGES) * STAGE_BYTES;
 #if GROUP_STAGES > 0
     const int grp = (s + sk0) / GROUP_STAGES;
@@ -283,13 +296,17 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
     negoff_b = neg_offset2((float)((zw[row_b] >> (8 * (int)(zb & 3))) & 0xFFu));
 #endif
 #endif
-    const uint4* wa = reinterpret_cast<const uint4*>(sp + X_STAGE_BYTES + row_a * 32);
-    const uint4* wb = reinterpret_cast<const uint4*>(sp + X_STAGE_BYTES + row_b * 32);
-    const uint4 a_lo = wa[0], a_hi = wa[1], b_lo = wb[0], b_hi = wb[1];
-    const u32 wa8[8] = {a_lo.x, a_lo.y, a_lo.z, a_lo.w, a_hi.x, a_hi.y, a_hi.z, a_hi.w};
-    const u32 wb8[8] = {b_lo.x, b_lo.y, b_lo.z, b_lo.w, b_hi.x, b_hi.y, b_hi.z, b_hi.w};
+    const uint4* wa = reinterpret_cast<const uint4*>(sp + X_STAGE_BYTES + row_a * (BK / 2));
+    const uint4* wb = reinterpret_cast<const uint4*>(sp + X_STAGE_BYTES + row_b * (BK / 2));
+    u32 wa8[2 * KSTEPS], wb8[2 * KSTEPS];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int c = 0; c < KSTEPS / 2; ++c) {
+      const uint4 va = wa[c], vb = wb[c];
+      wa8[4 * c] = va.x, wa8[4 * c + 1] = va.y, wa8[4 * c + 2] = va.z, wa8[4 * c + 3] = va.w;
+      wb8[4 * c] = vb.x, wb8[4 * c + 1] = vb.y, wb8[4 * c + 2] = vb.z, wb8[4 * c + 3] = vb.w;
+    }
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
       a[j][0] = pair(wa8[2 * j], sel_t, magic, negoff_a, scale_a);      // row g, k 2t..
       a[j][1] = pair(wb8[2 * j], sel_t, magic, negoff_b, scale_b);      // row g + 8
       a[j][2] = pair(wa8[2 * j + 1], sel_t, magic, negoff_a, scale_a);  // row g, k 2t + 8..
@@ -320,18 +337,18 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
   // dequantizes stage s + 1 (wgmma.wait_group 1 keeps one group in flight). A slot is refilled
   // only after every warpgroup's wait showed the wgmmas that read it complete (the barrier in
   // `arrive` comes after the wait).
-  u32 a0[4][4], a1[4][4];
+  u32 a0[KSTEPS][4], a1[KSTEPS][4];
   cp_async_wait<STAGES - 2>();
   arrive();
   dequant(0, a0);
-  auto step = [&](int s, u32 (&cur)[4][4], u32 (&next)[4][4]) {
+  auto step = [&](int s, u32 (&cur)[KSTEPS][4], u32 (&next)[KSTEPS][4]) {
     const unsigned long long desc = x_descriptor(base + (u32)((s % STAGES) * STAGE_BYTES));
     wgmma_fence();
 #if !(DIAG & 4)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < KSTEPS; ++j)  // atom j / 4 (BM x 128 bytes on), +32 bytes a k16 step
       wgmma_m64k16(j % ACC == 0 ? d : dacc[j % ACC - 1], cur[j][0], cur[j][1], cur[j][2],
-                   cur[j][3], desc + 2ull * j);  // +32 bytes a k16 step
+                   cur[j][3], desc + (unsigned long long)((j >> 2) * (BM * 8) + 2 * (j & 3)));
 #endif
     wgmma_commit();
     wgmma_wait1();  // stage s - 1's wgmmas are done: `next` and its slot may be reused
@@ -351,7 +368,7 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
       dequant(s + 1, next);
 #else
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < KSTEPS; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) next[j][e] = cur[j][e] ^ (u32)s;
 #endif
