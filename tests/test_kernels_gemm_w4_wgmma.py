@@ -86,7 +86,7 @@ def test_source_compiles_with_nvrtc_for_sm90a(cfg, bf16, zeros, bias, gs, monkey
     ptx = cuda_rtc.compile_ptx(src, "gemm_w4_wgmma", "sm_90a", defines, headers)
     dt = "bf16" if bf16 else "f16"
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.bm}k16.f32.{dt}.{dt}" in ptx
-    assert "fence.proxy.async.shared::cta" in ptx and "griddepcontrol.wait" in ptx
+    assert ("fence.proxy.async.shared::cta" in ptx) == cfg.fence and "griddepcontrol.wait" in ptx
 
 
 # ----------------------------------------------------------------- lane-by-lane emulation
