@@ -31,20 +31,21 @@ CYCLE_BYTES = 256 * 2**20
 
 
 def candidates(m: int, n: int, k: int):
-    """The default tile and the families that led runs 2-5 (x tiles of 64 or 128 rows, one or
-    two warpgroups, K split 1, 2 or 4 ways), without the proxy fence, with 64, 128 or 256 k a
-    stage and 3, 4 or 6 stages (what shared memory holds)."""
+    """The default tile and the families that led runs 2-6 (x tiles of 64 or 128 rows, one or
+    two warpgroups, K split 1, 2 or 4 ways, 64 or 128 k a stage, 3 or 4 stages), without the
+    proxy fence, each with and without the L2 prefetch of the block's code rows."""
     from llmaccel.kernels.gemm_w4_wgmma import WgmmaW4Config, config_for
 
     out = {config_for(m, n, k, GROUP)}
-    fams = [(64, 1, 1), (64, 1, 2), (64, 1, 4), (128, 1, 1), (128, 2, 1), (64, 2, 1),
-            (128, 1, 2)] + ([(256, 2, 1)] if m > 128 else [])
+    fams = [(64, 1, 1), (64, 1, 2), (64, 1, 4), (128, 1, 1), (128, 2, 1), (64, 2, 1)] + (
+        [(256, 2, 1)] if m > 128 else [])
     if m <= 32:
         fams += [(max(16, -(-m // 16) * 16), 1, s) for s in (1, 2, 4)]
     for bm, wgs, split in fams:
-        for ksteps in (4, 8, 16):
-            for stages in (3, 4, 6):
-                out.add(WgmmaW4Config(bm, wgs, stages, split, 1, False, 0, ksteps))
+        for ksteps in (4, 8):
+            for stages in (3, 4):
+                for pf in (True, False):
+                    out.add(WgmmaW4Config(bm, wgs, stages, split, 1, False, 0, ksteps, pf))
     return sorted((c for c in out if c.valid()), key=lambda c: c.describe())
 
 

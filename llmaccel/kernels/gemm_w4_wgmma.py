@@ -39,6 +39,7 @@ class WgmmaW4Config:
     fence: bool = True  # fence.proxy.async each stage (PROXY_FENCE)
     diag: int = 0  # timing experiments only (DIAG in the .cu): the results are wrong
     ksteps: int = 4  # k16 steps a stage (KSTEPS): 64, 128 or 256 k a stage
+    prefetch: bool = True  # bulk L2 prefetch of the block's code rows (ROW_PREFETCH)
 
     @property
     def block_k(self) -> int:
@@ -67,6 +68,7 @@ class WgmmaW4Config:
                 + (f"-acc{self.acc}" if self.acc > 1 else "")
                 + ("" if self.fence else "-nofence")
                 + (f"-diag{self.diag}" if self.diag else "")
+                + ("" if self.prefetch else "-nopf")
                 + (f"-split{self.splitk}" if self.splitk > 1 else ""))
 
     def valid(self) -> bool:
@@ -127,7 +129,7 @@ def kernel_defines(cfg: WgmmaW4Config, bf16: bool, zeros: bool, bias: bool,
     """The .cu's macros; `group_stages` = group / the tile's block_k (0: per channel)."""
     return {"BM": cfg.bm, "WGS": cfg.wgs, "STAGES": cfg.stages, "SPLITK": cfg.splitk,
             "ACC": cfg.acc, "PROXY_FENCE": int(cfg.fence), "DIAG": cfg.diag,
-            "KSTEPS": cfg.ksteps,
+            "KSTEPS": cfg.ksteps, "ROW_PREFETCH": int(cfg.prefetch),
             "X_BF16": int(bf16), "HAS_ZEROS": int(zeros), "HAS_BIAS": int(bias),
             "GROUP_STAGES": group_stages}
 
