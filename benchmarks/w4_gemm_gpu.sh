@@ -11,6 +11,9 @@
 #        tiles per 3B shape, the fastest merged into this GPU's table (copied to OUT_DIR)
 #   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w1-attn  W1 bf16 and GPTQ int4 + int4 head with
 #        the decode attention's step inputs read after its PDL wait (LLMACCEL_ATTN_EARLY_INPUTS=0)
+#   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w1-wgmma  W1 on the 3B shape: bf16, GPTQ int4 and
+#        GPTQ int4 + int4 head with the wgmma GEMM for prefill rows (sm_90), then int4 + int4 head
+#        without it (LLMACCEL_W4_WGMMA=0)
 #   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w2  W2 (offline throughput): bf16 and GPTQ int4
 #        with the GEMM, then GPTQ int4 without it
 set -uo pipefail
@@ -53,6 +56,19 @@ PY
     w1 gemm bf16,gptq-int4-g128,gptq-int4-g128-lm-head
     echo "== W1 without it"
     LLMACCEL_W4_GEMM=0 w1 no-gemm gptq-int4-g128,gptq-int4-g128-lm-head
+    for f in "$out"/W1-"$tag"-*.jsonl; do python3 - "$f" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(sys.argv[1].split("/")[-1], r.get("quantization"), r.get("metric"), r.get("value"),
+          "ttft_ms", r.get("ttft_ms"))
+PY
+    done
+  elif [ "$part" = w1-wgmma ]; then
+    echo "== W1 with the wgmma GEMM"
+    w1 wgmma bf16,gptq-int4-g128,gptq-int4-g128-lm-head
+    echo "== W1 without it"
+    LLMACCEL_W4_WGMMA=0 w1 no-wgmma gptq-int4-g128-lm-head
     for f in "$out"/W1-"$tag"-*.jsonl; do python3 - "$f" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):

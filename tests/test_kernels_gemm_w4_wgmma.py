@@ -36,16 +36,25 @@ def _weights(n, k, group, zeros, dev, dtype=torch.bfloat16, seed=0):
 
 
 def test_tiles_by_rows_and_columns():
-    # 3B shapes at 128 rows: gate_up (16384 columns) fills the SMs with two warpgroups a block;
-    # o / down (3072) need K split to give 132 SMs work
-    assert config_for(128, 16384, 3072) == WgmmaW4Config(128, 2, 4, 1)
-    assert config_for(128, 3072, 3072) == WgmmaW4Config(128, 1, 4, 3)
-    assert config_for(128, 3072, 8192) == WgmmaW4Config(128, 1, 4, 4)
-    assert config_for(64, 5120, 3072).bm == 64 and config_for(65, 5120, 3072).bm == 128
-    for m in (1, 16, 64, 128, 256, 1024):
-        for n, k in ((5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192), (576, 1536)):
-            cfg = config_for(m, n, k)
-            assert cfg.valid() and (k // 64) % cfg.splitk == 0
+    # the H100 sweeps' winners on the llama-3.2-3b shapes (group 128)
+    qkv, o, gate_up, down = (5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)
+    assert config_for(64, *qkv, 128) == WgmmaW4Config(64, 1, 4, 1, ksteps=8)
+    assert config_for(64, *o, 128) == WgmmaW4Config(64, 1, 4, 2, ksteps=8)
+    assert config_for(64, *down, 128) == WgmmaW4Config(64, 1, 4, 2, ksteps=8)
+    assert config_for(128, *qkv, 128) == WgmmaW4Config(128, 1, 4, 1, ksteps=8)
+    assert config_for(128, *o, 128) == WgmmaW4Config(64, 1, 4, 1, ksteps=8)
+    assert config_for(128, *gate_up, 128) == WgmmaW4Config(128, 2, 4, 1, ksteps=4)
+    assert config_for(128, *down, 128) == WgmmaW4Config(64, 1, 4, 4, ksteps=8)
+    assert config_for(256, *gate_up, 128) == WgmmaW4Config(256, 2, 4, 1, ksteps=4)
+    assert config_for(128, *qkv, 64).block_k == 64  # a group of 64 needs 64 k a stage
+    for m in (1, 16, 64, 100, 128, 256, 1024):
+        for n, k in (qkv, o, gate_up, down, (576, 1536), (200, 1536)):
+            for group in (-1, 64, 128):
+                cfg = config_for(m, n, k, group)
+                stages = k // cfg.block_k
+                assert cfg.valid() and k % cfg.block_k == 0 and stages % cfg.splitk == 0
+                if group != -1:
+                    assert (stages // cfg.splitk) % max(1, group // cfg.block_k) == 0
     assert not WgmmaW4Config(264).valid() and not WgmmaW4Config(100).valid()
     assert not WgmmaW4Config(256, 2, 8).valid()  # shared memory
     assert WgmmaW4Config(128, 2, 4).shared_bytes() % 1024 == 0

@@ -39,7 +39,6 @@ class WgmmaW4Config:
     fence: bool = True  # fence.proxy.async each stage (PROXY_FENCE)
     diag: int = 0  # timing experiments only (DIAG in the .cu): the results are wrong
     ksteps: int = 4  # k16 steps a stage (KSTEPS): 64, 128 or 256 k a stage
-    prefetch: bool = True  # bulk L2 prefetch of the block's code rows (ROW_PREFETCH)
 
     @property
     def block_k(self) -> int:
@@ -68,7 +67,6 @@ class WgmmaW4Config:
                 + (f"-acc{self.acc}" if self.acc > 1 else "")
                 + ("" if self.fence else "-nofence")
                 + (f"-diag{self.diag}" if self.diag else "")
-                + ("" if self.prefetch else "-nopf")
                 + (f"-split{self.splitk}" if self.splitk > 1 else ""))
 
     def valid(self) -> bool:
@@ -80,24 +78,32 @@ class WgmmaW4Config:
 
 
 def config_for(m: int, n: int, k: int, group: int = -1, sms: int = 132) -> WgmmaW4Config:
-    """The tile for m rows of an N x K layer: x tiles of 64 rows up to 64, else 128; two
-    warpgroups a block (x read once for 128 weight rows) where that still gives every SM a
-    block (about: 128 blocks on 132 SMs count); K split until the grid covers the SMs, in
-    whole stages and whole groups (`group`; -1 per channel) of at least 8 stages a split."""
-    bm = 64 if m <= 64 else 128
-    m_tiles = -(-m // bm)
-    wgs = 2 if m_tiles * -(-n // 128) >= 0.9 * sms else 1
-    tiles = m_tiles * -(-n // (64 * wgs))
-    bk = 64
+    """The tile for m rows of an N x K layer (group: the quantization group, -1 per channel),
+    from the H100 sweeps on the llama-3.2-3b shapes at 64, 128 and 256 rows (runs 6 and 7 in
+    2026-11-27-s29-wgmma-h100.md): 128 k a stage where the group allows it; wide layers (gate_up
+    from 65 rows, anything of 4096+ columns above 128) take two warpgroups on one x tile of 128
+    rows (256 for gate_up above 128) and 64 k a stage; the rest x tiles of 64 rows up to 64,
+    or up to 128 for layers under 4096 columns, else 128. K is split where the grid is small
+    and K long (o and down at 64 rows: 2 ways; down at 128: 4 ways)."""
+    bk = 128 if k % 128 == 0 and (group in (-1, k) or group % 128 == 0) else 64
+    wide = (n >= 8192 and m > 64) or (n >= 4096 and m > 128)
+    if wide:
+        wgs, bk = 2, 64
+        bm = 256 if m > 128 and n >= 8192 else 128
+    else:
+        wgs = 1
+        bm = 64 if m <= 64 or (m <= 128 and n < 4096) else 128
+    tiles = -(-m // bm) * -(-n // (64 * wgs))
     stages = k // bk
     split = 1
-    for s in (2, 3, 4):
-        if tiles * split >= 0.9 * sms:
-            break
-        per = stages // s
-        if stages % s == 0 and per >= 8 and (group in (-1, k) or per % max(1, group // bk) == 0):
-            split = s
-    return WgmmaW4Config(bm, wgs, 4, split)
+    if m <= 128:
+        for s, max_tiles, min_stages in ((2, sms // 2, 12), (4, sms * 3 // 4, 16)):
+            if tiles <= max_tiles and stages % s == 0 and stages // s >= min_stages and (
+                    group in (-1, k) or (stages // s) % max(1, group // bk) == 0):
+                split = s
+                break
+    cfg = WgmmaW4Config(bm, wgs, 4, split, ksteps=bk // 16)
+    return cfg if cfg.valid() else WgmmaW4Config(bm, wgs, 3, split, ksteps=bk // 16)
 
 
 def wgmma_header(bm: int, bf16: bool) -> str:
@@ -129,7 +135,7 @@ def kernel_defines(cfg: WgmmaW4Config, bf16: bool, zeros: bool, bias: bool,
     """The .cu's macros; `group_stages` = group / the tile's block_k (0: per channel)."""
     return {"BM": cfg.bm, "WGS": cfg.wgs, "STAGES": cfg.stages, "SPLITK": cfg.splitk,
             "ACC": cfg.acc, "PROXY_FENCE": int(cfg.fence), "DIAG": cfg.diag,
-            "KSTEPS": cfg.ksteps, "ROW_PREFETCH": int(cfg.prefetch),
+            "KSTEPS": cfg.ksteps,
             "X_BF16": int(bf16), "HAS_ZEROS": int(zeros), "HAS_BIAS": int(bias),
             "GROUP_STAGES": group_stages}
 

@@ -135,17 +135,24 @@ W4_GEMM_NARROW_MIN_M = 128
 W4_GEMM_NARROW_N = 8192
 
 
-# From W4_WGMMA_MIN_M rows, int4 layers on an sm_90 GPU take the wgmma W4A16 GEMM
-# (`kernels/gemm_w4_wgmma.py`) where it can run (scales in the activation dtype, K and the group
-# multiples of 64), before the mma.sync GEMM and dequantize + cuBLAS. LLMACCEL_W4_WGMMA=0 turns
-# it off; LLMACCEL_W4_WGMMA_MIN_M moves the bound.
+# From W4_WGMMA_MIN_M to W4_WGMMA_MAX_M rows, int4 layers on an sm_90 GPU take the wgmma W4A16
+# GEMM (`kernels/gemm_w4_wgmma.py`) where it can run (scales in the activation dtype, K a
+# multiple of 64, groups of 64k or per channel), before the mma.sync GEMM and dequantize +
+# cuBLAS. H100, llama-3.2-3b shapes, us (2026-11-27-s29-wgmma-h100.md, run 7; mma.sync GEMM /
+# dequantize + cuBLAS / wgmma): 64 rows qkv 21.1 / 22.7 / 15.4, o 13.6 / 15.4 / 12.9, gate_up
+# 32.7 / 92.3 / 22.0, down 33.8 / 44.6 / 23.2; 128 rows qkv 29.3 / 23.2 / 20.7, o 20.5 / 18.4
+# / 15.1, gate_up 49.6 / 93.7 / 29.9, down 50.8 / 48.1 / 31.1; 256 rows (against dequantize +
+# cuBLAS) qkv 30.2 / 27.3, o 19.7 / 20.1, gate_up 97.4 / 43.8, down 53.8 / 48.9. At 32 rows
+# it was level with the mma.sync GEMM (an earlier version, run 2), beyond 256 not measured.
+# LLMACCEL_W4_WGMMA=0 turns it off; LLMACCEL_W4_WGMMA_MIN_M / _MAX_M move the bounds.
 W4_WGMMA = os.environ.get("LLMACCEL_W4_WGMMA", "1") == "1"
 W4_WGMMA_MIN_M = int(os.environ.get("LLMACCEL_W4_WGMMA_MIN_M", "64"))
+W4_WGMMA_MAX_M = int(os.environ.get("LLMACCEL_W4_WGMMA_MAX_M", "256"))
 
 
 def _use_w4_wgmma(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Decided once per layer, activation dtype and bias (as `_use_w4_gemm`)."""
-    if not (W4_WGMMA and x2.shape[0] >= W4_WGMMA_MIN_M):
+    if not (W4_WGMMA and W4_WGMMA_MIN_M <= x2.shape[0] <= W4_WGMMA_MAX_M):
         return False
     cache = layer.__dict__.setdefault("_w4_wgmma_ok", {})
     key = (x2.dtype, x2.shape[-1], bias is None)
@@ -212,6 +219,17 @@ def _w4_gemm_available(layer: nn.Module) -> bool:
     return _use_w4_gemm(layer, x, None)
 
 
+def _w4_wgmma_available(layer: nn.Module) -> bool:
+    """For the log: whether this layer's prefill-sized calls will take the wgmma GEMM."""
+    if not (layer.kernel_weight.is_cuda and W4_WGMMA and W4_WGMMA_MIN_M <= W4_WGMMA_MAX_M):
+        return False
+    dt = torch.bfloat16 if layer.kernel_scales.dtype == torch.float32 else \
+        layer.kernel_scales.dtype
+    x = torch.empty(W4_WGMMA_MIN_M, layer.input_size, device=layer.kernel_weight.device,
+                    dtype=dt)
+    return _use_w4_wgmma(layer, x, None)
+
+
 def _qkv_layer(layer: nn.Module) -> bool:
     """A fused [q; k; v] projection (for the log: it takes the rope epilogue at decode)."""
     from llmaccel.models.layers.quantization import QKV_ROPE_EPILOGUE
@@ -263,15 +281,23 @@ class PackedLinearMethod(LinearMethodBase):
                 tuned = _tuned_w4(layer)
                 kernel += (f"; batch 1: Triton W4A16 GEMV (kernels/gemv_w4.py, "
                            f"{'tuned' if tuned else 'default'} tile)")
+            wgmma = self.bits == 4 and _w4_wgmma_available(layer)
             w4_gemm = self.bits == 4 and _w4_gemm_available(layer)
             if w4_gemm:
                 top = (W4_GEMM_MAX_M if layer.output_size > W4_GEMM_NARROW_N
                        else min(W4_GEMM_MAX_M, W4_GEMM_NARROW_MIN_M - 1))
+                if wgmma:
+                    top = min(top, W4_WGMMA_MIN_M - 1)
                 kernel += (f"; 2-{top} rows: CUDA C tensor-core W4A16 GEMM "
                            "(kernels/csrc/gemm_w4.cu, tile by rows and columns)")
+            if wgmma:
+                kernel += (f"; {W4_WGMMA_MIN_M}-{W4_WGMMA_MAX_M} rows: CUDA C wgmma W4A16 GEMM "
+                           "(kernels/csrc/gemm_w4_wgmma.cu, sm_90a, tile by rows and columns)")
             min_m = DEQUANT_GEMM_MIN_M.get(self.bits, 0)
             if min_m:
-                if w4_gemm:
+                if wgmma:
+                    min_m = max(min_m, W4_WGMMA_MAX_M + 1)
+                elif w4_gemm:
                     min_m = max(min_m, top + 1)
                 kernel += (f"; from {min_m} rows: dequantize (kernels/gemm.py "
                            "dequantize_packed) + cuBLAS")

@@ -35,8 +35,7 @@
 // Macros: BM (x rows a block, the wgmma N: a multiple of 8, at most 256), WGS (warpgroups a
 // block), STAGES, ACC (accumulator sets the k16 steps rotate over), SPLITK (K in that many parts, added by each tile's last block), X_BF16,
 // HAS_ZEROS (uint8 zeros [N, G]; else zero point 8), HAS_BIAS, KSTEPS (k16 steps a stage, 4, 8
-// or 16: BK = 64, 128 or 256), ROW_PREFETCH (the block's code rows into L2 at the start),
-// GROUP_STAGES (group / BK; 0: one scale per row, for the whole K). Scales are in the activation dtype.
+// or 16: BK = 64, 128 or 256), GROUP_STAGES (group / BK; 0: one scale per row, for the whole K). Scales are in the activation dtype.
 // Contract (gemm_w4_wgmma.supports): K % 64 == 0, N % 8 == 0, 16-byte aligned rows.
 
 #include "common.cuh"
@@ -51,9 +50,6 @@
 #ifndef DIAG
 #define DIAG 0  // timing experiments only, wrong results: 1 no dequantization, 2 no x loads
                 // in the loop, 4 no wgmma, 8 no barrier
-#endif
-#ifndef ROW_PREFETCH
-#define ROW_PREFETCH 1  // bulk L2 prefetch of the block's code rows at the start
 #endif
 #ifndef PROXY_FENCE
 #define PROXY_FENCE 1  // fence.proxy.async between the cp.async writes and the wgmma reads
@@ -249,19 +245,6 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
     }
   };
 
-#if ROW_PREFETCH
-  // The block's whole code panel into L2 first, one bulk prefetch a row (its K range is
-  // contiguous): the stages' copies then hit L2. Without it each stage reads BK / 2 bytes of
-  // each of BN rows straight from DRAM, short strided pieces a long way apart, and the
-  // latency of that stream set the pace (DIAG runs: 9 of o's 16 us at 128 rows with the
-  // dequantization, x loads, wgmma and barrier all off).
-  if (tid < BN && n0 + tid < N) {
-    const char* row = reinterpret_cast<const char*>(W + (long long)(n0 + tid) * stride_w
-                                                    + (long long)sk0 * (BK / 8));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                 :: "l"(row), "r"((u32)(stages * (BK / 2))));
-  }
-#endif
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
     if (s < stages) load_w(s);
