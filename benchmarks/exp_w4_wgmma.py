@@ -54,6 +54,9 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", default="16,32,64,128,256,512")
     ap.add_argument("--shapes", default=",".join(k for k in SHAPES if k != "lm_head"))
+    ap.add_argument("--scale-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="float32: what the engine keeps for scales bf16 cannot hold exactly")
+    ap.add_argument("--default-only", action="store_true", help="time only the default tile")
     args = ap.parse_args()
     from llmaccel.kernels.gemm import dequantize_packed, linear_ref, pack_int4_rows
     from llmaccel.kernels.gemm_w4_cuda import w4a16_gemm_cuda
@@ -63,7 +66,8 @@ def main() -> int:
     torch.manual_seed(0)
     out_path = Path(args.out) / "exp_w4_wgmma.jsonl"
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "commit": os.environ.get("LLMACCEL_COMMIT", "unknown"), "group": GROUP}
+            "commit": os.environ.get("LLMACCEL_COMMIT", "unknown"), "group": GROUP,
+            "scale_dtype": args.scale_dtype}
     rows_list = [int(r) for r in args.rows.split(",")]
     table = []
     with out_path.open("w") as f:
@@ -72,7 +76,8 @@ def main() -> int:
             copies = max(2, CYCLE_BYTES // (n * k // 2))
             ws = [pack_int4_rows(torch.randint(0, 16, (n, k), device=dev, dtype=torch.uint8))
                   for _ in range(copies)]
-            ss = [(torch.rand(n, k // GROUP, device=dev) * 0.02 + 0.001).to(torch.bfloat16)
+            sdt = getattr(torch, args.scale_dtype)
+            ss = [(torch.rand(n, k // GROUP, device=dev) * 0.02 + 0.001).to(sdt)
                   for _ in range(copies)]
             bcopies = max(2, CYCLE_BYTES // (n * k * 2))
             wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
@@ -89,7 +94,8 @@ def main() -> int:
                 rec["gemm_w4_us"] = time_graph(
                     lambda i: w4a16_gemm_cuda(x, ws[i], ss[i], None, GROUP), copies)
                 tiles = {}
-                for cfg in candidates(m, n, k):
+                for cfg in ([config_for(m, n, k, GROUP)] if args.default_only
+                            else candidates(m, n, k)):
                     if not supports(x, ws[0], ss[0], None, GROUP, None, cfg):
                         continue
                     y = w4a16_gemm_wgmma(x, ws[0], ss[0], None, GROUP, None, cfg).float()

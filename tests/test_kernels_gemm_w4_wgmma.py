@@ -77,6 +77,7 @@ def test_not_taken_off_sm90():
         assert not supports(x, w, s, None, 64)
 
 
+@pytest.mark.parametrize("kind", [None, 2, 1], ids=["native", "fp32-scales", "fp16-scales"])
 @pytest.mark.parametrize("cfg,bf16,zeros,bias,gs", [
     (WgmmaW4Config(128, 1, 4, 1), True, False, False, 2),
     (WgmmaW4Config(64, 2, 3, 2), True, True, True, 1),
@@ -85,10 +86,10 @@ def test_not_taken_off_sm90():
     (WgmmaW4Config(64, 1, 4, 2, 1, False, 0, 8), True, True, False, 1),
     (WgmmaW4Config(128, 2, 3, 1, 2, True, 0, 16), True, False, True, 0),
 ], ids=lambda v: v.describe() if isinstance(v, WgmmaW4Config) else str(v))
-def test_source_compiles_with_nvrtc_for_sm90a(cfg, bf16, zeros, bias, gs, monkeypatch):
+def test_source_compiles_with_nvrtc_for_sm90a(cfg, bf16, zeros, bias, gs, kind, monkeypatch):
     use_nvrtc(monkeypatch)
     src = _source()[0]
-    defines = kernel_defines(cfg, bf16, zeros, bias, gs)
+    defines = kernel_defines(cfg, bf16, zeros, bias, gs, kind)
     headers = kernel_headers(cfg, bf16)
     assert cuda_rtc.compile_cubin(src, "gemm_w4_wgmma", "sm_90a", defines, headers)[:4] \
         == b"\x7fELF"
@@ -96,6 +97,8 @@ def test_source_compiles_with_nvrtc_for_sm90a(cfg, bf16, zeros, bias, gs, monkey
     dt = "bf16" if bf16 else "f16"
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.bm}k16.f32.{dt}.{dt}" in ptx
     assert ("fence.proxy.async.shared::cta" in ptx) == cfg.fence and "griddepcontrol.wait" in ptx
+    native = kind is None or kind == (0 if bf16 else 1)
+    assert (f"cvt.rn.{dt}x2.f32" in ptx) != native  # the fp32 scale path packs with one cvt
 
 
 # ----------------------------------------------------------------- lane-by-lane emulation
@@ -120,6 +123,35 @@ def _pair(word: int, t: int, zero: float, scale_bits: int) -> tuple[float, float
         s = _bits_bf16(torch.tensor(scale_bits)).item()
         out.append(torch.tensor(d.item() * s).to(torch.bfloat16).float().item())
     return out[0], out[1]
+
+
+def _pair_f32(word: int, t: int, zero: float, scale: torch.Tensor) -> tuple[float, float]:
+    """The kernel's `pair` for scales not in the activation dtype: each nibble as 2^23 + code
+    (the high one in place, 2^23 + 16 code) in fp32, minus 2^23 + zero (+ 16 zero), times the
+    scale (the high one times scale / 16), each an fp32 operation; cvt.rn to bf16."""
+    b = (word >> (8 * t)) & 0xFF
+    f32 = torch.float32
+    s = scale.to(f32)
+    as_f = (lambda bits: torch.tensor(bits, dtype=torch.int32).view(f32))
+    lo = (as_f((b & 0x0F) | 0x4B000000) - torch.tensor(8388608.0 + zero, dtype=f32)) * s
+    hi = (as_f((b & 0xF0) | 0x4B000000) - torch.tensor(8388608.0 + 16 * zero, dtype=f32)) \
+        * (s * torch.tensor(0.0625, dtype=f32))
+    return lo.to(torch.bfloat16).float().item(), hi.to(torch.bfloat16).float().item()
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_emulated_fp32_scale_pairs_are_the_reference_weights(scale_dtype):
+    """fp32 (or fp16) scales with bf16 activations: every byte's pair equals the reference's
+    bf16 weight, (code - zero) * scale in fp32 rounded once."""
+    g = torch.Generator().manual_seed(5)
+    scales = (torch.rand(64, generator=g) * 0.02 + 0.001).to(scale_dtype)
+    for i in range(64):
+        zero = float(i % 16)
+        for byte in range(256):
+            lo, hi = _pair_f32(byte, 0, zero, scales[i])
+            ref = ((torch.tensor([byte & 0xF, byte >> 4]) - zero).float()
+                   * scales[i].float()).to(torch.bfloat16).float()
+            assert (lo, hi) == (ref[0].item(), ref[1].item())
 
 
 def test_emulated_fragments_give_the_reference_product():
@@ -197,6 +229,25 @@ def test_gpu_matches_reference(m, n, k, group, zeros, cfg):
     assert got.shape == ref.shape and torch.isfinite(got).all()
     assert (got - ref).norm() / ref.norm() < 8e-3
     assert ((got - ref).norm(dim=1) / ref.norm(dim=1)).max() < 1.6e-2  # every row
+
+
+@gpu
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,group,zeros", [(128, 5120, 3072, 128, False),
+                                               (100, 200, 1536, 64, True),
+                                               (256, 3072, 8192, 128, True),
+                                               (64, 64, 256, -1, False)])
+def test_gpu_scales_not_in_the_activation_dtype(scale_dtype, m, n, k, group, zeros):
+    """bf16 activations with fp32 scales (what the engine keeps where bf16 cannot hold them
+    exactly) or fp16 scales (GPTQ's own): the fp32 dequantization path."""
+    _sm90_or_skip()
+    w, s, z = _weights(n, k, group, zeros, "cuda", scale_dtype, seed=m + n)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert supports(x, w, s, z, group)
+    ref = linear_ref(x.float(), w, 4, s.float(), z, group)
+    got = w4a16_gemm_wgmma(x, w, s, z, group).float()
+    assert (got - ref).norm() / ref.norm() < 8e-3
+    assert ((got - ref).norm(dim=1) / ref.norm(dim=1)).max() < 1.6e-2
 
 
 @gpu

@@ -1,14 +1,14 @@
 """W4A16 GEMM on Hopper's warpgroup MMA (`csrc/gemm_w4_wgmma.cu`, NVRTC for sm_90a).
 
 y [M, N] = x [M, K] @ dequant(weight)^T (+ bias) on the int4 layout of `kernels/gemm.py`
-(weight int32 [N, K/8], scales [N, G] in the activation dtype, uint8 zeros [N, G] or None for
-zero point 8). The weights are wgmma's A operand, dequantized in registers to exactly the
+(weight int32 [N, K/8], scales [N, G] bf16/fp16/fp32, uint8 zeros [N, G] or None for zero
+point 8). The weights are wgmma's A operand, dequantized in registers to exactly the
 reference's 16-bit weight; x is its B operand in shared memory. For prefill-sized row counts,
 where the mma.sync GEMM (`gemm_w4_cuda.py`) is bound by instruction issue.
 
 `supports` says whether a call can take it (an sm_90 GPU, CUDA C kernels available, bf16/fp16
-activations with scales of the same dtype, K a multiple of 64, groups a multiple of 64 or
-per channel, N a multiple of 8, aligned rows); `config_for(m, n, k)` picks the tile. The
+activations, K a multiple of the tile's k step, groups a multiple of it or per channel, N a
+multiple of 8, aligned rows); `config_for(m, n, k)` picks the tile. The
 reference is `gemm.linear_ref`.
 """
 
@@ -22,6 +22,7 @@ import torch
 
 from llmaccel.kernels import cuda_rtc, pdl
 from llmaccel.kernels.gemv_w4 import check_side_tensors
+from llmaccel.kernels.gemv_w4_cuda import SCALE_KINDS
 
 MAX_SHARED = 227 * 1024  # an H100 block's dynamic shared memory limit
 
@@ -131,11 +132,12 @@ def _source() -> tuple[str, dict[str, str]]:
 
 
 def kernel_defines(cfg: WgmmaW4Config, bf16: bool, zeros: bool, bias: bool,
-                   group_stages: int) -> dict[str, int]:
+                   group_stages: int, scale_kind: int | None = None) -> dict[str, int]:
     """The .cu's macros; `group_stages` = group / the tile's block_k (0: per channel)."""
     return {"BM": cfg.bm, "WGS": cfg.wgs, "STAGES": cfg.stages, "SPLITK": cfg.splitk,
             "ACC": cfg.acc, "PROXY_FENCE": int(cfg.fence), "DIAG": cfg.diag,
             "KSTEPS": cfg.ksteps,
+            "SCALE_KIND": (0 if bf16 else 1) if scale_kind is None else scale_kind,
             "X_BF16": int(bf16), "HAS_ZEROS": int(zeros), "HAS_BIAS": int(bias),
             "GROUP_STAGES": group_stages}
 
@@ -168,7 +170,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             and cfg.valid() and n % 8 == 0 and weight.dtype == torch.int32 and weight.dim() == 2
             and weight.shape[1] == k // 8 and weight.stride(1) == 1
             and weight.stride(0) % 4 == 0 and weight.data_ptr() % 16 == 0
-            and scales.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+            and scales.dtype in SCALE_KINDS and (bias is None or bias.dtype == x.dtype)
             and cuda_rtc.available(x.device) and _sm90(x.device))
 
 
@@ -215,7 +217,8 @@ def _prepare(x, weight, scales, zeros, group_size, bias, cfg) -> _Prepared:
     group_stages = 0 if group == k else group // cfg.block_k
     kern = cuda_rtc.get_kernel(
         _source()[0], "gemm_w4_wgmma", x.device,
-        kernel_defines(cfg, bf16, zeros is not None, bias is not None, group_stages),
+        kernel_defines(cfg, bf16, zeros is not None, bias is not None, group_stages,
+                       SCALE_KINDS[scales.dtype]),
         kernel_headers(cfg, bf16), arch_suffix="a")
     ptr = ctypes.c_void_p
     return _Prepared(
@@ -242,7 +245,7 @@ def w4a16_gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
     m = x2.shape[0]
     cfg = config or config_for(m, weight.shape[0], k, group_size)
     key = (weight.data_ptr(), tuple(weight.shape), scales.data_ptr(), tuple(scales.shape),
-           None if zeros is None else zeros.data_ptr(),
+           scales.dtype, None if zeros is None else zeros.data_ptr(),
            None if bias is None else bias.data_ptr(), x.dtype, x.device, group_size, cfg)
     prep = _prepared.get(key)
     if prep is None:

@@ -18,25 +18,24 @@
 // 64; STAGES of them in flight through cp.async (x, codes, and the words holding the stage's
 // scales and zeros), the codes before the programmatic-dependent-launch wait, x after it.
 //
-// x in shared memory: per stage BM rows x 64 bf16 = 128 bytes a row, in the 128-byte swizzle
-// wgmma reads K-major operands in (16-byte chunk c of row r at chunk c ^ (r & 7), 8-row atoms of
-// 1024 bytes); the descriptor steps 32 bytes a k16 step.
+// x in shared memory: per stage BM rows x BK values, in 64-k column blocks of BM x 128 bytes in
+// the 128-byte swizzle wgmma reads K-major operands in (16-byte chunk c of row r at chunk
+// c ^ (r & 7), 8-row atoms of 1024 bytes); the descriptor steps 32 bytes a k16 step.
 //
 // A fragments: the wgmma register layout is mma.sync's m16n8k16 A per warp: lane (g, t) of warp
-// q holds rows 16q + g and 16q + g + 8 at k = 2t, 2t + 1 and 2t + 8, 2t + 9 of the k16 step. In the
-// GPTQ word layout (int32 [N, K/8], word w holds k = 8w..8w+7, lowest nibble first) that pair
-// is byte t of a word: low nibble k = 2t, high nibble k = 2t + 1. PRMT moves byte t to the bottom,
-// a multiply by 0x1001 copies it 12 bits up (so the high nibble lands at bits 16-19), a LOP3
-// masks both nibbles into the mantissas of the 16-bit magic 128 (bf16; 1024 for fp16, both
-// with an ulp of 1), one packed FMA subtracts 128 + zero exactly, and one packed multiply by
-// the group's scale rounds the weight to 16 bits: exactly the dequantized weight of the
-// reference (gemm.linear_ref), so only the fp32 summation order differs from it.
+// q holds rows 16q + g and 16q + g + 8 at k = 2t, 2t + 1 and 2t + 8, 2t + 9 of the k16 step. In
+// the GPTQ word layout (int32 [N, K/8], word w holds k = 8w..8w+7, lowest nibble first) that
+// pair is byte t of a word: low nibble k = 2t, high nibble k = 2t + 1. `pair` turns it into the
+// reference's 16-bit weights ((code - zero) * scale rounded once, gemm.linear_ref), so only the
+// fp32 summation order differs from the reference.
 //
 // Macros: BM (x rows a block, the wgmma N: a multiple of 8, at most 256), WGS (warpgroups a
-// block), STAGES, ACC (accumulator sets the k16 steps rotate over), SPLITK (K in that many parts, added by each tile's last block), X_BF16,
-// HAS_ZEROS (uint8 zeros [N, G]; else zero point 8), HAS_BIAS, KSTEPS (k16 steps a stage, 4, 8
-// or 16: BK = 64, 128 or 256), GROUP_STAGES (group / BK; 0: one scale per row, for the whole K). Scales are in the activation dtype.
-// Contract (gemm_w4_wgmma.supports): K % 64 == 0, N % 8 == 0, 16-byte aligned rows.
+// block), STAGES, KSTEPS (k16 steps a stage, 4, 8 or 16: BK = 64, 128 or 256), ACC
+// (accumulator sets the k16 steps rotate over), SPLITK (K in that many parts, added by each
+// tile's last block), X_BF16, SCALE_KIND (0 bf16, 1 fp16, 2 fp32), HAS_ZEROS (uint8 zeros
+// [N, G]; else zero point 8), HAS_BIAS, GROUP_STAGES (group / BK; 0: one scale per row for the
+// whole K), PROXY_FENCE, DIAG (timing experiments).
+// Contract (gemm_w4_wgmma.supports): K % BK == 0, N % 8 == 0, 16-byte aligned rows.
 
 #include "common.cuh"
 #include "wgmma_inst.cuh"
@@ -69,6 +68,14 @@
 // rounded up to whole 1024-byte atoms, so every stage's x tile starts on one
 #define STAGE_BYTES \
   ((X_STAGE_BYTES + W_STAGE_BYTES + S_STAGE_BYTES + Z_STAGE_BYTES + 1023) / 1024 * 1024)
+
+#if SCALE_KIND == 2
+#define S_ESZ 4
+#else
+#define S_ESZ 2
+#endif
+// the fast dequantization where the scales already are in the activation dtype
+#define SCALE_NATIVE ((SCALE_KIND == 0 && X_BF16) || (SCALE_KIND == 1 && !X_BF16))
 
 #if X_BF16
 #define MAGIC2 0x43004300u  // bf16 128.0 in both halves
@@ -144,12 +151,84 @@ __device__ __forceinline__ u32 neg_offset2(float zero) {
   return (((u32)h << 16) | h) ^ 0x80008000u;
 }
 
-// The dequantized 16-bit pair (k = 2t, 2t + 1) from byte t of word w: sel_t moves byte t to the
-// bottom with zeros above, magic is MAGIC2 (in a register: a LOP3 takes one immediate)
-__device__ __forceinline__ u32 pair(u32 w, u32 sel_t, u32 magic, u32 negoff, u32 scale2) {
-  const u32 b = prmt(w, 0u, sel_t) * 0x1001u;  // low nibble at bits 0-3, high at 16-19
-  const u32 q = (b & 0x000F000Fu) | magic;      // 16-bit (magic + code) pair
-  return mul2(fma2(q, ONE2, negoff), scale2);
+// A weight row's dequantization inputs for one group. SCALE_NATIVE (scales in the activation
+// dtype): the 16-bit -(magic + zero) and scale pairs. Otherwise (fp32 scales, or fp16 scales
+// with bf16 activations): fp32 offsets 2^23 + zero and 2^23 + 16 zero and the scale, and the
+// scale / 16 for the high nibble, which is read in place (16 x its code).
+struct RowDeq {
+#if SCALE_NATIVE
+  u32 negoff, scale2;
+#else
+  float off_lo, off_hi, s, s16;
+#endif
+};
+
+__device__ __forceinline__ RowDeq row_deq(float scale, u32 scale_bits, float zero) {
+  RowDeq r;
+#if SCALE_NATIVE
+  (void)scale;
+  r.negoff = neg_offset2(zero);
+  r.scale2 = scale_bits | (scale_bits << 16);
+#else
+  (void)scale_bits;
+  r.off_lo = 8388608.f + zero;
+  r.off_hi = 8388608.f + 16.f * zero;
+  r.s = scale;
+  r.s16 = scale * 0.0625f;
+#endif
+  return r;
+}
+
+// The dequantized 16-bit pair (k = 2t, 2t + 1) from byte t of word w, rounded as the reference
+// rounds its weight: sel_t moves byte t to the bottom with zeros above. SCALE_NATIVE: a multiply
+// by 0x1001 copies the byte 12 bits up (the high nibble lands at bits 16-19), a LOP3 masks both
+// nibbles into the mantissas of the 16-bit magic (in a register: a LOP3 takes one immediate),
+// one packed FMA subtracts magic + zero exactly and one packed multiply applies the scale.
+// Otherwise each nibble becomes 2^23 + code (high: + 16 code) in fp32, minus the offset
+// (exact), times the scale in fp32 (the reference's product), both rounded to 16 bits by one
+// packing cvt.
+__device__ __forceinline__ u32 pair(u32 w, u32 sel_t, u32 magic, const RowDeq& r) {
+#if SCALE_NATIVE
+  const u32 b = prmt(w, 0u, sel_t) * 0x1001u;
+  const u32 q = (b & 0x000F000Fu) | magic;
+  return mul2(fma2(q, ONE2, r.negoff), r.scale2);
+#else
+  (void)magic;
+  const u32 b = prmt(w, 0u, sel_t);
+  const float lo = (__uint_as_float((b & 0x0Fu) | 0x4B000000u) - r.off_lo) * r.s;
+  const float hi = (__uint_as_float((b & 0xF0u) | 0x4B000000u) - r.off_hi) * r.s16;
+  u32 d;
+#if X_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#endif
+  return d;
+#endif
+}
+
+// scale e of S (SCALE_KIND) as fp32, and its 16 bits where the kind is 16-bit
+__device__ __forceinline__ float scale_at(const void* S, long long e, u32* bits) {
+#if SCALE_KIND == 2
+  *bits = 0;
+  return __ldg(reinterpret_cast<const float*>(S) + e);
+#else
+  const u16 v = __ldg(reinterpret_cast<const u16*>(S) + e);
+  *bits = v;
+  return bits16_to_float<SCALE_KIND == 0>(v);
+#endif
+}
+// the same from the 4-byte word holding it (the stage's copy), e its element index
+__device__ __forceinline__ float scale_in_word(u32 word, long long e, u32* bits) {
+#if SCALE_KIND == 2
+  (void)e;
+  *bits = 0;
+  return __uint_as_float(word);
+#else
+  const u16 v = (u16)(word >> (16 * (int)(e & 1)));
+  *bits = v;
+  return bits16_to_float<SCALE_KIND == 0>(v);
+#endif
 }
 
 // The 64-bit wgmma descriptor of a K-major operand in the 128-byte swizzle, at shared address
@@ -162,7 +241,7 @@ __device__ __forceinline__ unsigned long long x_descriptor(u32 addr) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* __restrict__ S,
+gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const void* __restrict__ S,
               const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
               int M, int N, int K, long long stride_x, long long stride_w, long long stride_s,
               long long stride_z, long long stride_y, int m_tiles, int group
@@ -223,7 +302,7 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
     if (tid < BN) {
       const int grp = (s + sk0) / GROUP_STAGES;
       cp_async4(st + X_STAGE_BYTES + W_STAGE_BYTES + tid * 4,
-                reinterpret_cast<const char*>(S) + (((s_elem0 + grp) * 2) & ~3LL));
+                reinterpret_cast<const char*>(S) + (((s_elem0 + grp) * S_ESZ) & ~3LL));
 #if HAS_ZEROS
       cp_async4(st + X_STAGE_BYTES + W_STAGE_BYTES + S_STAGE_BYTES + tid * 4,
                 reinterpret_cast<const char*>(Z) + ((z_elem0 + grp) & ~3LL));
@@ -259,17 +338,18 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
   const int row_a = 64 * wg + 16 * q + g, row_b = row_a + 8;
   const u32 sel_t = (u32)t | 0x4440u;  // prmt: byte t of the first operand, then zeros
   const u32 magic = MAGIC2;
-  u32 negoff_a = neg_offset2(8.f), negoff_b = negoff_a;
-  u32 scale_a = 0, scale_b = 0;
+  RowDeq deq_a, deq_b;
 #if GROUP_STAGES == 0
   {
-    const u32 sa = S[(long long)min(n0 + row_a, N - 1) * stride_s];
-    const u32 sb = S[(long long)min(n0 + row_b, N - 1) * stride_s];
-    scale_a = sa | (sa << 16);
-    scale_b = sb | (sb << 16);
+    u32 ba, bb;
+    const float sa = scale_at(S, (long long)min(n0 + row_a, N - 1) * stride_s, &ba);
+    const float sb = scale_at(S, (long long)min(n0 + row_b, N - 1) * stride_s, &bb);
 #if HAS_ZEROS
-    negoff_a = neg_offset2((float)Z[(long long)min(n0 + row_a, N - 1) * stride_z]);
-    negoff_b = neg_offset2((float)Z[(long long)min(n0 + row_b, N - 1) * stride_z]);
+    deq_a = row_deq(sa, ba, (float)Z[(long long)min(n0 + row_a, N - 1) * stride_z]);
+    deq_b = row_deq(sb, bb, (float)Z[(long long)min(n0 + row_b, N - 1) * stride_z]);
+#else
+    deq_a = row_deq(sa, ba, 8.f);
+    deq_b = row_deq(sb, bb, 8.f);
 #endif
   }
 #endif
@@ -281,19 +361,21 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
 #if GROUP_STAGES > 0
     const int grp = (s + sk0) / GROUP_STAGES;
     const u32* sw = reinterpret_cast<const u32*>(sp + X_STAGE_BYTES + W_STAGE_BYTES);
-    const long long ia = (long long)min(n0 + row_a, N - 1) * stride_s + grp;
-    const long long ib = (long long)min(n0 + row_b, N - 1) * stride_s + grp;
-    const u32 sa = (sw[row_a] >> (16 * (int)(ia & 1))) & 0xFFFFu;
-    const u32 sb = (sw[row_b] >> (16 * (int)(ib & 1))) & 0xFFFFu;
-    scale_a = sa | (sa << 16);
-    scale_b = sb | (sb << 16);
+    u32 ba, bb;
+    const float sa = scale_in_word(sw[row_a], (long long)min(n0 + row_a, N - 1) * stride_s + grp,
+                                   &ba);
+    const float sb = scale_in_word(sw[row_b], (long long)min(n0 + row_b, N - 1) * stride_s + grp,
+                                   &bb);
 #if HAS_ZEROS
     const u32* zw = reinterpret_cast<const u32*>(sp + X_STAGE_BYTES + W_STAGE_BYTES
                                                  + S_STAGE_BYTES);
     const long long za = (long long)min(n0 + row_a, N - 1) * stride_z + grp;
     const long long zb = (long long)min(n0 + row_b, N - 1) * stride_z + grp;
-    negoff_a = neg_offset2((float)((zw[row_a] >> (8 * (int)(za & 3))) & 0xFFu));
-    negoff_b = neg_offset2((float)((zw[row_b] >> (8 * (int)(zb & 3))) & 0xFFu));
+    deq_a = row_deq(sa, ba, (float)((zw[row_a] >> (8 * (int)(za & 3))) & 0xFFu));
+    deq_b = row_deq(sb, bb, (float)((zw[row_b] >> (8 * (int)(zb & 3))) & 0xFFu));
+#else
+    deq_a = row_deq(sa, ba, 8.f);
+    deq_b = row_deq(sb, bb, 8.f);
 #endif
 #endif
     const uint4* wa = reinterpret_cast<const uint4*>(sp + X_STAGE_BYTES + row_a * (BK / 2));
@@ -307,10 +389,10 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const u16* _
     }
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) {
-      a[j][0] = pair(wa8[2 * j], sel_t, magic, negoff_a, scale_a);      // row g, k 2t..
-      a[j][1] = pair(wb8[2 * j], sel_t, magic, negoff_b, scale_b);      // row g + 8
-      a[j][2] = pair(wa8[2 * j + 1], sel_t, magic, negoff_a, scale_a);  // row g, k 2t + 8..
-      a[j][3] = pair(wb8[2 * j + 1], sel_t, magic, negoff_b, scale_b);
+      a[j][0] = pair(wa8[2 * j], sel_t, magic, deq_a);      // row g, k 2t..
+      a[j][1] = pair(wb8[2 * j], sel_t, magic, deq_b);      // row g + 8
+      a[j][2] = pair(wa8[2 * j + 1], sel_t, magic, deq_a);  // row g, k 2t + 8..
+      a[j][3] = pair(wb8[2 * j + 1], sel_t, magic, deq_b);
     }
   };
   // Stage s landed (cp.async groups: one a stage, STAGES - 1 issued ahead of stage 0) and is
