@@ -12,6 +12,7 @@ bias, fp16), and a PDL chain inside a CUDA graph.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -85,6 +86,7 @@ def test_not_taken_off_sm90():
     (WgmmaW4Config(16, 1, 6, 4), False, True, True, 2),
     (WgmmaW4Config(64, 1, 4, 2, 1, False, 0, 8), True, True, False, 1),
     (WgmmaW4Config(128, 2, 3, 1, 2, True, 0, 16), True, False, True, 0),
+    (WgmmaW4Config(64, 1, 4, 1, ksteps=8, split_scale=False), True, True, False, 1),
 ], ids=lambda v: v.describe() if isinstance(v, WgmmaW4Config) else str(v))
 def test_source_compiles_with_nvrtc_for_sm90a(cfg, bf16, zeros, bias, gs, kind, monkeypatch):
     use_nvrtc(monkeypatch)
@@ -98,7 +100,8 @@ def test_source_compiles_with_nvrtc_for_sm90a(cfg, bf16, zeros, bias, gs, kind, 
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.bm}k16.f32.{dt}.{dt}" in ptx
     assert ("fence.proxy.async.shared::cta" in ptx) == cfg.fence and "griddepcontrol.wait" in ptx
     native = kind is None or kind == (0 if bf16 else 1)
-    assert (f"cvt.rn.{dt}x2.f32" in ptx) != native  # the fp32 scale path packs with one cvt
+    # the exact fp32 scale path packs with one cvt
+    assert (f"cvt.rn.{dt}x2.f32" in ptx) == (not native and not cfg.split_scale)
 
 
 # ----------------------------------------------------------------- lane-by-lane emulation
@@ -152,6 +155,37 @@ def test_emulated_fp32_scale_pairs_are_the_reference_weights(scale_dtype):
             ref = ((torch.tensor([byte & 0xF, byte >> 4]) - zero).float()
                    * scales[i].float()).to(torch.bfloat16).float()
             assert (lo, hi) == (ref[0].item(), ref[1].item())
+
+
+def _rne_bf16(x: float) -> float:
+    """x (a float64, normal) rounded to bf16, to nearest even, in one step."""
+    if x == 0:
+        return 0.0
+    m, e = math.frexp(x)  # x = m 2^e, 0.5 <= |m| < 1
+    return round(m * 256) / 256 * 2.0 ** e  # Python's round: half to even
+
+
+def test_emulated_split_scale_pairs_are_within_an_ulp():
+    """SCALE_SPLIT: (code - zero) * hi + bf16((code - zero) * lo), one rounding for the FMA,
+    with hi + lo = the fp16 scale exactly: every weight within 1 ulp of the reference's
+    (code - zero) * scale rounded once, and nearly all equal to it."""
+    g = torch.Generator().manual_seed(9)
+    scales = (torch.rand(256, generator=g) * 0.02 + 0.001).to(torch.float16).float()
+    same = total = 0
+    for s in scales.tolist():
+        hi = _rne_bf16(s)
+        lo = _rne_bf16(s - hi)
+        assert hi + lo == s  # fp16's 11 bits fit in two bf16 mantissas
+        for code in range(16):
+            for zero in (0, 3, 8, 15):
+                d = float(code - zero)
+                got = _rne_bf16(d * hi + _rne_bf16(d * lo))
+                ref = _rne_bf16(d * s)
+                ulp = 2.0 ** (math.frexp(ref)[1] - 8) if ref else 0.0
+                assert abs(got - ref) <= ulp
+                same += got == ref
+                total += 1
+    assert same / total > 0.97
 
 
 def test_emulated_fragments_give_the_reference_product():

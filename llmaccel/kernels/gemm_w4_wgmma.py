@@ -40,6 +40,9 @@ class WgmmaW4Config:
     fence: bool = True  # fence.proxy.async each stage (PROXY_FENCE)
     diag: int = 0  # timing experiments only (DIAG in the .cu): the results are wrong
     ksteps: int = 4  # k16 steps a stage (KSTEPS): 64, 128 or 256 k a stage
+    # scales not in the activation dtype: as hi + lo in it (SCALE_SPLIT, faster; 1 ulp off the
+    # reference's weight now and then), else an exact fp32 product per weight
+    split_scale: bool = True
 
     @property
     def block_k(self) -> int:
@@ -68,6 +71,7 @@ class WgmmaW4Config:
                 + (f"-acc{self.acc}" if self.acc > 1 else "")
                 + ("" if self.fence else "-nofence")
                 + (f"-diag{self.diag}" if self.diag else "")
+                + ("" if self.split_scale else "-exact")
                 + (f"-split{self.splitk}" if self.splitk > 1 else ""))
 
     def valid(self) -> bool:
@@ -138,6 +142,7 @@ def kernel_defines(cfg: WgmmaW4Config, bf16: bool, zeros: bool, bias: bool,
             "ACC": cfg.acc, "PROXY_FENCE": int(cfg.fence), "DIAG": cfg.diag,
             "KSTEPS": cfg.ksteps,
             "SCALE_KIND": (0 if bf16 else 1) if scale_kind is None else scale_kind,
+            "SCALE_SPLIT": int(cfg.split_scale),
             "X_BF16": int(bf16), "HAS_ZEROS": int(zeros), "HAS_BIAS": int(bias),
             "GROUP_STAGES": group_stages}
 

@@ -76,6 +76,9 @@
 #endif
 // the fast dequantization where the scales already are in the activation dtype
 #define SCALE_NATIVE ((SCALE_KIND == 0 && X_BF16) || (SCALE_KIND == 1 && !X_BF16))
+#ifndef SCALE_SPLIT
+#define SCALE_SPLIT 1  // other scales: as a sum of two activation-dtype values (see `pair`)
+#endif
 
 #if X_BF16
 #define MAGIC2 0x43004300u  // bf16 128.0 in both halves
@@ -158,6 +161,8 @@ __device__ __forceinline__ u32 neg_offset2(float zero) {
 struct RowDeq {
 #if SCALE_NATIVE
   u32 negoff, scale2;
+#elif SCALE_SPLIT
+  u32 negoff, hi2, lo2;
 #else
   float off_lo, off_hi, s, s16;
 #endif
@@ -169,6 +174,12 @@ __device__ __forceinline__ RowDeq row_deq(float scale, u32 scale_bits, float zer
   (void)scale;
   r.negoff = neg_offset2(zero);
   r.scale2 = scale_bits | (scale_bits << 16);
+#elif SCALE_SPLIT
+  (void)scale_bits;
+  r.negoff = neg_offset2(zero);
+  const u16 hi = float_to_act(scale), lo = float_to_act(scale - act_to_float(hi));
+  r.hi2 = ((u32)hi << 16) | hi;
+  r.lo2 = ((u32)lo << 16) | lo;
 #else
   (void)scale_bits;
   r.off_lo = 8388608.f + zero;
@@ -184,14 +195,23 @@ __device__ __forceinline__ RowDeq row_deq(float scale, u32 scale_bits, float zer
 // by 0x1001 copies the byte 12 bits up (the high nibble lands at bits 16-19), a LOP3 masks both
 // nibbles into the mantissas of the 16-bit magic (in a register: a LOP3 takes one immediate),
 // one packed FMA subtracts magic + zero exactly and one packed multiply applies the scale.
-// Otherwise each nibble becomes 2^23 + code (high: + 16 code) in fp32, minus the offset
-// (exact), times the scale in fp32 (the reference's product), both rounded to 16 bits by one
-// packing cvt.
+// SCALE_SPLIT (scales in fp32, or fp16 with bf16 activations): the scale as hi + lo, both in
+// the activation dtype (exact for fp16 scales with bf16: 8 + 8 bits of mantissa hold fp16's
+// 11), and the weight (code - zero) * hi + round16((code - zero) * lo) in one packed FMA after
+// one packed multiply: the reference's weight except where rounding the small second product
+// moves the sum across a rounding boundary (1 ulp, rarely). Otherwise (SCALE_SPLIT 0) each
+// nibble becomes 2^23 + code (high: + 16 code) in fp32, minus the offset (exact), times the
+// scale in fp32 (the reference's product), both rounded to 16 bits by one packing cvt: exact,
+// two instructions a pair more.
 __device__ __forceinline__ u32 pair(u32 w, u32 sel_t, u32 magic, const RowDeq& r) {
 #if SCALE_NATIVE
   const u32 b = prmt(w, 0u, sel_t) * 0x1001u;
   const u32 q = (b & 0x000F000Fu) | magic;
   return mul2(fma2(q, ONE2, r.negoff), r.scale2);
+#elif SCALE_SPLIT
+  const u32 b = prmt(w, 0u, sel_t) * 0x1001u;
+  const u32 d = fma2((b & 0x000F000Fu) | magic, ONE2, r.negoff);  // code - zero, exact
+  return fma2(d, r.hi2, mul2(d, r.lo2));
 #else
   (void)magic;
   const u32 b = prmt(w, 0u, sel_t);
