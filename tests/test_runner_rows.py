@@ -148,3 +148,40 @@ def test_small_prefill_steps_choose_graph_rows_within_budget(runner):
     finally:
         runner.graphs, runner.prefill_rows_kv_bytes = saved
         a.num_computed_tokens = 0
+
+
+def test_prefill_as_graph_rows_computes_the_head_on_the_sampled_rows_only(runner):
+    """A prefill run as rows of a captured size from SUBSET_MIN_ROWS samples one row per
+    sequence: the graph runner's head-on-SUBSET_ROWS-rows variant must give the logits of the
+    prefill kernel path (here eagerly, the CPU stand-in for a replay)."""
+    from cpu_graphs import graphs_on_cpu
+
+    from llmaccel.engine import cuda_graph
+
+    rng = random.Random(5)
+    seqs = [_seq(i, [rng.randrange(160) for _ in range(ln)], 8 * i)
+            for i, ln in enumerate([23, 9])]
+    outs, saved_graphs = [], runner.graphs
+    try:
+        for use_graphs in (False, True):
+            runner.graphs = graphs_on_cpu(runner, 0) if use_graphs else None
+            for seq in seqs:
+                seq.num_computed_tokens = 0
+            saved = mr.DECODE_ROWS_MAX
+            try:
+                mr.DECODE_ROWS_MAX = 1000 if use_graphs else 0
+                sampling, logits, greedy = runner.execute(
+                    SchedulerOutput([(seqs[0], 23), (seqs[1], 9)]))
+            finally:
+                mr.DECODE_ROWS_MAX = saved
+            assert sampling == seqs and logits.shape == (2, 160)
+            if use_graphs:
+                bs = 32  # 32 rows: the smallest captured size that holds them
+                assert runner.ran_graph and bs in runner.graphs.subset_outputs
+                assert bs not in runner.graphs.outputs  # the all-rows variant never ran
+                assert runner.graphs.subset_outputs[bs][0].shape[0] == cuda_graph.SUBSET_ROWS
+                assert torch.equal(greedy[0].long(), logits.argmax(-1))
+            outs.append(logits)
+    finally:
+        runner.graphs = saved_graphs
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -47,6 +47,17 @@ logger = logging.getLogger(__name__)
 USE_GREEDY_KERNEL = os.environ.get("LLMACCEL_GREEDY_KERNEL", "1") == "1"
 
 
+# A step that samples few of its rows (a short prefill run as rows: one row per sequence)
+# replays a second graph of its size that computes the LM head and greedy for SUBSET_ROWS
+# rows only, not for every row: W1's 128-token prompt on llama-3.2-3b ran the head over 128
+# rows, a 128 x 128256 x 3072 product (the largest one of the int4 prefill, 2026-11-27-s29-
+# prefill-profile-*). Captured for sizes from SUBSET_MIN_ROWS (smaller graphs' heads cost
+# little); LLMACCEL_HEAD_SUBSET=0 turns it off.
+HEAD_SUBSET = os.environ.get("LLMACCEL_HEAD_SUBSET", "1") == "1"
+SUBSET_ROWS = 8
+SUBSET_MIN_ROWS = 32
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to 256, then every 64: padding wastes at most 16 rows
     (or 64 beyond 256) while keeping the number of graphs (and capture time) small."""
@@ -137,6 +148,9 @@ class CUDAGraphRunner:
         self._copy_out: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the head-on-SUBSET_ROWS-rows variants (HEAD_SUBSET), per size
+        self.subset_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.subset_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = None
         self._capture_stream: torch.cuda.Stream | None = None
         self._row_index = torch.arange(n, device=device)
@@ -153,8 +167,12 @@ class CUDAGraphRunner:
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
             max_query_len=1, max_seq_len=None)
 
-    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, bs: int, subset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's logits and greedy tokens: of all bs rows, or (subset > 0) of the rows
+        listed in inputs[3, :subset]."""
         hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
+        if subset:
+            hidden = hidden.index_select(0, self.inputs[3, :subset])
         logits = self.model.compute_logits(hidden)
         # Greedy sampling rides along in the graph: most decode batches need nothing else.
         return logits, greedy_with_logprobs(logits, use_kernel=USE_GREEDY_KERNEL)
@@ -193,8 +211,16 @@ class CUDAGraphRunner:
         self._pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
             self.graphs[bs], self.outputs[bs] = self._capture_one(lambda: self._forward(bs))
+        self.inputs[3].zero_()  # the subset graphs' sampled rows: valid during capture
+        for bs in reversed(self._subset_sizes()):
+            self.subset_graphs[bs], self.subset_outputs[bs] = self._capture_one(
+                lambda: self._forward(bs, SUBSET_ROWS))
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for decode row counts %s", self.sizes)
+        logger.info("captured CUDA graphs for decode row counts %s (and with the LM head on "
+                    "%d rows for %s)", self.sizes, SUBSET_ROWS, self._subset_sizes())
+
+    def _subset_sizes(self) -> list[int]:
+        return [bs for bs in self.sizes if HEAD_SUBSET and bs >= SUBSET_MIN_ROWS]
 
     def _capture_one(self, fn):
         """One warm-up run of `fn` (Triton compiles, cuBLAS picks its kernels), then its
@@ -381,6 +407,7 @@ class CUDAGraphRunner:
         m = n if rows is None else len(rows)
         if rows is not None:
             inp[3, :m] = rows
+            inp[3, m:bs] = 0  # a subset graph reads SUBSET_ROWS of them
         if patch is not None:
             d = len(patch[0])
             inp[4, :d], inp[5, :d] = patch[0], patch[1]
@@ -408,6 +435,15 @@ class CUDAGraphRunner:
         if patch is not None:
             values = patch[2].reshape(-1).index_select(0, self.inputs[4, :d]).long()
             self.inputs[0].index_copy_(0, self.inputs[5, :d], values)
+        if rows is not None and m <= SUBSET_ROWS and bs in self._subset_sizes():
+            # the head on the asked rows only (their index padded with row 0 above)
+            graph = self.subset_graphs.get(bs)
+            if graph is None:  # CPU (tests): the captured step's work, eagerly
+                self.subset_outputs[bs] = self._forward(bs, SUBSET_ROWS)
+            else:
+                graph.replay()
+            logits, greedy = self.subset_outputs[bs]
+            return logits[:m].clone(), greedy[:, :m].clone()
         graph = self.graphs.get(bs)
         if graph is None:  # CPU (tests): the captured step's work, eagerly
             self.outputs[bs] = self._forward(bs)
