@@ -124,7 +124,8 @@ def wgmma_header(bm: int, bf16: bool) -> str:
         "__device__ __forceinline__ void wgmma_m64k16(float* d, u32 a0, u32 a1, u32 a2, u32 a3,"
         " unsigned long long desc) {\n"
         f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.{dt}.{dt} "\n'
-        f'               "{{{outs}}}, {{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, 1, 1, 1, 0;"\n'
+        f'               "{{{outs}}}, "\n'
+        f'               "{{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, 1, 1, 1, 0;"\n'
         f"               : {cons}\n"
         '               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");\n'
         "}\n")

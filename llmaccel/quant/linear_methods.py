@@ -136,14 +136,15 @@ W4_GEMM_NARROW_N = 8192
 
 
 # From W4_WGMMA_MIN_M to W4_WGMMA_MAX_M rows, int4 layers on an sm_90 GPU take the wgmma W4A16
-# GEMM (`kernels/gemm_w4_wgmma.py`) where it can run (scales in the activation dtype, K a
-# multiple of 64, groups of 64k or per channel), before the mma.sync GEMM and dequantize +
-# cuBLAS. H100, llama-3.2-3b shapes, us (2026-11-27-s29-wgmma-h100.md, run 7; mma.sync GEMM /
-# dequantize + cuBLAS / wgmma): 64 rows qkv 21.1 / 22.7 / 15.4, o 13.6 / 15.4 / 12.9, gate_up
-# 32.7 / 92.3 / 22.0, down 33.8 / 44.6 / 23.2; 128 rows qkv 29.3 / 23.2 / 20.7, o 20.5 / 18.4
-# / 15.1, gate_up 49.6 / 93.7 / 29.9, down 50.8 / 48.1 / 31.1; 256 rows (against dequantize +
-# cuBLAS) qkv 30.2 / 27.3, o 19.7 / 20.1, gate_up 97.4 / 43.8, down 53.8 / 48.9. At 32 rows
-# it was level with the mma.sync GEMM (an earlier version, run 2), beyond 256 not measured.
+# GEMM (`kernels/gemm_w4_wgmma.py`) where it can run (K and the group multiples of its 64-k
+# step, or per channel), before the mma.sync GEMM and dequantize + cuBLAS. H100,
+# llama-3.2-3b shapes, fp32 scales as the engine keeps GPTQ's fp16 ones, us (run 9 of
+# 2026-11-27-s29-wgmma-h100.md; mma.sync GEMM / dequantize + cuBLAS / wgmma): 64 rows qkv
+# 21.0 / 22.9 / 15.8, o 13.5 / 15.8 / 13.9, gate_up 33.6 / 92.9 / 23.0, down 32.6 / 44.7 /
+# 25.4; 128 rows qkv 29.4 / 23.5 / 22.2, o 20.6 / 18.6 / 15.5, gate_up 48.9 / 94.5 / 33.7, down
+# 52.0 / 49.0 / 43.6; 256 rows qkv 47.3 / 30.4 / 32.7, o 28.8 / 19.7 / 21.9, gate_up 93.1 / 98.3
+# / 44.1, down 73.6 / 54.4 / 53.0 (a layer's four: 200 / 203 / 152). Below 64 rows (32: level
+# with the mma.sync GEMM, run 2) and above 256 it was not chosen or not measured.
 # LLMACCEL_W4_WGMMA=0 turns it off; LLMACCEL_W4_WGMMA_MIN_M / _MAX_M move the bounds.
 W4_WGMMA = os.environ.get("LLMACCEL_W4_WGMMA", "1") == "1"
 W4_WGMMA_MIN_M = int(os.environ.get("LLMACCEL_W4_WGMMA_MIN_M", "64"))
