@@ -320,3 +320,26 @@ def test_gpu_pdl_chain_in_a_graph():
         out = replay_in_graph(lambda: chain(
             lambda h, w, s, z: w4a16_gemm_wgmma(h, w, s, z, 128)))
         assert (out.float() - ref.float()).norm() / ref.float().norm() < 3e-2
+
+
+def test_engine_takes_it_for_64_to_256_rows(monkeypatch):
+    """`PackedLinearMethod` routes int4 products of 64-256 rows here where the kernel can run
+    (checked once a layer), before the mma.sync GEMM; fewer rows keep that GEMM or the GEMV."""
+    from llmaccel.kernels import gemm_w4_wgmma
+    from llmaccel.quant import linear_methods
+
+    calls = []
+
+    def fake_supports(*args, **kwargs):
+        calls.append(1)
+        return True
+
+    monkeypatch.setattr(gemm_w4_wgmma, "supports", fake_supports)
+    layer = SimpleNamespace(kernel_weight=SimpleNamespace(is_cuda=True), kernel_scales=None,
+                            kernel_zeros=None, kernel_group_size=128, output_size=5120)
+    rows = [m for m in (1, 2, 63, 64, 128, 200, 256, 257, 1024)
+            if linear_methods._use_w4_wgmma(layer, torch.empty(m, 8), None)]
+    assert rows == [64, 128, 200, 256]
+    assert len(calls) == 1  # decided once for the layer, dtype and bias
+    monkeypatch.setattr(linear_methods, "W4_WGMMA", False)
+    assert not linear_methods._use_w4_wgmma(layer, torch.empty(128, 8), None)

@@ -162,16 +162,18 @@ class _Prepared:
 
 
 _prepared: dict[tuple, _Prepared] = {}
-_ARRIVALS = 1 << 16  # tiles a split-K launch may have
+SPLITK_MAX_TILES = 1 << 16  # tiles a split-K launch may have
 _arrival_counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The split-K tiles' arrival counters of `device`, allocated (zeroed) at the first call,
-    before any graph capture; each launch leaves them at zero. One stream at a time."""
+def splitk_arrivals(device: torch.device) -> torch.Tensor:
+    """The split-K tiles' arrival counters of `device` (this GEMM's and the wgmma one's),
+    allocated (zeroed) at the first call, before any graph capture; each launch leaves them at
+    zero. One stream at a time."""
     t = _arrival_counters.get(device)
     if t is None:
-        t = _arrival_counters[device] = torch.zeros(_ARRIVALS, dtype=torch.int32, device=device)
+        t = _arrival_counters[device] = torch.zeros(SPLITK_MAX_TILES, dtype=torch.int32,
+                                                    device=device)
     return t
 
 
@@ -208,7 +210,7 @@ def _prepare(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                  ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0)],
         n=n, k=k, shared=cfg.shared_bytes(gc, zeros is not None),
         sms=torch.cuda.get_device_properties(x.device).multi_processor_count,
-        arrivals=_arrivals(x.device) if cfg.splitk > 1 else None)
+        arrivals=splitk_arrivals(x.device) if cfg.splitk > 1 else None)
 
 
 def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -243,8 +245,8 @@ def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     # prefill that suggested this turned out to be the tile choice (profiles with and without
     # it: 2026-11-27-w4-gemm-prefill-profile-*-h100.txt); kept as the safe choice, and its
     # effect on 2-16-row decode steps (gate_up's 256 blocks on the 3B shape) is not measured.
-    if cfg.splitk > 1 and grid > _ARRIVALS:
-        raise ValueError(f"split-K GEMM of {grid} tiles: at most {_ARRIVALS}")
+    if cfg.splitk > 1 and grid > SPLITK_MAX_TILES:
+        raise ValueError(f"split-K GEMM of {grid} tiles: at most {SPLITK_MAX_TILES}")
     partial = (torch.empty(cfg.splitk * m * n, dtype=torch.float32, device=x.device)
                if cfg.splitk > 1 else None)
     grid *= cfg.splitk

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from llmaccel.kernels import cuda_rtc, pdl
+from llmaccel.kernels.gemm_w4_cuda import SPLITK_MAX_TILES, splitk_arrivals
 from llmaccel.kernels.gemv_w4 import check_side_tensors
 from llmaccel.kernels.gemv_w4_cuda import SCALE_KINDS
 
@@ -194,17 +195,6 @@ class _Prepared:
 
 
 _prepared: dict[tuple, _Prepared] = {}
-_ARRIVALS = 1 << 16
-_arrival_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """Split-K arrival counters of `device` (zeroed at the first call, before any graph
-    capture; each launch leaves them at zero). One stream at a time."""
-    t = _arrival_counters.get(device)
-    if t is None:
-        t = _arrival_counters[device] = torch.zeros(_ARRIVALS, dtype=torch.int32, device=device)
-    return t
 
 
 def _prepare(x, weight, scales, zeros, group_size, bias, cfg) -> _Prepared:
@@ -236,7 +226,7 @@ def _prepare(x, weight, scales, zeros, group_size, bias, cfg) -> _Prepared:
                  ctypes.c_longlong(zeros.stride(0) if zeros is not None else 0)],
         n=n, k=k, group=group, shared=cfg.shared_bytes(group_stages > 0, zeros is not None),
         sms=torch.cuda.get_device_properties(x.device).multi_processor_count,
-        arrivals=_arrivals(x.device) if cfg.splitk > 1 else None)
+        arrivals=splitk_arrivals(x.device) if cfg.splitk > 1 else None)
 
 
 def w4a16_gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -264,8 +254,8 @@ def w4a16_gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
         return y.reshape(*x.shape[:-1], n)
     m_tiles = -(-m // cfg.bm)
     tiles = m_tiles * -(-n // cfg.block_n)
-    if cfg.splitk > 1 and tiles > _ARRIVALS:
-        raise ValueError(f"split-K GEMM of {tiles} tiles: at most {_ARRIVALS}")
+    if cfg.splitk > 1 and tiles > SPLITK_MAX_TILES:
+        raise ValueError(f"split-K GEMM of {tiles} tiles: at most {SPLITK_MAX_TILES}")
     grid = tiles * cfg.splitk
     args = [ctypes.c_void_p(x2.data_ptr()), *prep.static, ctypes.c_void_p(y.data_ptr()),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x2.stride(0)),

@@ -151,40 +151,36 @@ W4_WGMMA_MIN_M = int(os.environ.get("LLMACCEL_W4_WGMMA_MIN_M", "64"))
 W4_WGMMA_MAX_M = int(os.environ.get("LLMACCEL_W4_WGMMA_MAX_M", "256"))
 
 
-def _use_w4_wgmma(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Decided once per layer, activation dtype and bias (as `_use_w4_gemm`)."""
-    if not (W4_WGMMA and W4_WGMMA_MIN_M <= x2.shape[0] <= W4_WGMMA_MAX_M):
-        return False
-    cache = layer.__dict__.setdefault("_w4_wgmma_ok", {})
+def _kernel_takes(layer: nn.Module, kernel: str, x2: torch.Tensor,
+                  bias: torch.Tensor | None) -> bool:
+    """Whether `kernels.<kernel>.supports` takes this layer's calls, decided once per layer,
+    activation dtype and bias: the weights never change after loading, so the checks (tensor
+    queries, the device's CUDA C support) need not run per call. The kernels' tile choice
+    keeps the answer the same for every row count."""
+    cache = layer.__dict__.setdefault(f"_{kernel}_ok", {})
     key = (x2.dtype, x2.shape[-1], bias is None)
     ok = cache.get(key)
     if ok is None:
-        from llmaccel.kernels.gemm_w4_wgmma import supports
+        import importlib
 
+        supports = importlib.import_module(f"llmaccel.kernels.{kernel}").supports
         ok = cache[key] = bool(layer.kernel_weight.is_cuda and supports(
             x2, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
             layer.kernel_group_size, bias))
     return ok
 
 
+def _use_w4_wgmma(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (W4_WGMMA and W4_WGMMA_MIN_M <= x2.shape[0] <= W4_WGMMA_MAX_M
+            and _kernel_takes(layer, "gemm_w4_wgmma", x2, bias))
+
+
 def _use_w4_gemm(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Decided once per layer, activation dtype and bias: the weights never change after
-    loading, so the checks (tensor queries, the device's CUDA C support) need not run per
-    call."""
     if not (W4_GEMM and 2 <= x2.shape[0] <= W4_GEMM_MAX_M):
         return False
     if x2.shape[0] >= W4_GEMM_NARROW_MIN_M and layer.output_size <= W4_GEMM_NARROW_N:
         return False
-    cache = layer.__dict__.setdefault("_w4_gemm_ok", {})
-    key = (x2.dtype, x2.shape[-1], bias is None)
-    ok = cache.get(key)
-    if ok is None:
-        from llmaccel.kernels.gemm_w4_cuda import supports
-
-        ok = cache[key] = bool(layer.kernel_weight.is_cuda and supports(
-            x2, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
-            layer.kernel_group_size, bias))
-    return ok
+    return _kernel_takes(layer, "gemm_w4_cuda", x2, bias)
 
 
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:

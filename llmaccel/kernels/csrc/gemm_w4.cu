@@ -78,26 +78,6 @@
 #define ONE2 0x3C003C00u    // fp16 1.0
 #endif
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-
-// 16 bytes global -> shared, asynchronously; zeros where !valid (src is then not read)
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N));
-}
-
 // The x tile's 16-byte chunk c of row r sits at chunk c ^ x_swizzle(r): the eight threads of a
 // 16-byte load phase (rows g, g + 1; chunks 4kc..4kc+3) then hit eight different bank groups.
 __device__ __forceinline__ int x_swizzle(int r) { return CPS >= 2 ? ((r & 1) << 2) : 0; }
@@ -121,26 +101,10 @@ __device__ __forceinline__ u32 neg_offset2(float zero) {
   return (((u32)h << 16) | h) ^ 0x80008000u;
 }
 
-__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
-  u32 d;
-#if X_BF16
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-#else
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-#endif
-  return d;
-}
-
 // word -> P[i] = (nibble i, nibble i + 4) - zero as a 16-bit pair, exact
 __device__ __forceinline__ void dequant_word(u32 w, u32 negoff, u32* P) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) P[i] = fma2(((w >> (4 * i)) & 0x000F000Fu) | MAGIC2, ONE2, negoff);
-}
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
 }
 
 __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
