@@ -148,7 +148,8 @@ class CUDAGraphRunner:
         self._copy_out: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # the head-on-SUBSET_ROWS-rows variants (HEAD_SUBSET), per size
+        # the head-on-SUBSET_ROWS-rows variants (HEAD_SUBSET), per size from SUBSET_MIN_ROWS
+        self.subset_sizes = {bs for bs in self.sizes if HEAD_SUBSET and bs >= SUBSET_MIN_ROWS}
         self.subset_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.subset_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = None
@@ -212,15 +213,12 @@ class CUDAGraphRunner:
         for bs in reversed(self.sizes):
             self.graphs[bs], self.outputs[bs] = self._capture_one(lambda: self._forward(bs))
         self.inputs[3].zero_()  # the subset graphs' sampled rows: valid during capture
-        for bs in reversed(self._subset_sizes()):
+        for bs in sorted(self.subset_sizes, reverse=True):
             self.subset_graphs[bs], self.subset_outputs[bs] = self._capture_one(
                 lambda: self._forward(bs, SUBSET_ROWS))
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode row counts %s (and with the LM head on "
-                    "%d rows for %s)", self.sizes, SUBSET_ROWS, self._subset_sizes())
-
-    def _subset_sizes(self) -> list[int]:
-        return [bs for bs in self.sizes if HEAD_SUBSET and bs >= SUBSET_MIN_ROWS]
+                    "%d rows for %s)", self.sizes, SUBSET_ROWS, sorted(self.subset_sizes))
 
     def _capture_one(self, fn):
         """One warm-up run of `fn` (Triton compiles, cuBLAS picks its kernels), then its
@@ -435,7 +433,7 @@ class CUDAGraphRunner:
         if patch is not None:
             values = patch[2].reshape(-1).index_select(0, self.inputs[4, :d]).long()
             self.inputs[0].index_copy_(0, self.inputs[5, :d], values)
-        if rows is not None and m <= SUBSET_ROWS and bs in self._subset_sizes():
+        if rows is not None and m <= SUBSET_ROWS and bs in self.subset_sizes:
             # the head on the asked rows only (their index padded with row 0 above)
             graph = self.subset_graphs.get(bs)
             if graph is None:  # CPU (tests): the captured step's work, eagerly

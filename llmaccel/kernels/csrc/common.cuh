@@ -46,6 +46,17 @@ __device__ __forceinline__ float load_scale(const void* S, long long i) {
   return half_scale_to_float(__ldg(reinterpret_cast<const u16*>(S) + i));
 #endif
 }
+
+// element e (its index's parity, for 16-bit kinds) of a 4-byte word of scales, as fp32: the
+// GEMMs copy a stage's scales as the words that hold them
+__device__ __forceinline__ float scale_in_word(u32 w, int e) {
+#if SCALE_KIND == 2
+  (void)e;
+  return __uint_as_float(w);
+#else
+  return half_scale_to_float((u16)(w >> (16 * (e & 1))));
+#endif
+}
 #endif
 
 // A 16-byte weight load that does not allocate in L1 (each weight is read once per step).

@@ -85,16 +85,6 @@ __device__ __forceinline__ int x_swizzle(int r) { return CPS >= 2 ? ((r & 1) << 
 // loads (rows g = 0..7, words t) then hit 32 different banks.
 __device__ __forceinline__ int w_swizzle(int n) { return ((n * CPS) >> 3) & (CPS - 1); }
 
-// element e of a 4-byte word of scales (SCALE_KIND) as fp32
-__device__ __forceinline__ float scale_in_word(u32 w, int e) {
-#if SCALE_KIND == 2
-  (void)e;
-  return __uint_as_float(w);
-#else
-  return half_scale_to_float((u16)(w >> (16 * (e & 1))));
-#endif
-}
-
 // (magic + zero) in both halves of a 16-bit pair, negated, as the FMA's addend
 __device__ __forceinline__ u32 neg_offset2(float zero) {
   const u16 h = float_to_act((X_BF16 ? 128.f : 1024.f) + zero);

@@ -137,20 +137,18 @@ struct RowDeq {
 #endif
 };
 
-__device__ __forceinline__ RowDeq row_deq(float scale, u32 scale_bits, float zero) {
+__device__ __forceinline__ RowDeq row_deq(float scale, float zero) {
   RowDeq r;
 #if SCALE_NATIVE
-  (void)scale;
   r.negoff = neg_offset2(zero);
-  r.scale2 = scale_bits | (scale_bits << 16);
+  const u32 bits = float_to_act(scale);  // exact: the scale is in the activation dtype
+  r.scale2 = bits | (bits << 16);
 #elif SCALE_SPLIT
-  (void)scale_bits;
   r.negoff = neg_offset2(zero);
   const u16 hi = float_to_act(scale), lo = float_to_act(scale - act_to_float(hi));
   r.hi2 = ((u32)hi << 16) | hi;
   r.lo2 = ((u32)lo << 16) | lo;
 #else
-  (void)scale_bits;
   r.off_lo = 8388608.f + zero;
   r.off_hi = 8388608.f + 16.f * zero;
   r.s = scale;
@@ -193,30 +191,6 @@ __device__ __forceinline__ u32 pair(u32 w, u32 sel_t, u32 magic, const RowDeq& r
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
 #endif
   return d;
-#endif
-}
-
-// scale e of S (SCALE_KIND) as fp32, and its 16 bits where the kind is 16-bit
-__device__ __forceinline__ float scale_at(const void* S, long long e, u32* bits) {
-#if SCALE_KIND == 2
-  *bits = 0;
-  return __ldg(reinterpret_cast<const float*>(S) + e);
-#else
-  const u16 v = __ldg(reinterpret_cast<const u16*>(S) + e);
-  *bits = v;
-  return bits16_to_float<SCALE_KIND == 0>(v);
-#endif
-}
-// the same from the 4-byte word holding it (the stage's copy), e its element index
-__device__ __forceinline__ float scale_in_word(u32 word, long long e, u32* bits) {
-#if SCALE_KIND == 2
-  (void)e;
-  *bits = 0;
-  return __uint_as_float(word);
-#else
-  const u16 v = (u16)(word >> (16 * (int)(e & 1)));
-  *bits = v;
-  return bits16_to_float<SCALE_KIND == 0>(v);
 #endif
 }
 
@@ -330,15 +304,14 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const void* 
   RowDeq deq_a, deq_b;
 #if GROUP_STAGES == 0
   {
-    u32 ba, bb;
-    const float sa = scale_at(S, (long long)min(n0 + row_a, N - 1) * stride_s, &ba);
-    const float sb = scale_at(S, (long long)min(n0 + row_b, N - 1) * stride_s, &bb);
+    const float sa = load_scale(S, (long long)min(n0 + row_a, N - 1) * stride_s);
+    const float sb = load_scale(S, (long long)min(n0 + row_b, N - 1) * stride_s);
 #if HAS_ZEROS
-    deq_a = row_deq(sa, ba, (float)Z[(long long)min(n0 + row_a, N - 1) * stride_z]);
-    deq_b = row_deq(sb, bb, (float)Z[(long long)min(n0 + row_b, N - 1) * stride_z]);
+    deq_a = row_deq(sa, (float)Z[(long long)min(n0 + row_a, N - 1) * stride_z]);
+    deq_b = row_deq(sb, (float)Z[(long long)min(n0 + row_b, N - 1) * stride_z]);
 #else
-    deq_a = row_deq(sa, ba, 8.f);
-    deq_b = row_deq(sb, bb, 8.f);
+    deq_a = row_deq(sa, 8.f);
+    deq_b = row_deq(sb, 8.f);
 #endif
   }
 #endif
@@ -350,21 +323,20 @@ gemm_w4_wgmma(const u16* __restrict__ X, const u32* __restrict__ W, const void* 
 #if GROUP_STAGES > 0
     const int grp = (s + sk0) / GROUP_STAGES;
     const u32* sw = reinterpret_cast<const u32*>(sp + X_STAGE_BYTES + W_STAGE_BYTES);
-    u32 ba, bb;
-    const float sa = scale_in_word(sw[row_a], (long long)min(n0 + row_a, N - 1) * stride_s + grp,
-                                   &ba);
-    const float sb = scale_in_word(sw[row_b], (long long)min(n0 + row_b, N - 1) * stride_s + grp,
-                                   &bb);
+    const float sa = scale_in_word(
+        sw[row_a], (int)(((long long)min(n0 + row_a, N - 1) * stride_s + grp) & 1));
+    const float sb = scale_in_word(
+        sw[row_b], (int)(((long long)min(n0 + row_b, N - 1) * stride_s + grp) & 1));
 #if HAS_ZEROS
     const u32* zw = reinterpret_cast<const u32*>(sp + X_STAGE_BYTES + W_STAGE_BYTES
                                                  + S_STAGE_BYTES);
     const long long za = (long long)min(n0 + row_a, N - 1) * stride_z + grp;
     const long long zb = (long long)min(n0 + row_b, N - 1) * stride_z + grp;
-    deq_a = row_deq(sa, ba, (float)((zw[row_a] >> (8 * (int)(za & 3))) & 0xFFu));
-    deq_b = row_deq(sb, bb, (float)((zw[row_b] >> (8 * (int)(zb & 3))) & 0xFFu));
+    deq_a = row_deq(sa, (float)((zw[row_a] >> (8 * (int)(za & 3))) & 0xFFu));
+    deq_b = row_deq(sb, (float)((zw[row_b] >> (8 * (int)(zb & 3))) & 0xFFu));
 #else
-    deq_a = row_deq(sa, ba, 8.f);
-    deq_b = row_deq(sb, bb, 8.f);
+    deq_a = row_deq(sa, 8.f);
+    deq_b = row_deq(sb, 8.f);
 #endif
 #endif
     const uint4* wa = reinterpret_cast<const uint4*>(sp + X_STAGE_BYTES + row_a * (BK / 2));
