@@ -218,7 +218,8 @@ def test_model_decode_fused_gpu(use_pdl, tmp_path):
 def test_pdl_kernels_compile_for_hopper_and_wait_before_touching_data():
     """Every decode-graph kernel with USE_PDL compiles for sm_90 (Triton's ptxas, no GPU), and
     its PTX waits (griddepcontrol.wait) before any global store, and before any load except
-    the GEMVs' weight prefetch; launch_dependents comes after the wait."""
+    the GEMVs' weight prefetch and the decode attention's reads of step inputs and older K/V;
+    launch_dependents comes after the wait."""
     import json
     import subprocess
     import sys
@@ -229,10 +230,16 @@ def test_pdl_kernels_compile_for_hopper_and_wait_before_touching_data():
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          env=env, timeout=600)
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 12, out.stderr[-2000:]
+    assert len(results) == 14, out.stderr[-2000:]
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
     assert all(r["loads_before_wait"] > 0 for r in results if r["kernel"].startswith("linear"))
+    # the decode attention: nothing before the wait unless asked; its step inputs, then also
+    # the first tile's K and V of earlier steps, when asked
+    early = {r["kernel"]: r["loads_before_wait"] for r in results
+             if r["kernel"].startswith("paged_decode")}
+    assert (early["paged_decode"] == 0
+            < early["paged_decode-early-inputs"] < early["paged_decode-early-kv"]), early
     # bf16 rope compiled as launched (no FP fusion) rounds each product: no FMA contraction
     rope = [r for r in results if r["kernel"] in ("rotary", "rotary_and_cache")]
     assert len(rope) == 2 and all(r["fma"] == 0 for r in rope), rope

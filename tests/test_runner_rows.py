@@ -185,3 +185,35 @@ def test_prefill_as_graph_rows_computes_the_head_on_the_sampled_rows_only(runner
     finally:
         runner.graphs = saved_graphs
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_graph_rows_stage_where_each_sequence_starts_writing(runner):
+    """The graph runner's kv_fresh_from row (what the decode attention may read before its
+    PDL wait): for every row, the first position its sequence writes this step, so rows of a
+    prompt run all get the run's start and a decode row its own position; padding rows 0."""
+    from cpu_graphs import graphs_on_cpu
+
+    from llmaccel.engine.cuda_graph import KV_FRESH_ROW
+
+    rng = random.Random(6)
+    seqs = [_seq(i, [rng.randrange(160) for _ in range(ln)], 8 * i)
+            for i, ln in enumerate([30, 11])]
+    saved_graphs, saved = runner.graphs, mr.DECODE_ROWS_MAX
+    try:
+        runner.graphs = graphs_on_cpu(runner, 0)
+        mr.DECODE_ROWS_MAX = 1000
+        for seq, n in zip(seqs, (9, 4)):
+            seq.num_computed_tokens = n
+        runner.execute(SchedulerOutput([(seqs[0], 21), (seqs[1], 7)]))
+        fresh = runner.graphs.inputs[KV_FRESH_ROW]
+        meta = runner.graphs._meta(32)
+        assert meta.kv_fresh_from.data_ptr() == fresh.data_ptr()
+        assert fresh[:28].tolist() == [9] * 21 + [4] * 7 and not fresh[28:32].any()
+        for seq in seqs:
+            seq.num_computed_tokens = seq.num_tokens - 1
+        runner.execute(SchedulerOutput([(seqs[0], 1), (seqs[1], 1)]))
+        assert fresh[:2].tolist() == [29, 10]
+    finally:
+        runner.graphs, mr.DECODE_ROWS_MAX = saved_graphs, saved
+        for seq in seqs:
+            seq.num_computed_tokens = 0

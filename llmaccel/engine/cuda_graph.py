@@ -92,8 +92,11 @@ def _process_capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 # Rows of the static int64 inputs: ids, positions, slots, sampled rows, patch sources, patch
-# targets, and for chained decode each row's first position and step count.
-INPUT_ROWS = 8
+# targets, for chained decode each row's first position and step count, and the first
+# position each row's sequence writes this step (AttentionMetadata.kv_fresh_from; 0 where the
+# caller does not say: the attention then reads all K/V after its PDL wait).
+INPUT_ROWS = 9
+KV_FRESH_ROW = 8
 
 
 def _maybe_pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -106,7 +109,7 @@ class _HostStaging:
 
     def __init__(self, n: int, w: int) -> None:
         # ids, positions, slots, sampled rows, patch sources and targets, chain starts and
-        # counts (int64); seq lens, tables (int32). Pinned where there is a GPU to copy to
+        # counts, K/V fresh-from positions (int64); seq lens, tables (int32). Pinned where there is a GPU to copy to
         # (CPU runs use the chain eagerly: tests).
         pin = torch.cuda.is_available()
         self.inputs = _maybe_pin(torch.zeros(INPUT_ROWS, n, dtype=torch.long), pin)
@@ -166,7 +169,7 @@ class CUDAGraphRunner:
             query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
             slot_mapping=self.inputs[2, :bs], block_tables=self.block_tables[:bs],
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
-            max_query_len=1, max_seq_len=None)
+            max_query_len=1, max_seq_len=None, kv_fresh_from=self.inputs[KV_FRESH_ROW, :bs])
 
     def _forward(self, bs: int, subset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's logits and greedy tokens: of all bs rows, or (subset > 0) of the rows
@@ -349,6 +352,7 @@ class CUDAGraphRunner:
         on_device = isinstance(starts, torch.Tensor)
         inp[6, :n], inp[7, :n] = 1 if on_device else starts, counts
         inp[6, n:bs], inp[7, n:bs], inp[0, n:bs] = 1, 0, 0  # padding rows write nothing
+        inp[KV_FRESH_ROW, :bs] = 0  # every step of the chain writes: read K/V after the wait
         self._stage_tables(st, tables)
         self._copy_in(st, bs)
         if on_device:
@@ -372,6 +376,7 @@ class CUDAGraphRunner:
         st = self._next_staging()
         inp = st.np_inputs
         inp[0, n:bs], inp[1, n:bs], inp[2, n:bs] = 0, 0, -1  # padding rows: no cache writes
+        inp[KV_FRESH_ROW, :bs] = 0  # positions the host does not know: K/V after the wait
         st.np_seq_lens[n:bs] = 1
         self._stage_tables(st, tables)
         self._copy_in(st, bs)
@@ -387,21 +392,26 @@ class CUDAGraphRunner:
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             seq_lens: list[int], tables: list[list[int]],
             device_ids: torch.Tensor | None = None, rows: list[int] | None = None,
-            patch: tuple[list[int], list[int], torch.Tensor] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            patch: tuple[list[int], list[int], torch.Tensor] | None = None,
+            fresh: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step over len(ids) rows -> (logits [m, vocab], greedy [2, m]) (see
         `greedy_with_logprobs`) of the m `rows` asked for (default: all, as views of the
         graph's outputs, valid until the next replay; a subset is gathered into new tensors).
         `device_ids` [n] (on the device) replaces `ids`: e.g. the previous step's argmax,
         copied into the static input in stream order, before the replay overwrites it.
         `patch` (src, dst, values): ids[dst[i]] = values.flatten()[src[i]] on the device
-        (drafts the host has not seen yet: ModelRunner.execute)."""
+        (drafts the host has not seen yet: ModelRunner.execute). `fresh` [n]: per row, the
+        first position its sequence writes this step (a decode row: its own position; rows of
+        one prompt run: the run's start); the attention reads K/V below it before its PDL
+        wait. None: after the wait."""
         n = len(ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         st = self._next_staging()
         inp = st.np_inputs
         inp[0, :n], inp[1, :n], inp[2, :n] = ids, positions, slots
         inp[0, n:bs], inp[1, n:bs], inp[2, n:bs] = 0, 0, -1  # padding rows: no cache writes
+        inp[KV_FRESH_ROW, :n] = 0 if fresh is None else fresh
+        inp[KV_FRESH_ROW, n:bs] = 0
         m = n if rows is None else len(rows)
         if rows is not None:
             inp[3, :m] = rows

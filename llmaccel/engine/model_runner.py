@@ -154,6 +154,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_lens, seq_lens, tables, sampling, rows = [], [], [], [], []
+        fresh: list[int] = []  # per row, the first position its sequence writes this step
         patch_dst: list[int] = []  # where in ids, and where in drafts[0].flatten(), the
         patch_src: list[int] = []  # device-resident drafts go
         columns, width = (drafts[1], drafts[0].shape[1]) if drafts is not None else ({}, 0)
@@ -181,6 +182,7 @@ class ModelRunner:
                 positions += range(start, start + n)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             if as_rows:
+                fresh += [start] * n
                 query_lens += [1] * n
                 seq_lens += range(start + 1, start + n + 1)
                 tables += [table] * n
@@ -202,10 +204,11 @@ class ModelRunner:
         if self.ran_graph:
             if not rows:
                 self.graphs.run(ids, positions, slots, seq_lens, tables, input_ids,
-                                patch=patch)
+                                patch=patch, fresh=fresh)
                 return [], torch.empty(0, 0, device=self.device), None
             return sampling, *self.graphs.run(ids, positions, slots, seq_lens, tables,
-                                              input_ids, rows if subset else None, patch)
+                                              input_ids, rows if subset else None, patch,
+                                              fresh)
         meta = AttentionMetadata.build(query_lens, seq_lens, self.device, slots, tables)
         ids_t = (torch.tensor(ids, device=self.device) if input_ids is None
                  else input_ids.to(device=self.device, dtype=torch.long))

@@ -15,6 +15,11 @@ num_splits == 1 is the single-pass path (no workspace, no second kernel).
 Head dims that are not powers of two (e.g. 24, 80) are padded to the next power of two (at least
 16, for tl.dot) and masked. Reference: `attention_ref.paged_decode_attention_ref`.
 
+Under PDL the kernel reads the step inputs (context length, block ids) before its wait, and,
+given `kv_fresh_from` (the CUDA-graph decode steps), the first tile's K/V that earlier steps
+wrote: the K/V load then overlaps the qkv projection instead of following it. Only positions at
+or past kv_fresh_from (this step's tokens, written by the kernel just before) wait.
+
 FP8 (e4m3) caches: tiles are loaded as fp8 (half the bytes of bf16, which is the point) and cast
 to the query dtype, which holds every e4m3 value exactly. The per-tensor scales cost nothing per
 element: k_scale is folded into the softmax scale, v_scale multiplies the normalised output.
@@ -44,17 +49,31 @@ MIN_TOKENS_PER_SPLIT = 256
 
 
 @triton.jit
+def _attend_tile(q, k, v, p_mask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One tile of the online softmax: scores of q against the tile's keys k (masked by
+    p_mask), the running max m_i and sum l_i rescaled, p @ v added to acc."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * qk_scale
+    s = tl.where(p_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
-    Q, K, V, BlockTables, SeqLens, Out, PartOut, PartLse, Counters, qk_scale, v_scale,
+    Q, K, V, BlockTables, SeqLens, KvFresh, Out, PartOut, PartLse, Counters, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr, FUSED_COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    EARLY_INPUTS: tl.constexpr,
+    EARLY_INPUTS: tl.constexpr, EARLY_KV: tl.constexpr,
 ):
-    if not EARLY_INPUTS:
+    if not (EARLY_INPUTS or EARLY_KV):
         pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -71,21 +90,50 @@ def _paged_decode_kernel(
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     pos = start + tl.arange(0, BLOCK_N)
     block = tl.load(BlockTables + seq * stride_bt + pos // BLOCK_SIZE, mask=pos < end, other=0)
-    if EARLY_INPUTS:
+    d = tl.arange(0, DIM_PAD)
+    d_mask = d < HEAD_DIM
+    if EARLY_KV:
+        # The first tile's cached K/V too, where earlier steps wrote it: positions below
+        # KvFresh[seq] (a step input: the first position this step writes in the row's
+        # sequence). Those were written by an earlier graph replay, so they are final before
+        # this kernel starts; the rest (this step's tokens, written by the kernel just before
+        # this one) are loaded after the wait. A decode row's HBM latency then overlaps the
+        # qkv projection instead of following it.
+        fresh = tl.load(KvFresh + seq).to(tl.int32)
+        offs0 = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
+                 + kv_head * stride_kh)
+        old = (pos < end) & (pos < fresh)
+        k0 = tl.load(K + offs0[:, None] + d[None, :], mask=old[:, None] & d_mask[None, :],
+                     other=0.0)
+        v0 = tl.load(V + offs0[:, None] + d[None, :], mask=old[:, None] & d_mask[None, :],
+                     other=0.0)
+        block = tl.load(BlockTables + seq * stride_bt + (pos + BLOCK_N) // BLOCK_SIZE,
+                        mask=pos + BLOCK_N < end, other=0)
+    if EARLY_INPUTS or EARLY_KV:
         pdl_enter(USE_PDL)
 
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, DIM_PAD)
     g_mask = g < GROUP
-    d_mask = d < HEAD_DIM
     heads = kv_head * GROUP + g
     q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    # An empty range (start >= end: a short sequence with many splits) runs no iterations.
-    for tile in range(start, end, BLOCK_N):
+    first = start
+    if EARLY_KV:
+        if start < end:
+            new = (pos < end) & (pos >= fresh)
+            new_mask = new[:, None] & d_mask[None, :]
+            k0 = tl.where(new_mask, tl.load(K + offs0[:, None] + d[None, :], mask=new_mask,
+                                            other=0.0), k0)
+            v0 = tl.where(new_mask, tl.load(V + offs0[:, None] + d[None, :], mask=new_mask,
+                                            other=0.0), v0)
+            m_i, l_i, acc = _attend_tile(q, k0.to(q.dtype), v0.to(q.dtype), pos < end, m_i, l_i,
+                                         acc, qk_scale, PRECISION)
+        first = start + BLOCK_N
+    # An empty range (first >= end: a short sequence with many splits) runs no iterations.
+    for tile in range(first, end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         p_mask = pos < end
         offs = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
@@ -94,16 +142,8 @@ def _paged_decode_kernel(
                         mask=pos + BLOCK_N < end, other=0)
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(K + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * qk_scale
-        s = tl.where(p_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                             input_precision=PRECISION).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, p_mask, m_i, l_i, acc, qk_scale, PRECISION)
     # l_i >= 1 whenever a key was seen; 0 only for an empty range (or seq_len 0): output 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if KV_FP8:
@@ -199,6 +239,10 @@ FUSED_COMBINE = os.environ.get("LLMACCEL_ATTN_FUSED_COMBINE", "1") == "1"
 # shape, same call: bf16 decode 362.5 against 359.5 tok/s, TTFT 4.02 against 4.25 ms; int4
 # 916.4 against 914.5 (2026-11-27-s28-int4-w1-h100.md).
 EARLY_INPUTS = os.environ.get("LLMACCEL_ATTN_EARLY_INPUTS", "1") == "1"
+# With `kv_fresh_from` (the CUDA-graph decode steps pass it), the kernel also loads its first
+# tile's K/V from earlier steps before the PDL wait (LLMACCEL_ATTN_EARLY_KV=0: after it, to
+# measure it).
+EARLY_KV = os.environ.get("LLMACCEL_ATTN_EARLY_KV", "1") == "1"
 # Arrival counters of the fused combine, one int32 per (sequence, KV head), per KV cache (so
 # two models' attention, e.g. a draft's on another stream, never share one). Zeroed once
 # outside graph capture; each call leaves them at 0 again.
@@ -257,7 +301,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len_hint: int | 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                            block_n: int | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0,
+                           kv_fresh_from: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, d]; kv_cache [2, num_blocks, block_size, kv_heads, d]; block_tables
     [B, max_blocks] int32; seq_lens [B] int32 -> [B, H, d].
 
@@ -265,7 +310,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     graph-safe); 1 is the single-pass kernel. A sequence with seq_len 0 gets zeros. block_n:
     cached tokens per tile (None: 32; 16 for fp32 q, whose wider tiles spill registers; 128, or
     64 with splits, for an fp8 cache).
-    k_scale/v_scale: per-tensor scales of an FP8 cache (ignored otherwise)."""
+    k_scale/v_scale: per-tensor scales of an FP8 cache (ignored otherwise).
+    kv_fresh_from [B] (int32/int64, on q's device): row b's K/V at positions below
+    kv_fresh_from[b] were written before the kernel launched just before this one (earlier
+    steps), so under PDL they are read before the wait; None: every K/V read waits."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -279,6 +327,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         return out
     key, value = kv_cache[0], kv_cache[1]
     kv_fp8 = is_fp8(kv_cache.dtype)
+    if kv_fresh_from is not None and (
+            kv_fresh_from.shape != (num_seqs,) or kv_fresh_from.device != q.device
+            or kv_fresh_from.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"kv_fresh_from must be [{num_seqs}] int32/int64 on {q.device}, got "
+                         f"{tuple(kv_fresh_from.shape)} {kv_fresh_from.dtype} on "
+                         f"{kv_fresh_from.device}")
+    early_kv = EARLY_KV and kv_fresh_from is not None
     # tl.dot needs every dimension >= 16.
     group_pad = max(16, triton.next_power_of_2(group))
     dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -306,7 +361,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                                device=q.device)
         part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, key, value, block_tables, seq_lens, out, part_out, part_lse,
+        q, key, value, block_tables, seq_lens, kv_fresh_from if early_kv else seq_lens,
+        out, part_out, part_lse,
         counters if counters is not None else seq_lens,
         scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2),
@@ -317,7 +373,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         USE_PDL=pdl.enabled(), FUSED_COMBINE=counters is not None,
         SPLITS_PAD=triton.next_power_of_2(num_splits), EARLY_INPUTS=EARLY_INPUTS,
-        **pdl.launch_kwargs(),
+        EARLY_KV=early_kv, **pdl.launch_kwargs(),
     )
     if num_splits > 1 and counters is None:
         _combine_splits_kernel[(num_seqs, num_heads)](

@@ -16,7 +16,9 @@ earlier ones. Kernels launched without PDL (torch's) serialize as usual.
 It follows that when a kernel starts, the kernel two launches back has finished: the one
 before it released it only after its own wait. So data written two or more launches back may
 be read before the wait. The decode attention kernel reads the step's staged inputs (context
-lengths, block tables) that way; they are written before the first layer's kernels.
+lengths, block tables) that way; they are written before the first layer's kernels. In a CUDA
+graph decode step it also reads its first tile's K/V at positions earlier steps wrote (below
+the step input `kv_fresh_from`); only the new tokens' K/V come from the kernel just before it.
 
 Never on below compute capability 9.0 or in Triton's interpreter (CPU): there the plain launch
 is the path, so nothing on the default path needs Hopper. On 9.0+ `configure` turns it on by

@@ -96,7 +96,8 @@ class TritonAttentionBackend(AttentionBackend):
             splits = choose_num_splits(meta.num_seqs, kv_cache.shape[3], meta.max_seq_len,
                                        q.device)
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                          num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+                                          num_splits=splits, k_scale=k_scale, v_scale=v_scale,
+                                          kv_fresh_from=meta.kv_fresh_from)
         return pf.paged_prefill_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
                                           meta.seq_lens, scale, meta.max_query_len,
                                           k_scale=k_scale, v_scale=v_scale)

@@ -24,6 +24,10 @@ class AttentionMetadata:
     max_query_len: int = 0
     # None under CUDA-graph capture: a replayed graph must not depend on lengths.
     max_seq_len: int | None = None
+    # [B] int64, per row the first position of its sequence this step writes K/V for (the
+    # CUDA-graph decode steps set it): the decode attention reads older positions before its
+    # PDL wait. None: it reads every position after the wait.
+    kv_fresh_from: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
