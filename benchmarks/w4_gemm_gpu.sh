@@ -14,6 +14,10 @@
 #   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w1-wgmma  W1 on the 3B shape: bf16, GPTQ int4 and
 #        GPTQ int4 + int4 head with the wgmma GEMM for prefill rows (sm_90), then int4 + int4 head
 #        without it (LLMACCEL_W4_WGMMA=0)
+#   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w1-kv  W1 on the 3B shape: bf16, GPTQ int4 and
+#        GPTQ int4 + int4 head with the decode attention's K/V of earlier steps read before its
+#        PDL wait (the default), then bf16 and int4 + int4 head with it after
+#        (LLMACCEL_ATTN_EARLY_KV=0)
 #   bash benchmarks/w4_gemm_gpu.sh OUT_DIR TAG w2  W2 (offline throughput): bf16 and GPTQ int4
 #        with the GEMM, then GPTQ int4 without it
 set -uo pipefail
@@ -22,7 +26,7 @@ mkdir -p "$out"
 log="$out/$tag-$part.log"
 w1() {  # NAME QUANTS, env from the caller
   python3 benchmarks/gpu_speed.py --workloads W1 --shapes llama-3.2-3b --backends llmaccel \
-    --quantization "$2" --repeats 3 --out "$out" --name "W1-$tag-$1" --variant "$1" 2>&1 \
+    --quantization "$2" --repeats "${REPEATS:-3}" --out "$out" --name "W1-$tag-$1" --variant "$1" 2>&1 \
     | tail -1
   rm -f "$out/W1-$tag-$1.md"
 }
@@ -69,6 +73,19 @@ PY
     w1 wgmma bf16,gptq-int4-g128,gptq-int4-g128-lm-head
     echo "== W1 without it"
     LLMACCEL_W4_WGMMA=0 w1 no-wgmma gptq-int4-g128-lm-head
+    for f in "$out"/W1-"$tag"-*.jsonl; do python3 - "$f" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(sys.argv[1].split("/")[-1], r.get("quantization"), r.get("metric"), r.get("value"),
+          "ttft_ms", r.get("ttft_ms"))
+PY
+    done
+  elif [ "$part" = w1-kv ]; then
+    echo "== W1, decode attention K/V of earlier steps before the PDL wait"
+    w1 early-kv bf16,gptq-int4-g128,gptq-int4-g128-lm-head
+    echo "== W1, all K/V after the wait"
+    LLMACCEL_ATTN_EARLY_KV=0 w1 late-kv bf16,gptq-int4-g128-lm-head
     for f in "$out"/W1-"$tag"-*.jsonl; do python3 - "$f" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
