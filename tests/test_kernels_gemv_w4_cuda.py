@@ -89,6 +89,23 @@ def test_source_compiles_with_nvrtc(arch, monkeypatch):
                                _source()[1])
 
 
+def test_min_blocks_bounds_the_kernel(monkeypatch):
+    """A tile's min_blocks reaches ptxas as the kernel's launch bound (.minnctapersm), and
+    only when asked: an unbounded kernel gets no such bound (its register use is ptxas's
+    choice, which the default tiles were measured with)."""
+    use_nvrtc(monkeypatch)
+    defines = {"ROWS": 4, "CHUNKS": 1, "THREADS": 96, "X_BF16": 1, "SCALE_KIND": 2,
+               "HAS_ZEROS": 0, "HAS_BIAS": 0, "MATH": 1, "ROPE": 1, "HEAD_DIM": 128}
+    src, hdr = _source()
+    bounded = cuda_rtc.compile_ptx(src, "gemv_w4", "sm_90", {**defines, "MIN_BLOCKS": 10}, hdr)
+    assert ".minnctapersm 10" in bounded and ".maxntid 96" in bounded
+    plain = cuda_rtc.compile_ptx(src, "gemv_w4", "sm_90", {**defines, "MIN_BLOCKS": 0}, hdr)
+    assert ".minnctapersm" not in plain and ".maxntid 96" in plain
+    cfg = CudaGemvW4Config(4, 1, 1, 10)
+    assert cfg.describe() == "cuda-r4c1sb10" and cfg.fits(3072)
+    assert not CudaGemvW4Config(4, 1, 1, 33).fits(3072)
+
+
 def _emulate_math1(x, w, scales, zeros, group):
     """The MATH=1 kernel's arithmetic in fp32 PyTorch: per 32-code chunk, codes masked in
     place and read as (subnormal) floats times x * 2^(96 - 4p), scaled back by 2^53, minus
@@ -126,8 +143,9 @@ def test_subnormal_code_arithmetic_matches_reference(zeros):
 
 gpu = pytest.mark.gpu
 
-TILES = [CudaGemvW4Config(r, c, m) for r, c, m in
-         ((1, 1, 0), (2, 1, 0), (3, 1, 1), (4, 2, 0), (8, 1, 1), (16, 1, 0), (4, 4, 1))]
+TILES = [CudaGemvW4Config(r, c, m, b) for r, c, m, b in
+         ((1, 1, 0, 0), (2, 1, 0, 0), (3, 1, 1, 0), (4, 2, 0, 0), (8, 1, 1, 0), (16, 1, 0, 0),
+          (4, 4, 1, 0), (4, 1, 1, 10), (6, 1, 1, 11), (4, 1, 1, 6))]
 
 
 @gpu
@@ -247,7 +265,8 @@ def test_silu_out_not_taken_off_cuda():
 
 @gpu
 @pytest.mark.parametrize("cfg", [CudaGemvW4Config(2, 1, 1), CudaGemvW4Config(4, 1, 0),
-                                 CudaGemvW4Config(6, 1, 1)], ids=lambda c: c.describe())
+                                 CudaGemvW4Config(6, 1, 1), CudaGemvW4Config(6, 1, 1, 11)],
+                         ids=lambda c: c.describe())
 @pytest.mark.parametrize("n_out", [1000, 3])
 def test_gpu_silu_out_epilogue(cfg, n_out):
     """A [gate; up] layer with SiLU-and-mul in the epilogue equals the GEMV rounded to bf16,
@@ -354,7 +373,8 @@ def _exact_rotary_and_cache(positions, q, k, v, cos_sin_cache, kv_cache, slot_ma
 @gpu
 @pytest.mark.parametrize("nq,nkv,hd", [(24, 8, 128), (9, 3, 64), (2, 1, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cfg", [None, CudaGemvW4Config(2, 1, 1), CudaGemvW4Config(6, 1, 0)],
+@pytest.mark.parametrize("cfg", [None, CudaGemvW4Config(2, 1, 1), CudaGemvW4Config(6, 1, 0),
+                                 CudaGemvW4Config(4, 1, 1, 10)],
                          ids=lambda c: "default" if c is None else c.describe())
 def test_gpu_rope_epilogue_equals_gemv_then_rope_and_cache_write(nq, nkv, hd, dtype, cfg):
     """q and the cache after the fused qkv GEMV equal, bit for bit, the plain CUDA GEMV, then

@@ -32,9 +32,13 @@ class CudaGemvW4Config:
     rows: int  # output rows per block
     chunks: int = 1  # 32-code chunks of a row per thread
     math: int = 1  # 0: magic-number dequantization; 1: codes as subnormal floats (the .cu)
+    # blocks an SM must hold at once (the .cu's MIN_BLOCKS: ptxas budgets registers for it);
+    # 0: no bound
+    min_blocks: int = 0
 
     def describe(self) -> str:
-        return f"cuda-r{self.rows}c{self.chunks}" + ("s" if self.math else "")
+        return (f"cuda-r{self.rows}c{self.chunks}" + ("s" if self.math else "")
+                + (f"b{self.min_blocks}" if self.min_blocks else ""))
 
     def threads(self, k: int) -> int:
         per_thread = -(-(k // 32) // self.chunks)
@@ -43,7 +47,8 @@ class CudaGemvW4Config:
     def fits(self, k: int) -> bool:
         """The block needs at most 1024 threads, and the codes fit the register budget."""
         return (self.rows >= 1 and self.chunks >= 1 and self.math in (0, 1)
-                and self.threads(k) <= MAX_THREADS and self.rows * self.chunks <= MAX_REGS_PRODUCT)
+                and self.threads(k) <= MAX_THREADS and self.rows * self.chunks <= MAX_REGS_PRODUCT
+                and 0 <= self.min_blocks <= 32)
 
 
 def default_config(n: int, k: int) -> CudaGemvW4Config:
@@ -189,7 +194,7 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     pairs = silu_out or rope is not None  # the epilogue pairs rows
     cfg = config or tile_for(n, k, x.device)[0]
     if config is None and pairs and cfg.rows % 2:  # round up
-        even = CudaGemvW4Config(cfg.rows + 1, cfg.chunks, cfg.math)
+        even = CudaGemvW4Config(cfg.rows + 1, cfg.chunks, cfg.math, cfg.min_blocks)
         cfg = even if even.fits(k) else default_config(n, k)
     threads = cfg.threads(k)
     if not cfg.fits(k) or (pairs and cfg.rows % 2):
@@ -210,7 +215,8 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         "HAS_ZEROS": int(zeros is not None), "HAS_BIAS": int(bias is not None),
         "MATH": cfg.math, "PROLOGUE": 1 if norm_weight is not None else (2 if silu else 0),
         "RESIDUAL": int(residual is not None), "SILU_OUT": int(silu_out),
-        "ROPE": int(rope is not None), "HEAD_DIM": rope.head_dim if rope is not None else 0},
+        "ROPE": int(rope is not None), "HEAD_DIM": rope.head_dim if rope is not None else 0,
+        "MIN_BLOCKS": cfg.min_blocks},
         _source()[1])
     ptr = ctypes.c_void_p
     args = [ptr(x1.data_ptr()), ptr(weight.data_ptr()), ptr(scales.data_ptr()),

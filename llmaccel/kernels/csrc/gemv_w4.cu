@@ -136,7 +136,16 @@ __device__ __forceinline__ long long weight_row(int r, int N) {
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+// MIN_BLOCKS (0: none) asks ptxas for registers that let that many blocks share an SM: the
+// grid's last wave is then fuller (or gone); every block loads all its weights at once, so
+// a nearly empty last wave costs a whole load latency for a few rows.
+#if MIN_BLOCKS > 0
+#define GEMV_BOUNDS __launch_bounds__(THREADS, MIN_BLOCKS)
+#else
+#define GEMV_BOUNDS __launch_bounds__(THREADS)
+#endif
+
+extern "C" __global__ void GEMV_BOUNDS
 gemv_w4(const u16* __restrict__ X, const uint4* __restrict__ W, const void* __restrict__ S,
         const u8* __restrict__ Z, const u16* __restrict__ Bias, u16* __restrict__ Y,
         int N, int K, int group, long long stride_w16, long long stride_s, long long stride_z,
