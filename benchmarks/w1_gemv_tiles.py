@@ -4,7 +4,7 @@
     python benchmarks/w1_gemv_tiles.py --out DIR --name TAG \
         "base:" "qkv10:qkv=r4c1b10" "fit:qkv=r4c1b10,down=r4c1b6,gate_up=r6c1b11"
 
-A variant is NAME:LAYER=TILE,...: LAYER is qkv, o, gate_up or down; TILE is r<rows>c<chunks>
+A variant is NAME:LAYER=TILE,...: LAYER is qkv, o, gate_up, down or lm_head; TILE is r<rows>c<chunks>
 and optionally b<min blocks per SM> (the .cu's MIN_BLOCKS). Each variant's table is this
 GPU's table plus those "w4cuda:1:N:K" entries (LLMACCEL_GEMM_CONFIGS), and its W1 records go
 to DIR/W1-TAG-NAME.jsonl (gpu_speed.py, int4 + int4 head). `--bf16` adds a bf16 run first.
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072),
-          "down": (3072, 8192)}
+          "down": (3072, 8192), "lm_head": (128256, 3072)}
 
 
 def parse_tile(text: str) -> dict:
