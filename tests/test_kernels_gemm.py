@@ -206,6 +206,12 @@ def test_shipped_tables_parse():
             kind, bucket, n, k = key.split(":")
             bucket, n, k = int(bucket), int(n), int(k)
             assert bucket in gemm_tuning.M_BUCKETS and n > 0 and k > 0
+            if kind == "w4cuda":
+                # the batch-1 CUDA C int4 GEMV (kernels/gemv_w4_cuda.py)
+                from llmaccel.kernels.gemv_w4_cuda import CudaGemvW4Config
+                assert entry["backend"] == "cuda" and bucket == 1
+                assert CudaGemvW4Config(**entry["config"]).fits(k), (key, entry)
+                continue
             assert entry["backend"] in ("triton", "cublas")
             if kind == "w4gemv" or kind[2:] in gemm_tuning.FUSED_KINDS and kind[:2] == "w4":
                 # the batch-1 W4A16 GEMV (kernels/gemv_w4.py), plain or fused
