@@ -1,5 +1,7 @@
 """Bar chart of W1 results (BENCHMARKS.md JSON lines): one bar per `label=file.jsonl:quant`,
-the file's `metric` record (default tok_s) for that quantization preset.
+the file's `metric` record (default tok_s) for that quantization preset; `...:quant#text`
+takes the record one of whose comma-separated config.variant parts is `text` (files holding
+several variants).
 
     python benchmarks/plot_w1_variants.py --out chart.png --title "..." \
         "bf16=benchmarks/results/X.jsonl:bf16" "int4=benchmarks/results/X.jsonl:gptq-int4-g128"
@@ -13,11 +15,16 @@ from pathlib import Path
 
 
 def value(path: str, quant: str, metric: str) -> float:
+    quant, _, variant = quant.partition("#")
     for line in Path(path).read_text().splitlines():
         r = json.loads(line)
-        if r.get("metric") == metric and r.get("config", {}).get("quantization") == quant:
+        cfg = r.get("config", {})
+        if (r.get("metric") == metric and cfg.get("quantization") == quant
+                and (not variant or variant in
+                     [p.strip() for p in str(cfg.get("variant", "")).split(",")])):
             return float(r["value"])
-    raise SystemExit(f"{path}: no {metric} record for quantization {quant}")
+    raise SystemExit(f"{path}: no {metric} record for quantization {quant}"
+                     + (f", variant {variant!r}" if variant else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
