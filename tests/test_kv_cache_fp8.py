@@ -187,7 +187,7 @@ SCALES = [(1.0, 1.0), (0.5, 3.0)]
 
 
 def _check_decode(lens, heads, kv_heads, head_dim, block_size, dtype, device, atol,
-                  num_splits, k_scale, v_scale, block_n=16):
+                  num_splits, k_scale, v_scale, block_n=16, fresh=None):
     from llmaccel.kernels.paged_attention import paged_decode_attention
     cache, bt = _fp8_cache(lens, kv_heads, head_dim, block_size, device)
     gen = torch.Generator().manual_seed(1)
@@ -195,7 +195,9 @@ def _check_decode(lens, heads, kv_heads, head_dim, block_size, dtype, device, at
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
     got = paged_decode_attention(q, cache, bt, sl, scale, num_splits=num_splits,
-                                 block_n=block_n, k_scale=k_scale, v_scale=v_scale)
+                                 block_n=block_n, k_scale=k_scale, v_scale=v_scale,
+                                 kv_fresh_from=None if fresh is None else
+                                 torch.tensor(fresh, device=device))
     want = paged_decode_attention_ref(q.float(), cache, bt, sl, scale, k_scale, v_scale)
     assert want.isfinite().all()
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
@@ -211,6 +213,16 @@ def test_paged_decode_reads_fp8_cache(heads, kv_heads, head_dim, num_splits, k_s
     # the short sequences. v_scale 3 triples the output: a kernel ignoring it cannot pass.
     _check_decode([1, 5, 17, 33], heads, kv_heads, head_dim, 4, torch.float32, _device(),
                   2e-3, num_splits, k_scale, v_scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_fp8_cache_with_kv_fresh_from(num_splits):
+    """The graph decode steps' split K/V load (older positions before the PDL wait, this
+    step's after it) on an FP8 cache: fresh at the start, inside a tile and at the last
+    position give the reference output."""
+    _check_decode([1, 5, 17, 33], 4, 2, 16, 4, torch.float32, _device(), 2e-3, num_splits,
+                  0.5, 3.0, fresh=[0, 4, 9, 32])
 
 
 def _check_prefill(seq_lens, q_lens, heads, kv_heads, head_dim, block_size, dtype, device,

@@ -103,10 +103,13 @@ def _paged_decode_kernel(
         offs0 = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
                  + kv_head * stride_kh)
         old = (pos < end) & (pos < fresh)
+        # in q's dtype at once (an FP8 cache's values are exact in it), so the merge with
+        # the rows loaded after the wait selects between 16/32-bit values
+        q_dtype = Q.dtype.element_ty
         k0 = tl.load(K + offs0[:, None] + d[None, :], mask=old[:, None] & d_mask[None, :],
-                     other=0.0)
+                     other=0.0).to(q_dtype)
         v0 = tl.load(V + offs0[:, None] + d[None, :], mask=old[:, None] & d_mask[None, :],
-                     other=0.0)
+                     other=0.0).to(q_dtype)
         block = tl.load(BlockTables + seq * stride_bt + (pos + BLOCK_N) // BLOCK_SIZE,
                         mask=pos + BLOCK_N < end, other=0)
     if EARLY_INPUTS or EARLY_KV:
@@ -126,11 +129,11 @@ def _paged_decode_kernel(
             new = (pos < end) & (pos >= fresh)
             new_mask = new[:, None] & d_mask[None, :]
             k0 = tl.where(new_mask, tl.load(K + offs0[:, None] + d[None, :], mask=new_mask,
-                                            other=0.0), k0)
+                                            other=0.0).to(q.dtype), k0)
             v0 = tl.where(new_mask, tl.load(V + offs0[:, None] + d[None, :], mask=new_mask,
-                                            other=0.0), v0)
-            m_i, l_i, acc = _attend_tile(q, k0.to(q.dtype), v0.to(q.dtype), pos < end, m_i, l_i,
-                                         acc, qk_scale, PRECISION)
+                                            other=0.0).to(q.dtype), v0)
+            m_i, l_i, acc = _attend_tile(q, k0, v0, pos < end, m_i, l_i, acc, qk_scale,
+                                         PRECISION)
         first = start + BLOCK_N
     # An empty range (first >= end: a short sequence with many splits) runs no iterations.
     for tile in range(first, end, BLOCK_N):
