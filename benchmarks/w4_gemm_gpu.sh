@@ -30,6 +30,15 @@ w1() {  # NAME QUANTS, env from the caller
     | tail -1
   rm -f "$out/W1-$tag-$1.md"
 }
+show_w1() {  # FILE...: each W1 record's file, quantization, metric and value
+  python3 - "$@" <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    for line in open(path):
+        r = json.loads(line)
+        print(path.split("/")[-1], r["config"].get("quantization"), r["metric"], r["value"])
+PY
+}
 {
   if [ "$part" = kernel ]; then
     echo "== pytest -m gpu tests/test_kernels_gemm_w4_cuda.py"
@@ -49,51 +58,25 @@ print(CONFIG_DIR / device_file_name(torch.cuda.get_device_name()))')" "$out/"
   elif [ "$part" = w1-attn ]; then
     echo "== W1, attention step inputs after the PDL wait"
     LLMACCEL_ATTN_EARLY_INPUTS=0 w1 attn-late bf16,gptq-int4-g128-lm-head
-    python3 - "$out/W1-$tag-attn-late.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r.get("quantization"), r.get("metric"), r.get("value"))
-PY
+    show_w1 "$out/W1-$tag-attn-late.jsonl"
   elif [ "$part" = w1 ]; then
     echo "== W1 with the W4 GEMM (default bound, LLMACCEL_W4_GEMM_MAX_M=${LLMACCEL_W4_GEMM_MAX_M:-default})"
     w1 gemm bf16,gptq-int4-g128,gptq-int4-g128-lm-head
     echo "== W1 without it"
     LLMACCEL_W4_GEMM=0 w1 no-gemm gptq-int4-g128,gptq-int4-g128-lm-head
-    for f in "$out"/W1-"$tag"-*.jsonl; do python3 - "$f" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(sys.argv[1].split("/")[-1], r.get("quantization"), r.get("metric"), r.get("value"),
-          "ttft_ms", r.get("ttft_ms"))
-PY
-    done
+    show_w1 "$out"/W1-"$tag"-*.jsonl
   elif [ "$part" = w1-wgmma ]; then
     echo "== W1 with the wgmma GEMM"
     w1 wgmma bf16,gptq-int4-g128,gptq-int4-g128-lm-head
     echo "== W1 without it"
     LLMACCEL_W4_WGMMA=0 w1 no-wgmma gptq-int4-g128-lm-head
-    for f in "$out"/W1-"$tag"-*.jsonl; do python3 - "$f" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(sys.argv[1].split("/")[-1], r.get("quantization"), r.get("metric"), r.get("value"),
-          "ttft_ms", r.get("ttft_ms"))
-PY
-    done
+    show_w1 "$out"/W1-"$tag"-*.jsonl
   elif [ "$part" = w1-kv ]; then
     echo "== W1, decode attention K/V of earlier steps before the PDL wait"
     w1 early-kv bf16,gptq-int4-g128,gptq-int4-g128-lm-head
     echo "== W1, all K/V after the wait"
     LLMACCEL_ATTN_EARLY_KV=0 w1 late-kv bf16,gptq-int4-g128-lm-head
-    for f in "$out"/W1-"$tag"-*.jsonl; do python3 - "$f" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(sys.argv[1].split("/")[-1], r.get("quantization"), r.get("metric"), r.get("value"),
-          "ttft_ms", r.get("ttft_ms"))
-PY
-    done
+    show_w1 "$out"/W1-"$tag"-*.jsonl
   elif [ "$part" = w2 ]; then
     for v in gemm no-gemm; do
       echo "== W2 ($v)"

@@ -109,8 +109,8 @@ class _HostStaging:
 
     def __init__(self, n: int, w: int) -> None:
         # ids, positions, slots, sampled rows, patch sources and targets, chain starts and
-        # counts, K/V fresh-from positions (int64); seq lens, tables (int32). Pinned where there is a GPU to copy to
-        # (CPU runs use the chain eagerly: tests).
+        # counts, K/V fresh-from positions (int64); seq lens, tables (int32). Pinned where
+        # there is a GPU to copy to (CPU runs use the chain eagerly: tests).
         pin = torch.cuda.is_available()
         self.inputs = _maybe_pin(torch.zeros(INPUT_ROWS, n, dtype=torch.long), pin)
         self.seq_lens = _maybe_pin(torch.ones(n, dtype=torch.int32), pin)

@@ -15,6 +15,7 @@ Triton otherwise. The reference is `gemm.linear_ref`.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -194,7 +195,7 @@ def w4a16_gemv_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     pairs = silu_out or rope is not None  # the epilogue pairs rows
     cfg = config or tile_for(n, k, x.device)[0]
     if config is None and pairs and cfg.rows % 2:  # round up
-        even = CudaGemvW4Config(cfg.rows + 1, cfg.chunks, cfg.math, cfg.min_blocks)
+        even = dataclasses.replace(cfg, rows=cfg.rows + 1)
         cfg = even if even.fits(k) else default_config(n, k)
     threads = cfg.threads(k)
     if not cfg.fits(k) or (pairs and cfg.rows % 2):
