@@ -296,9 +296,12 @@ def test_lookahead_inputs_follow_each_rows_acceptance():
     # (bonus 77), seq 2 accepts none (bonus 55)
     argmax = [11, 99, 0, 0] + [21, 22, 77] + [55, 0, 0, 0]
     greedy = torch.tensor([argmax, [0.0] * len(argmax)], dtype=torch.float64)
+    from llmaccel.spec.draft_model import DraftModelProposer
+
     runner = _RecordingRunner()
-    proposer = SimpleNamespace(runner=runner, block_manager=_Blocks(),
-                               _to_host=lambda out, columns: (out.clone(), columns))
+    proposer = DraftModelProposer.__new__(DraftModelProposer)
+    proposer.runner, proposer.block_manager = runner, _Blocks()
+    proposer._to_host = lambda out, columns: (out.clone(), columns)
     out, columns = launch_lookahead(proposer, seqs, ks, [4, 2, 1], greedy, [0, 4, 7],
                                     DeviceDrafts(ids, cols, ids, None))
     _, row_ids, positions, write, rows = runner.rows

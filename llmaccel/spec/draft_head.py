@@ -13,6 +13,10 @@ step), with two differences:
 - Drafted positions ran on the head's own outputs instead of the target's features, so after
   verification the head's KV is kept only up to the last real token; the next catch-up
   recomputes the accepted tokens with the target's features (1 + accepted rows, one layer).
+
+With overlapped drafting (spec/overlap.py) that catch-up is launched right behind the verify
+step, before the host knows the acceptance: a fixed k + 1 rows per sequence, of which the
+first 1 + accepted write KV (`overlap_catch_up`).
 """
 
 from __future__ import annotations
@@ -47,8 +51,6 @@ class HeadView(DraftView):
 
 class HeadProposer(DraftModelProposer):
     view_class = HeadView
-    # the head's catch-up reads the target's features of the verified tokens: not overlapped
-    supports_overlap = False
 
     def __init__(self, head: DraftHeadForCausalLM, target: TransformerForCausalLM,
                  num_blocks: int, block_size: int, max_model_len: int,
@@ -112,15 +114,62 @@ class HeadProposer(DraftModelProposer):
         out = head.static_out if self.runner.ran_graph else head.last_out
         return out.index_select(0, self._last_rows[:n])
 
+    # -- overlapped drafting (spec/overlap.py) --------------------------------------------------
+    def overlap_catch_up_rows(self, num_seqs: int, kmax: int) -> int:
+        return num_seqs * (kmax + 1)
+
+    def overlap_catch_up_meta(self, seq: Sequence, k: int, kmax: int) -> list[int]:
+        """The target's KV slots (its feature-cache rows) of positions p..p + k, where the
+        verify step writes the features the catch-up reads; padded to kmax + 1 entries."""
+        bs = self.block_manager.block_size
+        p, table = seq.num_tokens - 1, seq.block_table
+        slots = [table[q // bs] * bs + q % bs for q in range(p, p + k + 1)]
+        return slots + [slots[-1]] * (kmax - k)
+
+    def overlap_catch_up(self, views: list[HeadView], acc) -> tuple[torch.Tensor,
+                                                                    torch.Tensor]:
+        """The head's catch-up from the acceptance on the device (spec/overlap.py): kmax + 1
+        rows per sequence, head position p + j with the token at p + j + 1 (d_{j+1} below a,
+        the bonus at a; rows past a repeat the bonus, write no KV and are not read) and the
+        target's feature at p + j -> (row a's argmax per sequence, the chain's start
+        positions p + a + 1). Row a's output is also the chain's first feature."""
+        head = self.model.model
+        n, kmax = acc.drafts.shape
+        width = kmax + 1
+        j = torch.arange(width, device=acc.a.device)[None, :]
+        a = acc.a[:, None]
+        after = torch.cat([acc.drafts, acc.bonus[:, None]], 1)
+        ids = torch.where(j < a, after, acc.bonus[:, None]).flatten()
+        positions = (acc.p[:, None] + j).flatten()
+        write = (j <= a).flatten()
+        rows = torch.arange(0, n * width, width, device=acc.a.device) + acc.a
+        head.static_features[:n * width].copy_(
+            self.target.feature_cache.index_select(0, acc.extra.flatten()))
+        first = self.runner.execute_on_device([v for v in views for _ in range(width)], ids,
+                                              positions, write, rows)[0]
+        head.static_features[:n].copy_(head.static_out.index_select(0, rows))
+        return first, acc.p + acc.a + 1
+
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
                  num_accepted: int, ahead: int = 0) -> int | None:
         """After verification: the head's KV holds valid entries only where its input was the
-        target's feature, i.e. positions before the last real token of the step."""
+        target's feature, i.e. positions before the last real token of the step. Returns
+        that count. `ahead`: the next round's k', already launched (spec/overlap.py): its
+        catch-up recomputed head positions through p + a from the target's features and its
+        chain k' - 1 more, so the view is booked as after a proposal of k' drafts."""
         view = seq.draft_view
         if view is None:
-            return
-        self.keep(view, min(view.num_computed_tokens, real_tokens_before - 1))
-        return view.num_computed_tokens
+            return None
+        kept = min(view.num_computed_tokens, real_tokens_before - 1)
+        if ahead:
+            # head positions p + a + 1 = real_tokens_before + num_accepted computed, plus
+            # the chain's k' - 1 (the head has one position fewer than the sequence)
+            view.num_computed_tokens = real_tokens_before + num_accepted + ahead - 1
+            view.drafts = [0] * ahead  # stand for the drafts still on the device
+            self.trim(view)
+        else:
+            self.keep(view, kept)
+        return kept
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

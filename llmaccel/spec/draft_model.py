@@ -274,6 +274,34 @@ class DraftModelProposer:
                     tokens[r] = torch.multinomial(probs[r], 1, generator=seq.generator)[0]
         return tokens, probs, confidence
 
+    # -- overlapped drafting (spec/overlap.py) --------------------------------------------------
+    def overlap_catch_up_rows(self, num_seqs: int, kmax: int) -> int:
+        """Rows of the catch-up that `overlap_catch_up` runs for num_seqs sequences."""
+        return 2 * num_seqs
+
+    def overlap_catch_up_meta(self, seq: Sequence, k: int, kmax: int) -> list[int]:
+        """Per sequence, host-known values the catch-up reads on the device (AcceptedOnDevice
+        .extra): none for a draft model."""
+        return []
+
+    def overlap_catch_up(self, views: list[DraftView], acc) -> tuple[torch.Tensor,
+                                                                     torch.Tensor]:
+        """Launch the next round's catch-up from this round's acceptance on the device
+        (`acc`: spec/overlap.AcceptedOnDevice) -> (the next round's first drafts [n], the
+        chain's start positions [n]). Two rows per sequence: the token at p + a, writing KV
+        only when a = k (below k the draft computed it already), and the bonus token; the
+        chain starts at p + a + 2."""
+        n = len(views)
+        p, a = acc.p, acc.a
+        x1 = torch.cat([acc.t0[:, None], acc.drafts], 1).gather(1, a[:, None])[:, 0]
+        ids = torch.stack([x1, acc.bonus], 1).flatten()
+        positions = torch.stack([p + a, p + a + 1], 1).flatten()
+        write = torch.stack([a == acc.k, torch.ones_like(a, dtype=torch.bool)], 1).flatten()
+        rows = torch.arange(1, 2 * n, 2, device=a.device)
+        first = self.runner.execute_on_device([v for v in views for _ in range(2)], ids,
+                                              positions, write, rows)[0]
+        return first, p + a + 2
+
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
                  num_accepted: int, ahead: int = 0) -> int | None:
         """After verification: the draft's KV holds the real tokens and drafts 1..k-1; it stays

@@ -21,6 +21,15 @@ real token t0 sits at position p and whose drafts d1..dk follow it:
   bonus token, whose argmax is the next round's first draft;
 - the chain (engine/cuda_graph.py) continues from p + a + 2 for the next round's k' - 1 steps.
 
+A draft head (spec/draft_head.py) catches up differently: its KV past the last real token was
+computed from its own outputs, not the target's features, so it recomputes head positions
+p..p + a from the features the verify step just wrote. The number of rows cannot depend on a
+(the host does not know it), so it runs k + 1 rows per sequence, head position p + j taking
+the token at p + j + 1 (d_{j+1} for j < a, the bonus at j = a) and the target's feature at
+p + j; rows j <= a write KV, the rest are computed and ignored. Row a's output gives the next
+round's first draft and the chain's first feature; the chain continues from head position
+p + a + 1. Each proposer says how (`overlap_catch_up`).
+
 The next round's k' is chosen before the acceptance is known: from the acceptance tracked so
 far, and cut by max_tokens and the context as if all k drafts were accepted (the most this
 round can emit). The draft blocks are allocated for that case too.
@@ -71,6 +80,23 @@ class Lookahead:
                 proposer.keep(view, kept)
 
 
+@dataclass
+class AcceptedOnDevice:
+    """What the next round's catch-up is computed from, per sequence, on the device: p (the
+    position of t0, the last real token before this round's drafts), t0, k (drafts this
+    round), a (how many were accepted), the bonus token (the target's argmax after them, at
+    p + a + 1), this round's drafts [n, kmax] and the proposer's own columns (`extra`,
+    from `overlap_catch_up_meta`)."""
+
+    p: torch.Tensor
+    t0: torch.Tensor
+    k: torch.Tensor
+    a: torch.Tensor
+    bonus: torch.Tensor
+    drafts: torch.Tensor
+    extra: torch.Tensor
+
+
 @torch.inference_mode()
 def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: list[int],
                      greedy: torch.Tensor, offsets: list[int], drafts) -> object | None:
@@ -81,12 +107,13 @@ def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: lis
     launched."""
     runner = proposer.runner
     n, kmax, kn = len(seqs), max(ks), max(next_ks)
-    if not runner.can_run_on_device(2 * n) or (kn > 1 and not runner.can_chain(n, kn - 1)):
+    if (not runner.can_run_on_device(proposer.overlap_catch_up_rows(n, kmax))
+            or (kn > 1 and not runner.can_chain(n, kn - 1))):
         return None
     views = [seq.draft_view for seq in seqs]
     if any(v is None for v in views):
         return None
-    # the catch-up's two rows and the chain's k' - 1 positions, if all k drafts are accepted
+    # the catch-up's rows and the chain's k' - 1 positions, if all k drafts are accepted
     if not all(proposer.block_manager.allocate_slots(v, k2 + 1)
                for v, k2 in zip(views, next_ks)):
         return None  # blocks allocated so far are returned when the round is booked
@@ -94,37 +121,34 @@ def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: lis
     width = drafts.ids.shape[1]
     # one host-to-device transfer: per sequence its argmax rows (o + min(j, k), j <= kmax),
     # its draft indexes in drafts.ids (min(j, k - 1) * width + column, j < kmax), whether
-    # draft j exists, then p (t0's position), t0 and k
+    # draft j exists, what the proposer's catch-up needs besides, then p (t0's position),
+    # t0 and k
     host = []
     for seq, k, o in zip(seqs, ks, offsets):
         col = drafts.columns[seq]
         p = seq.num_tokens - 1
         host.append([o + min(j, k) for j in range(kmax + 1)]
                     + [min(j, k - 1) * width + col for j in range(kmax)]
-                    + [int(j < k) for j in range(kmax)] + [p, seq.token_at(p), k])
+                    + [int(j < k) for j in range(kmax)]
+                    + proposer.overlap_catch_up_meta(seq, k, kmax) + [p, seq.token_at(p), k])
     meta = torch.tensor(host, dtype=torch.long)
     if device.type == "cuda":  # pinned: the copy is queued, the host does not wait for it
         meta = meta.pin_memory()
     meta = meta.to(device, non_blocking=True)
     trow, drow = meta[:, :kmax + 1], meta[:, kmax + 1:2 * kmax + 1]
     valid = meta[:, 2 * kmax + 1:3 * kmax + 1].bool()
-    p, t0, k = meta[:, -3], meta[:, -2], meta[:, -1]
     target = greedy[0].index_select(0, trow.flatten()).view(n, kmax + 1).long()
     mine = drafts.ids.reshape(-1).index_select(0, drow.flatten()).view(n, kmax).long()
     a = ((mine == target[:, :kmax]) & valid).long().cumprod(1).sum(1)
-    bonus = target.gather(1, a[:, None])[:, 0]
-    x1 = torch.cat([t0[:, None], mine], 1).gather(1, a[:, None])[:, 0]
-    ids = torch.stack([x1, bonus], 1).flatten()
-    positions = torch.stack([p + a, p + a + 1], 1).flatten()
-    write = torch.stack([a == k, torch.ones_like(a, dtype=torch.bool)], 1).flatten()
-    rows = torch.arange(1, 2 * n, 2, device=device)
-    first = runner.execute_on_device([v for v in views for _ in range(2)], ids, positions,
-                                     write, rows)[0]
+    accepted = AcceptedOnDevice(p=meta[:, -3], t0=meta[:, -2], k=meta[:, -1], a=a,
+                                bonus=target.gather(1, a[:, None])[:, 0], drafts=mine,
+                                extra=meta[:, 3 * kmax + 1:-3])
+    first, starts = proposer.overlap_catch_up(views, accepted)
     out = first.new_empty(kn, n)
     out[0] = first
     if kn > 1:
         out[1:] = runner.execute_chain(views, [k2 - 1 for k2 in next_ks], first, kn - 1,
-                                       starts=p + a + 2)
+                                       starts=starts)
     return proposer._to_host(out, {seq: r for r, seq in enumerate(seqs)})
 
 
