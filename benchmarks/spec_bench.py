@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                          "catch-up as one chained CUDA graph (on, the default) or one launch "
                          "each (off: LLMACCEL_DRAFT_CHAIN=0), one engine each")
     ap.add_argument("--draft-overlap", default="on",
-                    help="draft: comma-separated on,off -- the next round's drafts launched "
+                    help="draft/head: comma-separated on,off -- the next round's drafts launched "
                          "with this round's verify step (on, the default; spec/overlap.py) or "
                          "after verification (off: LLMACCEL_DRAFT_OVERLAP=0), one engine each")
     ap.add_argument("--switch", default="auto",
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(m, s, v, c, o) for m in args.methods.split(",") for s in args.switch.split(",")
             for v in (vocab_sizes if m == "head" else [None])
             for c in (chains if m != "ngram" else ["on"])
-            for o in (overlaps if m == "draft" else ["on"])]
+            for o in (overlaps if m in ("draft", "head") else ["on"])]
     limits = _limits(args.disable_by_batch_size, args.methods.split(","))
     for method, switch, vocab, chain, overlap in runs:
         spec = {"method": method, "num_speculative_tokens": args.k}
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "draft": spec.get("model"),
                                   "draft_vocab_size": _vocab_size(llm),
                                   "draft_chain": None if method == "ngram" else chain,
-                                  "draft_overlap": overlap if method == "draft" else None,
+                                  "draft_overlap": overlap if method in ("draft", "head") else None,
                                   "identical_to_plain": tokens == base_tokens,
                                   "plain_out_tok_s": round(n_out / base_wall, 2),
                                   "spec_out_tok_s": round(n_out / wall, 2)},
