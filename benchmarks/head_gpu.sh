@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/head_gpu.sh OUT_DIR TAG PART
 #
+# join   the staged GGUF files from their chunks, checked
 # train  self-distillation data (benchmarks/head_data.py) and a plain warm head
 #        (exp_head_unroll.py --stage warm); --data-seconds / --train-seconds below
 # cont   continue that head with unrolled, detached training (the best variant of session 24),
@@ -24,7 +25,21 @@ W5="python benchmarks/spec_bench.py --target $G15 --batches 1 --kinds code,prose
     --max-tokens 192 --repeats 5 --dtype bfloat16 --switch auto --out $out"
 quiet() { grep -v "Converting and de-quantizing" || true; }
 
+join() {  # a staged file's chunks -> the file, checked (../shared/tools/device-stage)
+  local f=/tmp/stage/$1 sha=$2
+  if compgen -G "$f.part*" > /dev/null; then
+    cat "$f".part* > "$f" && rm "$f".part*
+  fi
+  echo "$sha  $f" | sha256sum -c
+}
+
 case $part in
+  join)
+    join qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+      cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+    join qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+      1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+    ;;
   train)
     mkdir -p "$H"
     python benchmarks/head_data.py --target "$G15" --n 8192 --max-tokens 256 --chunk 2048 \
