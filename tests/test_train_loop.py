@@ -64,3 +64,13 @@ def test_time_limit_stops_with_an_evaluation():
     assert out.stopped and "time limit of 0.05 s" in out.stopped
     assert out.steps_run == len(lrs) < 100
     assert out.history[-1]["step"] == out.steps_run  # evaluated at the stop
+
+
+def test_a_time_limited_cosine_decays_over_the_time_budget():
+    """Cut by the time limit long before its steps run out, the cosine still ends near a
+    tenth of the rate: it follows the seconds used where they run out first."""
+    out, lrs = _run("cosine", warmup=2, steps=10_000, max_seconds=0.3, slow=0.01)
+    assert out.stopped and "time limit" in out.stopped and len(lrs) < 1000
+    assert lrs[2] > 0.08  # just after warm-up: near the peak
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    assert lrs[-1] < 0.02, lrs[-1]  # by steps alone it would still be ~0.1
