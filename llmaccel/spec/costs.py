@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -89,9 +90,25 @@ def batch_bucket(batch: int) -> int:
 
 @dataclass
 class _Rate:
+    """Decayed sums of one mode's steps: tokens and seconds (the rate is their ratio), and
+    for its standard error the weights, their squares and the second moments."""
     tokens: float = 0.0
     seconds: float = 0.0
     samples: int = 0
+    weight: float = 0.0
+    weight2: float = 0.0
+    tokens2: float = 0.0
+    tokens_seconds: float = 0.0
+    seconds2: float = 0.0
+
+    def age(self, decay: float) -> None:
+        self.tokens *= decay
+        self.seconds *= decay
+        self.weight *= decay
+        self.weight2 *= decay * decay
+        self.tokens2 *= decay
+        self.tokens_seconds *= decay
+        self.seconds2 *= decay
 
 
 class ThroughputMonitor:
@@ -120,13 +137,18 @@ class ThroughputMonitor:
             # as OUTLIER times the rate's time: the rate is a ratio of sums, and one such round
             # among ~10 moved it by tens of percent
             seconds = min(seconds, self.OUTLIER * tokens * r.seconds / r.tokens)
-        r.tokens = self.decay * r.tokens + tokens
-        r.seconds = self.decay * r.seconds + seconds
+        r.age(self.decay)
+        r.tokens += tokens
+        r.seconds += seconds
+        r.weight += 1.0
+        r.weight2 += 1.0
+        r.tokens2 += tokens * tokens
+        r.tokens_seconds += tokens * seconds
+        r.seconds2 += seconds * seconds
         r.samples += 1
         other = self._rates.get((bucket, not speculative))
         if other is not None:
-            other.tokens *= self.decay
-            other.seconds *= self.decay
+            other.age(self.decay)
 
     def rate(self, batch: int, speculative: bool) -> float | None:
         """Tokens per second at this batch size, or None before enough steps."""
@@ -134,6 +156,22 @@ class ThroughputMonitor:
         if r is None or r.samples < self.MIN_SAMPLES or r.seconds <= 0:
             return None
         return r.tokens / r.seconds
+
+    def rate_se(self, batch: int, speculative: bool) -> float | None:
+        """The standard error of `rate` (tokens/s), or None where there is no rate: the
+        rate is a ratio of weighted means, R = t/s; by the delta method its variance is the
+        weighted variance of t_i - R s_i, over the effective sample size (sum w)^2 / sum w^2,
+        over s^2. Speculative rounds emit 1 to k + 1 tokens each, so over the ~10 rounds
+        the decay weighs a rate measured at batch 1 varies by ~10% around its mean."""
+        rate = self.rate(batch, speculative)
+        if rate is None:
+            return None
+        r = self._rates[batch_bucket(batch), speculative]
+        if r.weight <= 0.0:
+            return None
+        var = (r.tokens2 - 2.0 * rate * r.tokens_seconds + rate * rate * r.seconds2) / r.weight
+        mean_s = r.seconds / r.weight
+        return math.sqrt(max(0.0, var) * r.weight2) / r.weight / mean_s
 
 
 def measure_step_costs(runner, draft=None) -> StepCosts | None:

@@ -27,6 +27,15 @@ choice, and its own probe schedule:
   every probe that confirmed the choice: once a stretch of low acceptance had turned n-gram
   lookup off at batch 4, it stayed off for most later rounds (2026-11-23-W5-s7b-h100: 0.92x).
 
+A draft model or head has no such prediction, and turning off is dear for it: it stays off
+until a probe, whose two measured rounds must show it faster by the on margin. Its measured
+rate is noisy (a round emits 1 to k + 1 tokens; over the ~10 rounds the monitor weighs, the
+rate at batch 1 varies by ~10%), so "off as soon as slower" read noise as a loss: a head whose
+speculative rounds ran at 1.17x plain decoding on code was on for 116 rounds and off for 325
+(2026-11-28-W5-s31-head-h100), and a simulation of such rounds (OFF_CONFIDENCE) had it on for
+44% of them. Without a prediction, speculation goes off when the measured rate is below plain
+by more than OFF_CONFIDENCE standard errors (ThroughputMonitor.rate_se).
+
 n-gram lookup needs no probes while off (`ShadowAcceptance`): its drafts are a function of
 the tokens alone, so what it would have drafted at a past position, checked against the tokens
 plain decoding produced there, is exactly what a verify step would have accepted. The switch
@@ -66,6 +75,14 @@ FRESH_ROUNDS = 2
 # for this many rounds at the bucket: the prediction and the measurement disagreed, and
 # shadow samples taken meanwhile show the acceptance after that stretch.
 HOLD_ROUNDS = 32
+# Without a shadow prediction, speculation goes off only where its measured rate is below
+# plain decoding's by more than this many standard errors. Simulated batch-1 rounds (k = 4,
+# per-draft acceptance 0.65/0.5/0.45/0.42, a round 1.85 plain steps long: 1.18x plain if
+# always on; 3,000 rounds, 5 seeds) were on for 68-76% of the rounds instead of 40-48%, at
+# 1.13-1.16x instead of 1.08-1.11x; at acceptance 0.45/0.4/0.35/0.3 (0.92x if always on)
+# 0.967-0.984x instead of 0.973-0.987x; at 0.1 (0.60x) 0.933-0.940x against 0.934-0.938x
+# (tests/test_spec_switch_noise.py runs such rounds).
+OFF_CONFIDENCE = 1.0
 # Shadow samples the prediction needs (at batch 64, 8 arrive per step: INDEX_SPREAD).
 MIN_SHADOW_SAMPLES = 8
 
@@ -171,7 +188,8 @@ class SpecSwitch:
         """The mode of this batch size's bucket: before speculation is measured there, what
         measured buckets imply (`_unmeasured`); then the measured rates, where speculation
         stays on only while it measures at least as fast as plain decoding (never slower: the
-        issue's rule), and comes on only when it is faster by the bucket's on margin
+        issue's rule; without a shadow prediction, within the noise of its measurement:
+        `_off_slack`), and comes on only when it is faster by the bucket's on margin
         (`_margin_on`). While off, n-gram lookup's prediction stands in for a measurement."""
         measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
         if measured is None:
@@ -184,13 +202,21 @@ class SpecSwitch:
         if mode:
             if self._fresh.get(bucket, FRESH_ROUNDS) < FRESH_ROUNDS:
                 return True  # switched on by a prediction: not measured since
-            return measured >= plain
+            return measured + self._off_slack(batch) >= plain
         predicted = self.predicted_rate(batch)
         if predicted is not None:
             if self.round < self._hold.get(bucket, 0):
                 return False
             measured = predicted
         return measured >= plain * (1.0 + self._margin_on(batch))
+
+    def _off_slack(self, batch: int) -> float:
+        """How far below plain decoding the measured speculative rate may be before
+        speculation goes off: none with a shadow prediction (it comes back on as soon as
+        the prediction says so), else OFF_CONFIDENCE standard errors of the rate."""
+        if self.shadow is not None:
+            return 0.0
+        return OFF_CONFIDENCE * (self.monitor.rate_se(batch, True) or 0.0)
 
     def _unmeasured(self, batch: int) -> bool:
         """A bucket without speculative measurements follows the measured crossover: off if a
