@@ -1,29 +1,37 @@
 #!/usr/bin/env bash
 # Issue 7's draft-head runs on the device machine, in parts that fit one call each (10 min).
-# Parts after `train` read what earlier parts left in $HEAD_DIR, so they run back to back on
-# one warm machine. The GGUF files are staged under /tmp/stage (../shared/tools/device-stage).
+# Parts after `join` read what earlier parts left under /tmp (the converted models, $HEAD_DIR),
+# so they run back to back on one warm machine, in one batch of calls. The GGUF files are
+# staged under /tmp/stage first (../shared/tools/device-stage).
 #
 #   bash benchmarks/head_gpu.sh OUT_DIR TAG PART
 #
-# join   the staged GGUF files from their chunks, checked
-# train  self-distillation data (benchmarks/head_data.py) and a plain warm head
-#        (exp_head_unroll.py --stage warm); --data-seconds / --train-seconds below
-# cont   continue that head with unrolled, detached training (the best variant of session 24),
-#        then W5 at batch 1 with it, overlap off and on
-# w5     W5 at batch 1: n-gram and the 0.5B draft model, same settings; then the GPU tests of
-#        the head and of overlapped drafting
+# join   the staged GGUF files from their chunks, checked; then each converted once to a bf16
+#        HF directory (/tmp/stage/q15, q05): transformers parses a GGUF's 151,936-token
+#        vocabulary three times per load (config, tokenizer, weights; ~28 s each on a slow
+#        CPU), and every later load reads safetensors instead
+# data   self-distillation text (benchmarks/head_data.py), DATA_SECONDS of generation
+# warm   a plain head on it (exp_head_unroll.py --stage warm), TRAIN_SECONDS (the cosine
+#        follows the time limit: train/loop.py)
+# cont   continue it unrolled and detached (session 24's best variant), CONT_SECONDS
+# w5head W5 at batch 1 with HEAD (default the warm head), overlap off and on
+# w5     W5 at batch 1: n-gram and the 0.5B draft model, same settings
+# tests  the GPU tests of the head and of overlapped drafting
+# Every part prints the time at its start and end (start-up costs are most of a call).
 set -euo pipefail
 out=$1; tag=$2; part=$3
 mkdir -p "$out"
 H=${HEAD_DIR:-/tmp/h}
-G15=/tmp/stage/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-G05=/tmp/stage/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
-DATA_SECONDS=${DATA_SECONDS:-190}
-TRAIN_SECONDS=${TRAIN_SECONDS:-270}
-CONT_SECONDS=${CONT_SECONDS:-200}
-W5="python benchmarks/spec_bench.py --target $G15 --batches 1 --kinds code,prose --k 4
+T15=/tmp/stage/q15
+T05=/tmp/stage/q05
+DATA_SECONDS=${DATA_SECONDS:-120}
+TRAIN_SECONDS=${TRAIN_SECONDS:-420}
+CONT_SECONDS=${CONT_SECONDS:-300}
+HEAD=${HEAD:-$H/warm}
+W5="python benchmarks/spec_bench.py --target $T15 --batches 1 --kinds code,prose --k 4
     --max-tokens 192 --repeats 5 --dtype bfloat16 --switch auto --out $out"
-quiet() { grep -v "Converting and de-quantizing" || true; }
+quiet() { grep -v "Converting and de-quantizing\|Loading weights" || true; }
+echo "$part start $(date +%T)"
 
 join() {  # a staged file's chunks -> the file, checked (../shared/tools/device-stage)
   local f=/tmp/stage/$1 sha=$2
@@ -33,36 +41,50 @@ join() {  # a staged file's chunks -> the file, checked (../shared/tools/device-
   echo "$sha  $f" | sha256sum -c
 }
 
+convert() {  # GGUF -> bf16 HF directory, once
+  [[ -f $2/config.json ]] || python -c "import sys, torch
+from llmaccel.models.convert import gguf_to_hf_dir
+gguf_to_hf_dir(sys.argv[1], sys.argv[2], torch.bfloat16)" "$1" "$2" 2>&1 | quiet | tail -2
+}
+
 case $part in
   join)
     join qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
       cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
     join qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
       1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+    convert /tmp/stage/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf "$T15"
+    convert /tmp/stage/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf "$T05"
     ;;
-  train)
+  data)
     mkdir -p "$H"
-    python benchmarks/head_data.py --target "$G15" --n 8192 --max-tokens 256 --chunk 2048 \
+    python benchmarks/head_data.py --target "$T15" --n 16384 --max-tokens 256 --chunk 2048 \
       --max-seconds "$DATA_SECONDS" --out "$H/data.txt" 2>&1 | quiet | tee "$out/$tag-data.log"
-    python benchmarks/exp_head_unroll.py --target "$G15" --data "$H/data.txt" --stage warm \
-      --warm-steps 3000 --warm-seconds "$TRAIN_SECONDS" --out "$H" 2>&1 | quiet \
-      | tail -5 | tee "$out/$tag-warm.log"
+    ;;
+  warm)
+    python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage warm \
+      --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
     ;;
   cont)
-    python benchmarks/exp_head_unroll.py --target "$G15" --data "$H/data.txt" --stage continue \
-      --variants unroll3-decay0.5-detach --steps 800 --seconds "$CONT_SECONDS" --out "$H" \
-      2>&1 | quiet | tail -5 | tee "$out/$tag-cont.log"
+    python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage continue \
+      --variants unroll3-decay0.5-detach --steps 100000 --seconds "$CONT_SECONDS" --out "$H" \
+      2>&1 | quiet | tail -4
     cp "$H/unroll3-decay0.5-detach/distill.json" "$out/$tag-cont-distill.json"
-    $W5 --methods head --head "$H/unroll3-decay0.5-detach" --draft-overlap off,on \
-      --name "$tag-head" 2>&1 | quiet | tail -12
+    ;;
+  w5head)
+    $W5 --methods head --head "$HEAD" --draft-overlap off,on --name "$tag-W5-head" 2>&1 \
+      | quiet | tail -8
     ;;
   w5)
-    $W5 --methods ngram,draft --draft "$G05" --disable-by-batch-size draft=4 \
-      --name "$tag-ngram-draft" 2>&1 | quiet | tail -12
+    $W5 --methods ngram,draft --draft "$T05" --disable-by-batch-size draft=4 \
+      --name "$tag-W5-ngram-draft" 2>&1 | quiet | tail -8
+    ;;
+  tests)
     python -m pytest -q -p no:cacheprovider -m gpu tests/test_spec_head_overlap.py \
       tests/test_spec_head.py tests/test_spec_overlap.py 2>&1 | tail -5 \
       | tee "$out/$tag-gpu-tests.txt"
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
+echo "$part end $(date +%T)"
