@@ -28,8 +28,9 @@ DATA_SECONDS=${DATA_SECONDS:-120}
 TRAIN_SECONDS=${TRAIN_SECONDS:-420}
 CONT_SECONDS=${CONT_SECONDS:-300}
 HEAD=${HEAD:-$H/warm}
+SWITCH=${SWITCH:-auto}  # spec_bench --switch: auto, on (speculate every round), or auto,on
 W5="python benchmarks/spec_bench.py --target $T15 --batches 1 --kinds code,prose --k 4
-    --max-tokens 192 --repeats 5 --dtype bfloat16 --switch auto --out $out"
+    --max-tokens 192 --repeats 5 --dtype bfloat16 --switch $SWITCH --out $out"
 quiet() { grep -v "Converting and de-quantizing\|Loading weights" || true; }
 echo "$part start $(date +%T)"
 
