@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cpu_graphs import graphs_on_cpu
-from test_spec_head import _record_rounds, reference_drafts
+from test_spec_head import MODES, _record_rounds, reference_drafts
 from tiny_models import make_tiny_head, make_tiny_model, tiny_configs
 
 from llmaccel import LLM, SamplingParams
@@ -59,13 +59,6 @@ def _engine(d, overlap: bool, monkeypatch, **kw) -> LLM:
     width = -(-llm.engine.model_config.max_model_len // 16)
     graphs_on_cpu(llm.engine.spec.draft.runner, K - 1, width)
     return llm
-
-
-MODES = {
-    "plain": {},
-    "prefix-chunked-preempt": dict(enable_prefix_caching=True, max_num_batched_tokens=16,
-                                   num_gpu_blocks=14, max_model_len=192),
-}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
