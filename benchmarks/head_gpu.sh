@@ -15,6 +15,8 @@
 #        follows the time limit: train/loop.py)
 # cont   continue it unrolled and detached (session 24's best variant), CONT_SECONDS
 # w5head W5 at batch 1 with HEAD (default the warm head), overlap off and on
+# w5hybrid  W5 at batch 1 with HEAD, n-gram lookup first (SpeculativeConfig.ngram_first;
+#        LOOKUP_MIN: its shortest match, default 2)
 # w5     W5 at batch 1: n-gram and the 0.5B draft model, same settings
 # tests  the GPU tests of the head and of overlapped drafting
 # Every part prints the time at its start and end (start-up costs are most of a call).
@@ -76,6 +78,10 @@ case $part in
   w5head)
     $W5 --methods head --head "$HEAD" --draft-overlap off,on --name "$tag-W5-head" 2>&1 \
       | quiet | tail -8
+    ;;
+  w5hybrid)
+    $W5 --methods head --head "$HEAD" --ngram-first on --prompt-lookup-min "${LOOKUP_MIN:-2}" \
+      --name "$tag-W5-head-ngram-first" 2>&1 | quiet | tail -8
     ;;
   w5)
     $W5 --methods ngram,draft --draft "$T05" --disable-by-batch-size draft=4 \

@@ -145,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="draft/head: comma-separated on,off -- the next round's drafts launched "
                          "with this round's verify step (on, the default; spec/overlap.py) or "
                          "after verification (off: LLMACCEL_DRAFT_OVERLAP=0), one engine each")
+    ap.add_argument("--ngram-first", default="off",
+                    help="draft/head: comma-separated off,on -- n-gram lookup drafts where the "
+                         "context has a match, the model elsewhere (SpeculativeConfig."
+                         "ngram_first), one engine each")
+    ap.add_argument("--prompt-lookup-min", type=int, default=None,
+                    help="n-gram lookup's shortest match (ngram, and ngram_first); default: "
+                         "SpeculativeConfig's")
     ap.add_argument("--switch", default="auto",
                     help="comma-separated: auto (the engine's off switch decides per step), on "
                          "(speculate at every step: what the switch chooses against)")
@@ -227,13 +234,20 @@ def main(argv: list[str] | None = None) -> int:
                    for v in (args.draft_vocab_sizes or "auto").split(",")]
     chains = args.draft_chain.split(",")
     overlaps = args.draft_overlap.split(",")
-    runs = [(m, s, v, c, o) for m in args.methods.split(",") for s in args.switch.split(",")
+    firsts = args.ngram_first.split(",")
+    runs = [(m, s, v, c, o, f) for m in args.methods.split(",")
+            for s in args.switch.split(",")
             for v in (vocab_sizes if m == "head" else [None])
             for c in (chains if m != "ngram" else ["on"])
-            for o in (overlaps if m in ("draft", "head") else ["on"])]
+            for o in (overlaps if m in ("draft", "head") else ["on"])
+            for f in (firsts if m in ("draft", "head") else ["off"])]
     limits = _limits(args.disable_by_batch_size, args.methods.split(","))
-    for method, switch, vocab, chain, overlap in runs:
+    for method, switch, vocab, chain, overlap, first in runs:
         spec = {"method": method, "num_speculative_tokens": args.k}
+        if first == "on":
+            spec["ngram_first"] = True
+        if args.prompt_lookup_min is not None and (method == "ngram" or first == "on"):
+            spec["prompt_lookup_min"] = args.prompt_lookup_min
         # read when the draft's runner is made (engine/model_runner.py)
         os.environ["LLMACCEL_DRAFT_CHAIN"] = "1" if chain == "on" else "0"
         # read every round (spec/overlap.py)
@@ -253,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = _requests(tok, kind, b)
                 before = llm.get_stats().spec_decode
                 overlapped = llm.engine.spec.num_overlapped
+                looked_up = llm.engine.spec.num_ngram_first
                 sw = llm.engine.spec.switch
                 switches = 0 if sw is None else sw.num_switches
                 # the plain engine stays loaded: its runs alternate with the speculative
@@ -283,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "draft_vocab_size": _vocab_size(llm),
                                   "draft_chain": None if method == "ngram" else chain,
                                   "draft_overlap": overlap if method in ("draft", "head") else None,
+                                  "ngram_first": first == "on",
                                   "identical_to_plain": tokens == base_tokens,
                                   "plain_out_tok_s": round(n_out / base_wall, 2),
                                   "spec_out_tok_s": round(n_out / wall, 2)},
@@ -300,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 # engine rounds whose drafts were launched during the previous round, all runs
                 # of the cell (warm-up included)
                 rec["config"]["overlapped_rounds"] = llm.engine.spec.num_overlapped - overlapped
+                rec["config"]["ngram_first_rounds"] = llm.engine.spec.num_ngram_first - looked_up
                 # the timed runs' engine steps by class, summed over the repeats: where a
                 # speculative run's time went against the plain engine's (step_trace.py)
                 rec["config"]["steps_plain"] = steps_plain
@@ -333,8 +350,10 @@ def main(argv: list[str] | None = None) -> int:
                 label = method if dv is None else f"{method} (vocab {dv})"
                 if method != "ngram" and len(chains) > 1:
                     label += f" (chain {chain})"
-                if method == "draft" and len(overlaps) > 1:
+                if method != "ngram" and len(overlaps) > 1:
                     label += f" (overlap {overlap})"
+                if method != "ngram" and len(firsts) > 1:
+                    label += f" (ngram first {first})"
                 rows.append(f"| {label} | {switch} | {kind} | {b} | "
                             f"{rec['config']['plain_out_tok_s']} | "
                             f"{rec['config']['spec_out_tok_s']} | {rec['value']} | {acc:.2f} | "

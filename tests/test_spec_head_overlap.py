@@ -17,7 +17,7 @@ import pytest
 import torch
 from cpu_graphs import graphs_on_cpu
 from test_spec_head import MODES, _record_rounds, reference_drafts
-from tiny_models import make_tiny_head, make_tiny_model, tiny_configs
+from tiny_models import make_echo_head_pair
 
 from llmaccel import LLM, SamplingParams
 
@@ -26,27 +26,10 @@ K = 3
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A tiny target whose LM head is its embedding matrix (its greedy output mostly repeats
-    the last token), and a head whose output is mostly its input feature (fc passes the
-    feature half through; the layer's output projections are scaled down), so it mostly
-    drafts the last token again: rounds accept all k, some, or none (a random head accepts
-    nothing, and the catch-up's rows past a would go untested)."""
-    from safetensors.torch import save_file
-
+    """tiny_models.make_echo_head_pair: rounds accept all k drafts, some, or none (a random
+    head accepts nothing, and the catch-up's rows past a would go untested)."""
     d = tmp_path_factory.mktemp("head-overlap")
-    cfg = tiny_configs()["qwen2"]
-    hf = make_tiny_model(cfg, d / "target", seed=1)
-    with torch.no_grad():
-        hf.lm_head.weight.copy_(hf.model.embed_tokens.weight)
-    hf.save_pretrained(d / "target")
-    tensors = make_tiny_head(cfg, d / "head", seed=5, fc_bias=True)
-    h = cfg.hidden_size
-    fc = tensors["fc.weight"] * 0.05
-    fc[:, h:] += torch.eye(h)
-    tensors["fc.weight"], tensors["fc.bias"] = fc, tensors["fc.bias"] * 0.05
-    for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
-        tensors[name] = tensors[name] * 0.4
-    save_file(tensors, str(d / "head" / "model.safetensors"))
+    hf, tensors = make_echo_head_pair(d)
     return d, hf, tensors
 
 

@@ -85,6 +85,32 @@ def make_tiny_head(target: PretrainedConfig, directory: Path, seed: int = 0,
     return tensors
 
 
+def make_echo_head_pair(directory: Path):
+    """A tiny qwen2 target whose LM head is its embedding matrix (its greedy output mostly
+    repeats the last token) in directory/target, and a head in directory/head whose output is
+    mostly its input feature (fc passes the feature half through; the layer's output
+    projections scaled down), so it mostly drafts the last token again: rounds accept all k
+    drafts, some, or none (a random head accepts nothing). Returns (the transformers target,
+    the head's tensors)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    cfg = tiny_configs()["qwen2"]
+    hf = make_tiny_model(cfg, directory / "target", seed=1)
+    with torch.no_grad():
+        hf.lm_head.weight.copy_(hf.model.embed_tokens.weight)
+    hf.save_pretrained(directory / "target")
+    tensors = make_tiny_head(cfg, directory / "head", seed=5, fc_bias=True)
+    h = cfg.hidden_size
+    fc = tensors["fc.weight"] * 0.05
+    fc[:, h:] += torch.eye(h)
+    tensors["fc.weight"], tensors["fc.bias"] = fc, tensors["fc.bias"] * 0.05
+    for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+        tensors[name] = tensors[name] * 0.4
+    save_file(tensors, str(directory / "head" / "model.safetensors"))
+    return hf, tensors
+
+
 def periodic_blocks(n: int = 40, seq_len: int = 32, period: int = 7, seed: int = 0
                     ) -> torch.Tensor:
     """[n, seq_len] token blocks of one periodic sequence (random phase per block): learnable

@@ -88,6 +88,7 @@ class SpecDecoder:
         self.lookahead: Lookahead | None = None
         self.num_overlapped = 0  # rounds whose drafts were launched during the previous one
         self.num_overlap_dropped = 0  # such drafts dropped (the running set changed, ...)
+        self.num_ngram_first = 0  # sequence rounds drafted by lookup under ngram_first
         self._index_cursor = 0  # index_running: where the next share of sequences starts
         self.stats = SpecDecodeStats()
 
@@ -248,12 +249,29 @@ class SpecDecoder:
         if self.draft is None:
             for seq, k in zip(drafting, ks):
                 seq.spec_token_ids = self._ngram_index(seq).propose(seq, k)
-        elif drafting:
+        elif self.config.ngram_first:
+            drafting, ks = self._ngram_first(drafting, ks)
+        if self.draft is not None and drafting:
             drafts, qs, self.pending = self.draft.propose(
                 drafting, ks, self.config.draft_confidence_threshold, keep_on_device=True)
             for seq, d, q in zip(drafting, drafts, qs):
                 seq.spec_token_ids, seq.spec_draft_probs = d, q
         self.stats.draft_time_s += time.perf_counter() - start
+
+    def _ngram_first(self, seqs: list[Sequence], ks: list[int]
+                     ) -> tuple[list[Sequence], list[int]]:
+        """ngram_first: drafts from n-gram lookup where it finds a match; returns the
+        sequences (and their k) left for the draft model or head."""
+        rest, rest_ks = [], []
+        for seq, k in zip(seqs, ks):
+            drafts = self._ngram_index(seq).propose(seq, k)
+            if drafts:
+                seq.spec_token_ids = drafts
+                self.num_ngram_first += 1
+            else:
+                rest.append(seq)
+                rest_ks.append(k)
+        return rest, rest_ks
 
     def _ngram_index(self, seq: Sequence) -> NgramIndex:
         if seq.ngram_index is None:
@@ -276,7 +294,7 @@ class SpecDecoder:
         how much of it the tokens decoded since confirm, for the switch's prediction of a
         speculative round (spec/switch.py). A sequence that never speculates (logprobs)
         counts as a round of one token."""
-        if (self.draft is not None or not running
+        if ((self.draft is not None and not self.config.ngram_first) or not running
                 or not self.config.speculate_at(len(running) + waiting)):
             return  # at or above disable_by_batch_size: catches up below it (propose)
         shadow = None if self.switch is None or not self.off else self.switch.shadow

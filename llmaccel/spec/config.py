@@ -45,6 +45,12 @@ class SpeculativeConfig:
     # head: score only the first N tokens of its draft_vocab.json (None: all it lists, or the
     # whole vocabulary when it has none; 0: the whole vocabulary). vLLM's EAGLE-3 name.
     draft_vocab_size: int | None = None
+    # draft / head: where n-gram lookup in the context (prompt_lookup_min..max) finds a match,
+    # draft from it and not from the model that round (copying prompts: code rewrites, quotes,
+    # where lookup is accepted often and costs nothing to draft); the model drafts the rest.
+    # Such rounds draft after verification (no overlapped drafting: the lookup needs the
+    # accepted tokens).
+    ngram_first: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -68,6 +74,9 @@ class SpeculativeConfig:
              f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
             (self.draft_vocab_size is None or self.method == "head",
              "draft_vocab_size applies to method='head' (a draft head's vocabulary)"),
+            (not self.ngram_first or self.method != "ngram",
+             "ngram_first applies to method='draft' or 'head' (n-gram lookup before the "
+             "model); method='ngram' drafts by lookup alone"),
             (self.method == "ngram" or self.model,
              f"method={self.method!r} needs `model` (the draft model or head to load)"),
             (self.method != "ngram" or self.model is None,
