@@ -81,3 +81,28 @@ def test_ngram_first_needs_a_model_method(pair):
     with pytest.raises(LLMAccelError, match="ngram_first applies to method='draft' or 'head'"):
         LLM(str(d / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True,
             speculative_config={"method": "ngram", "ngram_first": True})
+
+
+def test_a_draft_model_with_lookup_first_stays_lossless(pair, tmp_path):
+    """method 'draft' with ngram_first: the draft model catches up on the tokens of the rounds
+    the lookup drafted; outputs are the target's greedy tokens and both pools get every block
+    back."""
+    from tiny_models import make_tiny_model, tiny_configs
+
+    d, _, _ = pair
+    make_tiny_model(tiny_configs()["qwen2"], tmp_path / "draft", seed=1)  # the target again
+    base = [11, 12, 13, 14, 15] * 8
+    prompts = [base + [3, 4], [5, 6, 7, 8] * 3, list(range(30, 52))]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", skip_tokenizer_init=True, block_size=16)
+    want = [o.outputs[0].token_ids for o in
+            LLM(str(d / "target"), **kw).generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "draft", "model": str(tmp_path / "draft"), "num_speculative_tokens": K,
+            "adaptive": False, "ngram_first": True, "prompt_lookup_min": 2}
+    llm = LLM(str(d / "target"), speculative_config=spec, **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.spec.num_ngram_first > 0
+    assert llm.get_stats().spec_decode["num_accepted_tokens"] > 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.spec.draft.block_manager.num_used_blocks == 0
