@@ -12,7 +12,7 @@ from tiny_models import make_echo_head_pair
 
 from llmaccel import LLM, SamplingParams
 from llmaccel.errors import LLMAccelError
-from llmaccel.spec.ngram import NgramIndex
+from llmaccel.spec.ngram import ngram_propose
 
 K = 3
 
@@ -22,17 +22,6 @@ def pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("ngram-first")
     hf, tensors = make_echo_head_pair(d)
     return d, hf, tensors
-
-
-class _Context:
-    """The two things NgramIndex reads of a sequence."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
-        self.num_tokens = len(tokens)
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        return self.tokens[start:end]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -56,7 +45,7 @@ def test_lookup_drafts_where_it_matches_and_the_head_elsewhere(pair, mode, monke
     assert got == want
     by_lookup = by_head = 0
     for context, drafts in rounds:
-        looked_up = NgramIndex(2, 3).propose(_Context(context), K)
+        looked_up = ngram_propose(context, K, 2, 3)
         if looked_up:
             # (a round cut short near max_tokens asks for fewer)
             assert drafts == looked_up[:len(drafts)], len(context)
