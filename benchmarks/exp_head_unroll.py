@@ -7,7 +7,7 @@ each (`evaluate_head`).
     python benchmarks/exp_head_unroll.py --target GGUF --data TEXT --stage warm --out DIR
     python benchmarks/exp_head_unroll.py --target GGUF --data TEXT --stage continue --out DIR
 
-`warm` trains DIR/warm (--warm-steps, --warm-seconds); `continue` trains DIR/<variant> from it
+`warm` trains DIR/warm (--warm-steps, --warm-seconds; from --init-head where given); `continue` trains DIR/<variant> from it
 for --steps / --seconds each and prints a table of the final evaluations. distill.json of each
 head holds its settings and every evaluation.
 """
@@ -46,15 +46,19 @@ def main() -> int:
     ap.add_argument("--stage", choices=["warm", "continue"], required=True)
     ap.add_argument("--warm-steps", type=int, default=1500)
     ap.add_argument("--warm-seconds", type=float, default=170)
+    ap.add_argument("--init-head", default=None,
+                    help="warm: go on from this saved head (an earlier session's) instead of a "
+                         "fresh one")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--seconds", type=float, default=100)
-    ap.add_argument("--lr", type=float, default=2e-4, help="continuations' peak lr")
+    ap.add_argument("--lr", type=float, default=2e-4,
+                    help="continuations' peak lr (and warm's, with --init-head)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     out = Path(args.out)
     if args.stage == "warm":
         rec = _train(args.target, args.data, out / "warm", args.warm_steps, args.warm_seconds,
-                     None, 500)
+                     args.lr if args.init_head else None, 500, init_head=args.init_head)
         print(json.dumps({k: rec[k] for k in ("best_kl", "best_top1", "best_step",
                                                "steps_run", "stopped")}))
         return 0

@@ -10,18 +10,26 @@
 #        HF directory (/tmp/stage/q15, q05): transformers parses a GGUF's 151,936-token
 #        vocabulary three times per load (config, tokenizer, weights; ~28 s each on a slow
 #        CPU), and every later load reads safetensors instead
-# data   self-distillation text (benchmarks/head_data.py), DATA_SECONDS of generation
+# data   self-distillation text (benchmarks/head_data.py), DATA_SECONDS of generation, from
+#        requests drawn with SEED; returned gzipped ($tag-head-data.txt.gz) and joined to the
+#        text of earlier sessions found in .headstate/*.txt.gz (carried), so the head's data
+#        grows from session to session (each has only ~30 device minutes)
 # warm   a plain head on it (exp_head_unroll.py --stage warm), TRAIN_SECONDS (the cosine
-#        follows the time limit: train/loop.py)
+#        follows the time limit: train/loop.py); from INIT_HEAD where set (an earlier
+#        session's head, staged), at peak lr LR
+# savehead N  the warm head back in pieces of 15 MiB (a call returns at most 8 files, 64 MiB
+#        together): N=0 its config, draft vocabulary, distill.json and pieces 0-3; N=1 the rest.
+#        `cat` them into model.safetensors to stage it again next session
 # cont   continue it unrolled and detached (session 24's best variant), CONT_SECONDS
-# w5head W5 at batch 1 with HEAD (default the warm head), overlap off and on
+# w5head W5 at batch 1 with HEAD (default the warm head): OVERLAP (off,on), FIRST (lookup
+#        first: off), LOOKUP (its most drafts)
 # w5hybrid  W5 at batch 1 with HEAD, n-gram lookup first (SpeculativeConfig.ngram_first;
 #        LOOKUP_MIN: its shortest match, default 2)
 # w5     W5 at batch 1: n-gram and the 0.5B draft model, same settings
 # tests  the GPU tests of the head and of overlapped drafting
 # Every part prints the time at its start and end (start-up costs are most of a call).
 set -euo pipefail
-out=$1; tag=$2; part=$3
+out=$1; tag=$2; part=$3  # (savehead takes a 4th: which half)
 mkdir -p "$out"
 H=${HEAD_DIR:-/tmp/h}
 T15=/tmp/stage/q15
@@ -31,6 +39,9 @@ TRAIN_SECONDS=${TRAIN_SECONDS:-420}
 CONT_SECONDS=${CONT_SECONDS:-300}
 HEAD=${HEAD:-$H/warm}
 SWITCH=${SWITCH:-auto}  # spec_bench --switch: auto, on (speculate every round), or auto,on
+OVERLAP=${OVERLAP:-off,on}  # w5head: --draft-overlap
+FIRST=${FIRST:-off}  # w5head: --ngram-first (off, on, or off,on)
+LOOKUP=${LOOKUP:-k}  # w5head/w5hybrid: --prompt-lookup-num-tokens (k: the head's k), e.g. k,7
 W5="python benchmarks/spec_bench.py --target $T15 --batches 1 --kinds code,prose --k 4
     --max-tokens 192 --repeats 5 --dtype bfloat16 --switch $SWITCH --out $out"
 quiet() { grep -v "Converting and de-quantizing\|Loading weights" || true; }
@@ -62,12 +73,33 @@ case $part in
   data)
     mkdir -p "$H"
     python benchmarks/head_data.py --target "$T15" --n 16384 --max-tokens 256 --chunk 2048 \
-      --max-seconds "$DATA_SECONDS" --out "$H/data.txt" 2>&1 | quiet | tee "$out/$tag-data.log"
+      --seed "${SEED:-0}" --max-seconds "$DATA_SECONDS" --out "$H/new.txt" 2>&1 | quiet \
+      | tee "$out/$tag-data.log"
+    gzip -c "$H/new.txt" > "$out/$tag-head-data.txt.gz"
+    # earlier sessions' text first: the held-out set is the last 10%, this session's
+    { for f in .headstate/*.txt.gz; do [[ -f $f ]] && gzip -dc "$f"; done; cat "$H/new.txt"; } \
+      > "$H/data.txt"
+    ls -l "$H"/*.txt
     ;;
   warm)
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage warm \
-      --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" 2>&1 | quiet | tail -3
+      --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" \
+      ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
+    ;;
+  savehead)
+    mkdir -p "$H/pieces"
+    [[ -f $H/pieces/model.safetensors.part00 ]] \
+      || split -b 15M -d "$H/warm/model.safetensors" "$H/pieces/model.safetensors.part"
+    sha256sum "$H/warm/model.safetensors"
+    if [[ ${4:-0} == 0 ]]; then
+      cp "$H/warm/config.json" "$H/warm/draft_vocab.json" "$out/"
+      cp "$H/warm/distill.json" "$out/$tag-head-distill.json"
+      cp "$H"/pieces/*part0[0-3] "$out/"
+    else
+      find "$H/pieces" -name '*part*' ! -name '*part0[0-3]' -exec cp {} "$out/" \;
+    fi
+    ls -l "$out"
     ;;
   cont)
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage continue \
@@ -76,12 +108,14 @@ case $part in
     cp "$H/unroll3-decay0.5-detach/distill.json" "$out/$tag-cont-distill.json"
     ;;
   w5head)
-    $W5 --methods head --head "$HEAD" --draft-overlap off,on --name "$tag-W5-head" 2>&1 \
-      | quiet | tail -8
+    $W5 --methods head --head "$HEAD" --draft-overlap "$OVERLAP" --ngram-first "$FIRST" \
+      --prompt-lookup-num-tokens "$LOOKUP" --prompt-lookup-min "${LOOKUP_MIN:-2}" \
+      --name "$tag-W5-head" 2>&1 | quiet | tail -8
     ;;
   w5hybrid)
     $W5 --methods head --head "$HEAD" --ngram-first on --prompt-lookup-min "${LOOKUP_MIN:-2}" \
-      --name "$tag-W5-head-ngram-first" 2>&1 | quiet | tail -8
+      --prompt-lookup-num-tokens "$LOOKUP" --name "$tag-W5-head-ngram-first" 2>&1 | quiet \
+      | tail -8
     ;;
   w5)
     $W5 --methods ngram,draft --draft "$T05" --disable-by-batch-size draft=4 \

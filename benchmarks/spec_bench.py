@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-lookup-min", type=int, default=None,
                     help="n-gram lookup's shortest match (ngram, and ngram_first); default: "
                          "SpeculativeConfig's")
+    ap.add_argument("--prompt-lookup-num-tokens", default=None,
+                    help="with --ngram-first on: comma-separated, the most tokens a lookup "
+                         "drafts (SpeculativeConfig.prompt_lookup_num_tokens; 'k': as the "
+                         "model), one engine each")
     ap.add_argument("--switch", default="auto",
                     help="comma-separated: auto (the engine's off switch decides per step), on "
                          "(speculate at every step: what the switch chooses against)")
@@ -235,17 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     chains = args.draft_chain.split(",")
     overlaps = args.draft_overlap.split(",")
     firsts = args.ngram_first.split(",")
-    runs = [(m, s, v, c, o, f) for m in args.methods.split(",")
+    lookup_ks = [None if v == "k" else int(v)
+                 for v in (args.prompt_lookup_num_tokens or "k").split(",")]
+    runs = [(m, s, v, c, o, f, lk) for m in args.methods.split(",")
             for s in args.switch.split(",")
             for v in (vocab_sizes if m == "head" else [None])
             for c in (chains if m != "ngram" else ["on"])
             for o in (overlaps if m in ("draft", "head") else ["on"])
-            for f in (firsts if m in ("draft", "head") else ["off"])]
+            for f in (firsts if m in ("draft", "head") else ["off"])
+            for lk in (lookup_ks if f == "on" else [None])]
     limits = _limits(args.disable_by_batch_size, args.methods.split(","))
-    for method, switch, vocab, chain, overlap, first in runs:
+    for method, switch, vocab, chain, overlap, first, lookup_k in runs:
         spec = {"method": method, "num_speculative_tokens": args.k}
         if first == "on":
             spec["ngram_first"] = True
+            spec["prompt_lookup_num_tokens"] = lookup_k
         if args.prompt_lookup_min is not None and (method == "ngram" or first == "on"):
             spec["prompt_lookup_min"] = args.prompt_lookup_min
         # read when the draft's runner is made (engine/model_runner.py)
@@ -299,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "draft_chain": None if method == "ngram" else chain,
                                   "draft_overlap": overlap if method in ("draft", "head") else None,
                                   "ngram_first": first == "on",
+                                  "prompt_lookup_num_tokens": lookup_k,
                                   "identical_to_plain": tokens == base_tokens,
                                   "plain_out_tok_s": round(n_out / base_wall, 2),
                                   "spec_out_tok_s": round(n_out / wall, 2)},
@@ -354,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                     label += f" (overlap {overlap})"
                 if method != "ngram" and len(firsts) > 1:
                     label += f" (ngram first {first})"
+                if lookup_k is not None:
+                    label += f" (lookup up to {lookup_k})"
                 rows.append(f"| {label} | {switch} | {kind} | {b} | "
                             f"{rec['config']['plain_out_tok_s']} | "
                             f"{rec['config']['spec_out_tok_s']} | {rec['value']} | {acc:.2f} | "

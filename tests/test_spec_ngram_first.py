@@ -24,13 +24,21 @@ def pair(tmp_path_factory):
     return d, hf, tensors
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_lookup_drafts_where_it_matches_and_the_head_elsewhere(pair, mode, monkeypatch):
+# prompt_lookup_num_tokens: None (the lookup drafts the head's k), or longer than k (a copied
+# span drafts up to 7 while the head drafts 3), in every mode and in the first two
+CASES = [(mode, None) for mode in MODES] + [(mode, 7) for mode in list(MODES)[:2]]
+
+
+@pytest.mark.parametrize("mode,lookup_k", CASES)
+def test_lookup_drafts_where_it_matches_and_the_head_elsewhere(pair, mode, lookup_k,
+                                                                monkeypatch):
     d, hf, tensors = pair
     monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1")  # on: ngram_first must keep it off
     base = [11, 12, 13, 14, 15] * 12
+    # The last: this target's first token after it is 98 (found by search over the second
+    # token; checked below), so its first round looks up "5 98" and finds a long span.
     prompts = [base + [3, 4], base + [7], [5, 6, 7, 8] * 3, list(range(30, 52)),
-               [40, 41, 42, 43, 44]]
+               [40, 41, 42, 43, 44], [5, 98, *range(62, 72), 5]]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", skip_tokenizer_init=True, block_size=16,
               **MODES[mode])
@@ -38,21 +46,28 @@ def test_lookup_drafts_where_it_matches_and_the_head_elsewhere(pair, mode, monke
             LLM(str(d / "target"), **kw).generate(prompts, params, use_tqdm=False)]
     spec = {"method": "head", "model": str(d / "head"), "num_speculative_tokens": K,
             "adaptive": False, "ngram_first": True, "prompt_lookup_min": 2,
-            "prompt_lookup_max": 3}
+            "prompt_lookup_max": 3, "prompt_lookup_num_tokens": lookup_k}
     llm = LLM(str(d / "target"), speculative_config=spec, **kw)
     rounds = _record_rounds(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    by_lookup = by_head = 0
+    assert want[-1][0] == 98
+    by_lookup = by_head = longest = 0
     for context, drafts in rounds:
-        looked_up = ngram_propose(context, K, 2, 3)
+        prompt = next(p for p in prompts if context[:len(p)] == p)
+        room = params.max_tokens - (len(context) - len(prompt)) - 1  # near max_tokens
+        looked_up = ngram_propose(context, min(lookup_k or K, room), 2, 3)
         if looked_up:
-            # (a round cut short near max_tokens asks for fewer)
+            # (the scheduler trims drafts to a small step budget: max_num_batched_tokens)
             assert drafts == looked_up[:len(drafts)], len(context)
+            assert len(drafts) == len(looked_up) or mode != "plain"
             by_lookup += 1
+            longest = max(longest, len(drafts))
         else:
+            assert len(drafts) <= K
             assert drafts == reference_drafts(hf, tensors, context, len(drafts)), len(context)
             by_head += 1
+    assert longest > K if lookup_k else longest == K
     spec_decoder = llm.engine.spec
     assert by_lookup >= 10 and by_head >= 10, (by_lookup, by_head)
     # (counted when proposed: a few proposals are cut before their verify step)
@@ -70,6 +85,30 @@ def test_ngram_first_needs_a_model_method(pair):
     with pytest.raises(LLMAccelError, match="ngram_first applies to method='draft' or 'head'"):
         LLM(str(d / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True,
             speculative_config={"method": "ngram", "ngram_first": True})
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"prompt_lookup_num_tokens": 0}, "prompt_lookup_num_tokens must be >= 1, got 0"),
+    ({"prompt_lookup_num_tokens": 8}, "prompt_lookup_num_tokens applies with ngram_first"),
+])
+def test_prompt_lookup_num_tokens_is_checked(pair, extra, message):
+    d, _, _ = pair
+    spec = {"method": "head", "model": str(d / "head"), **extra}
+    with pytest.raises(LLMAccelError, match=message):
+        LLM(str(d / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True,
+            speculative_config=spec)
+
+
+def test_verify_rows_allow_for_the_longest_lookup():
+    from llmaccel.engine.config import EngineConfig
+    from llmaccel.engine.sizing import rows_per_seq
+    from llmaccel.spec.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="head", model="h", num_speculative_tokens=3,
+                             ngram_first=True, prompt_lookup_num_tokens=7)
+    assert spec.max_drafts == 7
+    assert rows_per_seq(EngineConfig(speculative_config=spec)) == 8
+    assert SpeculativeConfig(method="head", model="h", num_speculative_tokens=3).max_drafts == 3
 
 
 def test_a_draft_model_with_lookup_first_stays_lossless(pair, tmp_path):

@@ -22,8 +22,9 @@ def rows_per_seq(config: EngineConfig, draft: bool = False) -> int:
         return 1
     if draft and spec.method == "draft":
         return 2
-    # a verify step; a draft head's catch-up recomputes the accepted drafts and one more
-    return 1 + spec.num_speculative_tokens
+    # a verify step (the longest lookup's with ngram_first); a draft head's catch-up
+    # recomputes the accepted drafts and one more
+    return 1 + spec.max_drafts
 
 
 # Graphs are captured up to at least this many rows, even where decode steps never have as

@@ -260,14 +260,23 @@ class SpecDecoder:
 
     def _ngram_first(self, seqs: list[Sequence], ks: list[int]
                      ) -> tuple[list[Sequence], list[int]]:
-        """ngram_first: drafts from n-gram lookup where it finds a match; returns the
-        sequences (and their k) left for the draft model or head."""
+        """ngram_first: drafts from n-gram lookup where it finds a match (up to
+        prompt_lookup_num_tokens, else the sequence's k); returns the sequences (and their k)
+        left for the draft model or head."""
+        most = self.config.prompt_lookup_num_tokens
         rest, rest_ks = [], []
         for seq, k in zip(seqs, ks):
-            drafts = self._ngram_index(seq).propose(seq, k)
+            if most is not None:
+                room = self._room(seq)
+                k_lookup = min(most, room)
+            else:
+                room, k_lookup = k, k
+            drafts = self._ngram_index(seq).propose(seq, k_lookup) if k_lookup > 0 else []
             if drafts:
                 seq.spec_token_ids = drafts
                 self.num_ngram_first += 1
+                # a lookup cut short by the context or max_tokens: not a steady round
+                self._capped = self._capped or (most is not None and room < most)
             else:
                 rest.append(seq)
                 rest_ks.append(k)

@@ -51,6 +51,11 @@ class SpeculativeConfig:
     # Such rounds draft after verification (no overlapped drafting: the lookup needs the
     # accepted tokens).
     ngram_first: bool = False
+    # ngram_first: the most tokens a lookup drafts in a round (None: as the model,
+    # num_speculative_tokens). A matched span of a copied text is usually accepted far past the
+    # model's k, and at small batches a verify step with a few more rows costs about the same
+    # (its graph is padded to 8 rows at k = 4 anyway). HF transformers' name for prompt lookup.
+    prompt_lookup_num_tokens: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -77,6 +82,11 @@ class SpeculativeConfig:
             (not self.ngram_first or self.method != "ngram",
              "ngram_first applies to method='draft' or 'head' (n-gram lookup before the "
              "model); method='ngram' drafts by lookup alone"),
+            (self.prompt_lookup_num_tokens is None or self.prompt_lookup_num_tokens >= 1,
+             f"prompt_lookup_num_tokens must be >= 1, got {self.prompt_lookup_num_tokens}"),
+            (self.prompt_lookup_num_tokens is None or self.ngram_first,
+             "prompt_lookup_num_tokens applies with ngram_first (method='ngram' drafts "
+             "num_speculative_tokens)"),
             (self.method == "ngram" or self.model,
              f"method={self.method!r} needs `model` (the draft model or head to load)"),
             (self.method != "ngram" or self.model is None,
@@ -85,6 +95,12 @@ class SpeculativeConfig:
         for ok, message in checks:
             if not ok:
                 raise SpeculativeConfigError(message)
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts any sequence gets in a round (what a verify step's rows allow
+        for)."""
+        return max(self.num_speculative_tokens, self.prompt_lookup_num_tokens or 0)
 
     def speculate_at(self, batch_size: int) -> bool:
         """Whether a step with `batch_size` running requests speculates (vLLM's
