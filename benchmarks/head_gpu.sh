@@ -17,9 +17,13 @@
 # warm   a plain head on it (exp_head_unroll.py --stage warm), TRAIN_SECONDS (the cosine
 #        follows the time limit: train/loop.py); from INIT_HEAD where set (an earlier
 #        session's head, staged), at peak lr LR
-# savehead N  the warm head back in pieces of 15 MiB (a call returns at most 8 files, 64 MiB
-#        together): N=0 its config, draft vocabulary, distill.json and pieces 0-3; N=1 the rest.
-#        `cat` them into model.safetensors to stage it again next session
+#        The head comes back in pieces of 15 MiB (a call returns at most 8 files, 64 MiB
+#        together): `warm` returns its config, draft vocabulary and pieces 0-3, and `w5head`
+#        the rest, so no call is spent on them alone (a separate call came too late once: the
+#        machine is released after 30 s idle). `cat` them into model.safetensors to stage the
+#        head again next session (INIT_HEAD)
+# savehead N  the same pieces on their own: N=0 config, draft vocabulary, distill.json and
+#        pieces 0-3; N=1 the rest
 # cont   continue it unrolled and detached (session 24's best variant), CONT_SECONDS
 # w5head W5 at batch 1 with HEAD (default the warm head): OVERLAP (off,on), FIRST (lookup
 #        first: off), LOOKUP (its most drafts)
@@ -55,6 +59,20 @@ join() {  # a staged file's chunks -> the file, checked (../shared/tools/device-
   echo "$sha  $f" | sha256sum -c
 }
 
+pieces() {  # the warm head's pieces into $out: 0 -> config, vocabulary, pieces 0-3; 1 -> the rest
+  [[ -f $H/warm/model.safetensors ]] || return 0
+  mkdir -p "$H/pieces"
+  [[ -f $H/pieces/model.safetensors.part00 ]] \
+    || split -b 15M -d "$H/warm/model.safetensors" "$H/pieces/model.safetensors.part"
+  sha256sum "$H/warm/model.safetensors"
+  if [[ $1 == 0 ]]; then
+    cp "$H/warm/config.json" "$H/warm/draft_vocab.json" "$out/"
+    cp "$H"/pieces/*part0[0-3] "$out/"
+  else
+    find "$H/pieces" -name '*part*' ! -name '*part0[0-3]' -exec cp {} "$out/" \;
+  fi
+}
+
 convert() {  # GGUF -> bf16 HF directory, once
   [[ -f $2/config.json ]] || python -c "import sys, torch
 from llmaccel.models.convert import gguf_to_hf_dir
@@ -86,19 +104,11 @@ case $part in
       --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" \
       ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
+    pieces 0
     ;;
   savehead)
-    mkdir -p "$H/pieces"
-    [[ -f $H/pieces/model.safetensors.part00 ]] \
-      || split -b 15M -d "$H/warm/model.safetensors" "$H/pieces/model.safetensors.part"
-    sha256sum "$H/warm/model.safetensors"
-    if [[ ${4:-0} == 0 ]]; then
-      cp "$H/warm/config.json" "$H/warm/draft_vocab.json" "$out/"
-      cp "$H/warm/distill.json" "$out/$tag-head-distill.json"
-      cp "$H"/pieces/*part0[0-3] "$out/"
-    else
-      find "$H/pieces" -name '*part*' ! -name '*part0[0-3]' -exec cp {} "$out/" \;
-    fi
+    [[ ${4:-0} == 0 ]] && cp "$H/warm/distill.json" "$out/$tag-head-distill.json"
+    pieces "${4:-0}"
     ls -l "$out"
     ;;
   cont)
@@ -111,6 +121,7 @@ case $part in
     $W5 --methods head --head "$HEAD" --draft-overlap "$OVERLAP" --ngram-first "$FIRST" \
       --prompt-lookup-num-tokens "$LOOKUP" --prompt-lookup-min "${LOOKUP_MIN:-2}" \
       --name "$tag-W5-head" 2>&1 | quiet | tail -8
+    [[ $HEAD == "$H/warm" ]] && pieces 1
     ;;
   w5hybrid)
     $W5 --methods head --head "$HEAD" --ngram-first on --prompt-lookup-min "${LOOKUP_MIN:-2}" \

@@ -10,6 +10,13 @@ is drawn hollow.
         --out benchmarks/results/2026-11-26-W5-overlap-h100.png
 
 `--bound`: the draft model's measured speedup beside issue 6's bound, per cell.
+`--bars`: configurations side by side (method, k, lookup first and how far it drafts), one bar
+per prompt kind, for runs at one batch size:
+
+    python benchmarks/plot_w5.py benchmarks/results/2026-11-28-W5-s32-head-h100.jsonl \
+        benchmarks/results/2026-11-28-W5-s32-ngram-k4-h100.jsonl \
+        benchmarks/results/2026-11-28-W5-s32-ngram-k7-h100.jsonl --bars \
+        --out benchmarks/results/2026-11-28-s32-head-h100.png
 """
 
 from __future__ import annotations
@@ -108,6 +115,56 @@ def plot_bound(records: list[dict], out: Path, title: str | None = None) -> Path
     return out
 
 
+def config_label(config: dict) -> str:
+    """A W5 configuration as a bar group's label: method and k, then the options that change
+    what drafts (ngram_first and how far its lookup drafts)."""
+    parts = [f"{config['method']} k={config.get('k', '?')}"]
+    if config.get("ngram_first"):
+        most = config.get("prompt_lookup_num_tokens")
+        parts.append("lookup first" + (f", up to {most}" if most else ""))
+    return "\n".join(parts)
+
+
+def plot_bars(records: list[dict], out: Path, title: str | None = None) -> Path:
+    """Speedup per configuration (config_label), one bar per prompt kind, values above the
+    bars; for records of one batch size (several are an error: use the line plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = {r["config"]["batch"] for r in records}
+    if len(batches) != 1:
+        raise ValueError(f"--bars wants records of one batch size, got {sorted(batches)}")
+    labels: list[str] = []
+    value: dict[tuple[str, str], float] = {}
+    for r in records:
+        label = config_label(r["config"])
+        if label not in labels:
+            labels.append(label)
+        value[label, r["config"]["kind"]] = r["value"]
+    kinds = sorted({kind for _, kind in value})
+    width = 0.8 / len(kinds)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4.5))
+    for i, kind in enumerate(kinds):
+        xs = [x + (i - (len(kinds) - 1) / 2) * width for x in range(len(labels))]
+        ys = [value.get((label, kind), 0.0) for label in labels]
+        ax.bar(xs, ys, width, label=kind)
+        for x, y in zip(xs, ys):
+            ax.text(x, y + 0.02, f"{y:.2f}x", ha="center", fontsize=8)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(list(range(len(labels))), labels, fontsize=8)
+    ax.set_ylabel("speedup over plain decoding")
+    device = records[0].get("device", "")
+    ax.set_title(title or f"W5 at batch {batches.pop()}, {device}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="spec_bench JSON-lines files")
@@ -115,11 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--title", default=None)
     ap.add_argument("--bound", action="store_true",
                     help="bars of the draft model's speedup against its bound instead")
+    ap.add_argument("--bars", action="store_true",
+                    help="bars per configuration and prompt kind (records of one batch size)")
     args = ap.parse_args(argv)
     records = load(args.files)
     if not records:
         raise SystemExit("no W5 speedup records in " + ", ".join(args.files))
-    draw = plot_bound if args.bound else plot
+    draw = plot_bound if args.bound else plot_bars if args.bars else plot
     print(draw(records, Path(args.out), args.title))
     return 0
 

@@ -148,3 +148,12 @@ def test_plot_w5_writes_a_png(tmp_path):
     src.write_text("".join(json.dumps(r) + "\n" for r in drafts))
     assert plot_w5.main([str(src), "--bound", "--out", str(tmp_path / "b.png")]) == 0
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --bars: a group per configuration at one batch size; several batch sizes are an error
+    assert plot_w5.config_label({"method": "head", "k": 4, "ngram_first": True,
+                                 "prompt_lookup_num_tokens": 7}) == "head k=4\nlookup first, up to 7"
+    assert plot_w5.config_label({"method": "ngram", "k": 7, "ngram_first": False}) == "ngram k=7"
+    assert plot_w5.main([str(src), "--bars", "--out", str(tmp_path / "bars.png")]) == 0
+    assert (tmp_path / "bars.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(ValueError, match="one batch size"):
+        plot_w5.main([str(src), "--bars", "--out", str(tmp_path / "bars2.png")])
