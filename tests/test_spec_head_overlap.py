@@ -189,3 +189,47 @@ def test_head_overlap_under_cuda_graphs(pair, monkeypatch):
     assert none == 0 and overlapped >= 5, overlapped
     same = sum(a == b for a, b in zip(on_rounds, off_rounds))
     assert same >= 0.9 * max(len(on_rounds), len(off_rounds)), same
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_lookup_first_drops_overlapped_drafts_where_lookup_matches(pair, monkeypatch, batch):
+    """ngram_first with overlap: a head round's next round is launched during it, and dropped
+    when lookup then finds a match (lookup drafts first); every round drafts what it drafts
+    without overlap, outputs are the target's greedy tokens, and both pools' blocks come
+    back. (The echo pair's outputs are runs of one token: lookup matches inside a run, the
+    head drafts where a run starts.)"""
+    d, hf, tensors = pair
+    prompts = [[5, 6, 7, 8] * 3, list(range(30, 52)), [11, 12, 13, 14, 15] * 12 + [3, 4]]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM(str(d / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                block_size=16)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    groups = [prompts] if batch > 1 else [[p] for p in prompts]
+    runs = {}
+    for overlap in (False, True):
+        monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+        spec = {"method": "head", "model": str(d / "head"), "num_speculative_tokens": K,
+                "adaptive": False, "ngram_first": True, "prompt_lookup_min": 2,
+                "prompt_lookup_num_tokens": 5}
+        llm = LLM(str(d / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                  block_size=16, speculative_config=spec)
+        graphs_on_cpu(llm.engine.spec.draft.runner, K - 1,
+                      -(-llm.engine.model_config.max_model_len // 16))
+        rounds = _record_rounds(llm)
+        got = [o.outputs[0].token_ids for g in groups
+               for o in llm.generate(g, params, use_tqdm=False)]
+        assert got == want
+        assert llm.engine.block_manager.num_used_blocks == 0
+        assert llm.engine.spec.draft.block_manager.num_used_blocks == 0
+        runs[overlap] = sorted(rounds), llm.engine.spec
+    (off_rounds, off), (on_rounds, on) = runs[False], runs[True]
+    assert on_rounds == off_rounds
+    assert on.num_ngram_first == off.num_ngram_first > 0
+    assert off.num_overlapped == 0 and off.num_overlap_dropped == 0
+    # batch 1: head rounds after head rounds ran overlapped, lookups after them dropped the
+    # drafts (batch 3: a round where some sequences take lookup drafts launches nothing)
+    assert on.num_overlap_dropped > 0
+    if batch == 1:
+        assert on.num_overlapped > 0
+    for context, drafts in on_rounds:
+        assert len(drafts) <= 5

@@ -316,3 +316,34 @@ def test_lookahead_inputs_follow_each_rows_acceptance():
     assert starts == [p[i] + a[i] + 2 for i in range(3)]
     assert out.shape == (4, 3) and out[0].tolist() == [500.0, 501.0, 502.0]
     assert columns == {seqs[0]: 0, seqs[1]: 1, seqs[2]: 2}
+
+
+def test_lookup_first_with_overlap_drafts_as_without(pair, monkeypatch):
+    """ngram_first with overlap, one request at a time: a draft model's round launched during
+    the last one is used unless lookup finds a match (then dropped: lookup drafts first), so
+    every round drafts what it drafts without overlap and outputs stay the target's greedy
+    tokens, with every block back."""
+    target, draft, prompts, _, _ = pair
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    plain = LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True)
+    want = [_generate(plain, [p], params)[0] for p in prompts[:2]]
+    runs = {}
+    for overlap in (False, True):
+        monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+        spec = {"method": "draft", "model": draft, "num_speculative_tokens": K,
+                "adaptive": False, "ngram_first": True, "prompt_lookup_min": 1,
+                "prompt_lookup_num_tokens": 6}
+        llm = LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
+                  block_size=4, speculative_config=spec)
+        graphs_on_cpu(llm.engine.spec.draft.runner, K - 1,
+                      -(-llm.engine.model_config.max_model_len // 4))
+        rounds = _record(llm)
+        assert [_generate(llm, [p], params)[0] for p in prompts[:2]] == want
+        _all_back(llm)
+        runs[overlap] = sorted(rounds), llm.engine.spec
+    (off_rounds, off), (on_rounds, on) = runs[False], runs[True]
+    assert on_rounds == off_rounds
+    assert on.num_ngram_first == off.num_ngram_first > 0
+    assert off.num_overlapped == 0
+    assert on.num_overlapped > 0 and on.num_overlap_dropped > 0, (on.num_overlapped,
+                                                                   on.num_overlap_dropped)

@@ -233,6 +233,13 @@ class SpecDecoder:
             on = self.speculate_at(batch)
         self.off = not on
         self.stats.num_off_steps += bool(running) and not on
+        if (lookahead is not None and on and self.config.ngram_first
+                and any(self._lookup_hit(seq) for seq in running if self._eligible(seq))):
+            # ngram_first: lookup drafts where it finds a match, so the head's (or draft
+            # model's) drafts launched during the last round are not used this round
+            lookahead.revert(self.draft)
+            self.num_overlap_dropped += 1
+            lookahead = None
         if lookahead is not None and use_lookahead(self, lookahead, running, on):
             self.stats.draft_time_s += time.perf_counter() - start
             return  # drafted during the last round (spec/overlap.py)
@@ -266,21 +273,29 @@ class SpecDecoder:
         most = self.config.prompt_lookup_num_tokens
         rest, rest_ks = [], []
         for seq, k in zip(seqs, ks):
-            if most is not None:
-                room = self._room(seq)
-                k_lookup = min(most, room)
-            else:
-                room, k_lookup = k, k
+            k_lookup = self._lookup_k(seq, k)
             drafts = self._ngram_index(seq).propose(seq, k_lookup) if k_lookup > 0 else []
             if drafts:
                 seq.spec_token_ids = drafts
                 self.num_ngram_first += 1
                 # a lookup cut short by the context or max_tokens: not a steady round
-                self._capped = self._capped or (most is not None and room < most)
+                self._capped = self._capped or (most is not None and k_lookup < most)
             else:
                 rest.append(seq)
                 rest_ks.append(k)
         return rest, rest_ks
+
+    def _lookup_k(self, seq: Sequence, k: int) -> int:
+        """The most tokens an ngram_first lookup drafts for `seq` whose model k is `k`:
+        prompt_lookup_num_tokens cut by the room left (max_tokens, the context), else k."""
+        most = self.config.prompt_lookup_num_tokens
+        return k if most is None else min(most, self._room(seq))
+
+    def _lookup_hit(self, seq: Sequence) -> bool:
+        """Whether an ngram_first lookup finds a match for `seq` now (its drafts are what
+        `_ngram_first` takes this round)."""
+        k = self._lookup_k(seq, min(self.config.num_speculative_tokens, self._room(seq)))
+        return k > 0 and bool(self._ngram_index(seq).propose(seq, k))
 
     def _ngram_index(self, seq: Sequence) -> NgramIndex:
         if seq.ngram_index is None:

@@ -159,10 +159,12 @@ def launch_next_round(spec, sampling: list[Sequence], logits: torch.Tensor,
     """For SpecDecoder.overlap (`spec`), right after a verify step of `sampling` was launched:
     launch the next round's drafts where that round is sure to be a speculative round of the
     same greedy sequences -- a draft model that supports it, this round's drafts on the
-    device, every running sequence drafting in this step, no request waiting, no confidence
-    threshold, no n-gram lookup first (ngram_first: the lookup needs this round's accepted
-    tokens), the next round speculating at this batch size, no request near its end. The
-    next round's k (adaptive) is chosen from the acceptance before this round's.
+    device, every running sequence drafting in this step (with ngram_first: none of them
+    took lookup drafts), no request waiting, no confidence threshold, the next round
+    speculating at this batch size, no request near its end. The next round's k (adaptive)
+    is chosen from the acceptance before this round's. With ngram_first the next round may
+    still take lookup drafts (the lookup needs this round's accepted tokens): then these
+    drafts are dropped (SpecDecoder.propose).
 
     Returns the Lookahead (or None) and the verify step's greedy [2, rows] copied to the
     host (`copy_to_host` -> (host tensor, event)), queued before the drafts: a read of the
@@ -171,7 +173,6 @@ def launch_next_round(spec, sampling: list[Sequence], logits: torch.Tensor,
     if (drafts is None or not overlap_enabled() or waiting
             or not getattr(spec.draft, "supports_overlap", False)
             or spec.config.draft_confidence_threshold > 0.0
-            or spec.config.ngram_first
             or sampling != running
             or any(seq not in drafts.columns or not seq.spec_token_ids
                    or not seq.params.greedy for seq in sampling)
