@@ -9,7 +9,8 @@
 # join   the staged GGUF files from their chunks, checked; then each converted once to a bf16
 #        HF directory (/tmp/stage/q15, q05): transformers parses a GGUF's 151,936-token
 #        vocabulary three times per load (config, tokenizer, weights; ~28 s each on a slow
-#        CPU), and every later load reads safetensors instead
+#        CPU), and every later load reads safetensors instead; the 0.5B only where its chunks
+#        were staged (the draft model of `w5`: parts without it need not stage it)
 # data   self-distillation text (benchmarks/head_data.py), DATA_SECONDS of generation, from
 #        requests drawn with SEED; returned gzipped ($tag-head-data.txt.gz) and joined to the
 #        text of earlier sessions found in .headstate/*.txt.gz (carried), so the head's data
@@ -83,10 +84,13 @@ case $part in
   join)
     join qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
       cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
-    join qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
-      1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
     convert /tmp/stage/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf "$T15"
-    convert /tmp/stage/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf "$T05"
+    # the 0.5B (the draft model, `w5` only) where it was staged
+    if compgen -G "/tmp/stage/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf*" > /dev/null; then
+      join qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+        1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+      convert /tmp/stage/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf "$T05"
+    fi
     ;;
   data)
     mkdir -p "$H"
