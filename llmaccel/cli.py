@@ -274,6 +274,11 @@ def distill_draft(
                                        "through the drafts fed back as features"),
     init_head: Optional[str] = typer.Option(None, help="head: start from this saved head "
                                             "(e.g. to go on with --unroll-steps)."),
+    cache_features: bool = typer.Option(False, help="head: compute the target's features of "
+                                        "every block once and keep them on the device, "
+                                        "instead of running the target every step (needs "
+                                        "blocks x seq_len x hidden size in the target's "
+                                        "dtype; an error if that does not fit)."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),
@@ -301,7 +306,7 @@ def distill_draft(
         batch_size=batch_size, seq_len=seq_len, eval_every=eval_every, patience=patience,
         max_blocks=max_blocks, kl_weight=kl_weight, feature_noise=feature_noise,
         unroll_steps=unroll_steps, unroll_decay=unroll_decay, init_head=init_head,
-        unroll_detach=unroll_detach,
+        unroll_detach=unroll_detach, cache_features=cache_features,
         draft_vocab_size=draft_vocab_size, schedule=schedule,
         warmup=warmup, max_seconds=max_seconds, seed=seed, device=device, dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""

@@ -511,3 +511,43 @@ def test_head_goes_on_from_a_saved_head(trained_head, target_dir, tmp_path):
     with pytest.raises(LLMAccelError, match="not an llmaccel draft head"):
         distill_draft(_cfg(target_dir, tmp_path / "h3", kind="head", steps=1,
                            init_head=str(target_dir)), progress=False, blocks=blocks)
+
+
+def test_cached_features_train_the_same_head(target_dir, tmp_path):
+    """cache_features: the target's features computed once per block (train/feature_cache.py)
+    are what target_features returns, and training on them gives the same history and head
+    as computing them every step (same seed; unrolled steps and feature noise included)."""
+    from llmaccel.train.draft_head import target_features
+    from llmaccel.train.feature_cache import FeatureCache, cache_bytes, require_fit
+
+    blocks = periodic_blocks()
+    target = _target(target_dir)
+    cache = FeatureCache(target, blocks[:7], 3, target_features)
+    assert cache.features.shape == (7, blocks.shape[1], H)
+    assert cache.nbytes == cache_bytes(blocks[:7], H, torch.float32) == 7 * blocks.shape[1] * H * 4
+    torch.testing.assert_close(cache[torch.tensor([5, 0])],
+                               target_features(target, blocks[[5, 0]]))
+    runs = {}
+    for cached in (False, True):
+        out = tmp_path / f"h{int(cached)}"
+        runs[cached] = distill_draft(_cfg(target_dir, out, kind="head", lr=1e-2, steps=12,
+                                          eval_every=6, unroll_steps=2,
+                                          cache_features=cached), progress=False,
+                                     blocks=blocks), load_file(str(out / "model.safetensors"))
+    (plain, plain_w), (fast, fast_w) = runs[False], runs[True]
+    assert len(plain.history) == len(fast.history) == 3
+    for a, b in zip(plain.history, fast.history):
+        for key in ("train_loss", "heldout_kl", "heldout_top1", "heldout_kl_step2"):
+            if a[key] is not None:
+                assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (key, a, b)
+    assert plain.best_kl < 0.5 * plain.baseline_kl  # it trained
+    for name, w in plain_w.items():
+        torch.testing.assert_close(fast_w[name], w, rtol=1e-4, atol=1e-5)
+    summary = json.loads((tmp_path / "h1" / "distill.json").read_text())
+    assert summary["config"]["cache_features"] and summary["saved"]["feature_cache_bytes"] == 4 * blocks.numel() * H
+    # the cache must fit the device's free memory, and is for heads only
+    require_fit(60, 100, 3, "cuda:0")
+    with pytest.raises(LLMAccelError, match="needs 0.0 GiB, more than 60% of the 0.0 GiB free"):
+        require_fit(61, 100, 3, "cuda:0")
+    with pytest.raises(LLMAccelError, match="cache_features keeps the target's features"):
+        _cfg(target_dir, tmp_path / "x", kind="student", cache_features=True).check()

@@ -52,6 +52,9 @@ class DistillConfig:
     init_head: str | None = None    # head: start from this saved head, not the target's layer
     unroll_detach: bool = False     # head: no gradient through the outputs fed back as features
     fc_bias: bool = False           # head: vLLM's EAGLE-1 llama loader has no fc bias
+    # head: the target's features of every block computed once and kept on the device
+    # (train/feature_cache.py), not once per step
+    cache_features: bool = False
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
     # whole vocabulary); FR-Spec / EAGLE-3 cut the draft's LM-head cost this way.
@@ -94,6 +97,9 @@ class DistillConfig:
                    f"unroll_decay must be in (0, 1], got {self.unroll_decay}"),
                   (self.init_head is None or self.kind == "head",
                    "init_head starts a head (kind 'head') from a saved one"),
+                  (not self.cache_features or self.kind == "head",
+                   "cache_features keeps the target's features for a head (kind 'head'); a "
+                   "student trains on the target's logits"),
                   (self.draft_vocab_size >= 0,
                    f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
                   (self.schedule in ("cosine", "constant"),

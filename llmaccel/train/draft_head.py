@@ -38,6 +38,7 @@ from torch import nn
 
 from llmaccel.errors import LLMAccelError
 from llmaccel.models.draft_head import DRAFT_VOCAB_FILE
+from llmaccel.train.feature_cache import FeatureCache
 from llmaccel.train.distill_common import (DistillConfig, Meter, Target, autocast_for,
                                            dtype_name, kl_terms, mean_kl_loss)
 
@@ -246,14 +247,16 @@ def _rms(t: torch.Tensor) -> float:
 
 def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: float,
                 feature_noise: float = 0.0, unroll_steps: int = 1, unroll_decay: float = 1.0,
-                unroll_detach: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+                unroll_detach: bool = False, features: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss on token blocks [B, T]: smooth L1(o_i, f_{i+1}) + kl_weight *
     KL(p_{i+1} || q_i) over i = 0..T-2, with noise on the input features f_i. With
     `unroll_steps` s > 1 the head also drafts s tokens ahead on its own outputs
     (DraftHead.unroll) and step j's outputs are fitted to f_{i+j} and p_{i+j} the same way;
     the loss is the mean over the steps weighted by unroll_decay ** (j - 1) (a step is
-    worth only as much as the chance the drafts before it were accepted)."""
-    f = target_features(target_model, batch)
+    worth only as much as the chance the drafts before it were accepted). `features`: the
+    batch's target features when already computed (train/feature_cache.py)."""
+    f = target_features(target_model, batch) if features is None else features
     inputs = f[:, :-1].float()
     if feature_noise > 0:
         rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
@@ -278,15 +281,15 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
 
 @torch.no_grad()
 def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_size: int,
-                  draft_vocab: torch.Tensor | None = None, steps: int = EVAL_STEPS
-                  ) -> dict[str, float]:
+                  draft_vocab: torch.Tensor | None = None, steps: int = EVAL_STEPS,
+                  features: FeatureCache | None = None) -> dict[str, float]:
     """Held-out means over every position: KL(p_{i+1} || q_i), top-1 agreement, regression,
     and with `draft_vocab` (token ids) the top-1 agreement of the head's argmax over those
     tokens only (what the engine drafts with that vocabulary). For steps 2..`steps`, the
     head drafting on its own outputs (DraftHead.unroll, the tokens before it right):
     heldout_kl_step{j} and heldout_top1_step{j}, the latter the chance that its j-th draft is
     accepted given the earlier ones were, which is what speculative decoding's acceptance
-    falls with."""
+    falls with. `features`: the blocks' target features, cached (train/feature_cache.py)."""
     head.eval()
     meter = Meter()
     later = {step: Meter() for step in range(2, steps + 1)}  # fewer rows than step 1's
@@ -294,7 +297,8 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
     ids = draft_vocab.to(device) if draft_vocab is not None else None
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i:i + batch_size].to(device)
-        f = target_features(target_model, batch)
+        f = (target_features(target_model, batch) if features is None
+             else features.features[i:i + len(batch)])
         with autocast_for(device, target_model.dtype):
             outs = head.unroll(batch, f[:, :-1], max(1, min(steps, f.shape[1] - 1)))
         for step, o in enumerate(outs, start=1):
@@ -390,19 +394,34 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
         vocab, vocab_info = draft_vocabulary(train, head.embed_tokens.shape[0],
                                              cfg.draft_vocab_size)
 
+    train_cache = held_cache = None
+    batches = train  # what the loop draws random rows of
+    if cfg.cache_features:  # the target runs once per block, not once per step
+        train_cache = FeatureCache(model, train, cfg.batch_size, target_features)
+        held_cache = FeatureCache(model, held, cfg.batch_size, target_features)
+        train_on_device = train.to(device)
+        batches = torch.arange(len(train))[:, None]  # rows of block indexes
+
     def step_loss(batch: torch.Tensor):
         head.train()
+        features = None
+        if train_cache is not None:
+            idx = batch[:, 0]
+            batch, features = train_on_device[idx.to(device)], train_cache[idx]
         return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise,
-                           cfg.unroll_steps, cfg.unroll_decay, cfg.unroll_detach)
+                           cfg.unroll_steps, cfg.unroll_decay, cfg.unroll_detach, features)
 
     outcome = train_loop(
-        cfg, "head", params, train, device, step_loss,
-        lambda: evaluate_head(head, model, held, cfg.batch_size, vocab),
+        cfg, "head", params, batches, device, step_loss,
+        lambda: evaluate_head(head, model, held, cfg.batch_size, vocab,
+                              features=held_cache),
         lambda: {k: v.detach().clone() for k, v in head.state_dict().items()},
         head.load_state_dict, progress)
     out = save_draft_head(head, cfg.out, target.save_dtype)
     saved: dict[str, Any] = {"kind": "head", "dtype": dtype_name(target.save_dtype),
                              "tensors": sorted(head.state_dict())}
+    if train_cache is not None:
+        saved["feature_cache_bytes"] = train_cache.nbytes + held_cache.nbytes
     vocab_file = out / DRAFT_VOCAB_FILE
     if vocab_info is not None:
         vocab_file.write_text(json.dumps(vocab_info))
