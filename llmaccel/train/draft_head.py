@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -397,8 +398,12 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     train_cache = held_cache = None
     batches = train  # what the loop draws random rows of
     if cfg.cache_features:  # the target runs once per block, not once per step
+        start = time.perf_counter()
         train_cache = FeatureCache(model, train, cfg.batch_size, target_features)
         held_cache = FeatureCache(model, held, cfg.batch_size, target_features)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        cache_seconds = time.perf_counter() - start
         train_on_device = train.to(device)
         batches = torch.arange(len(train))[:, None]  # rows of block indexes
 
@@ -421,7 +426,9 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     saved: dict[str, Any] = {"kind": "head", "dtype": dtype_name(target.save_dtype),
                              "tensors": sorted(head.state_dict())}
     if train_cache is not None:
-        saved["feature_cache_bytes"] = train_cache.nbytes + held_cache.nbytes
+        # (not in the training time limit: max_seconds counts from the first step)
+        saved["feature_cache"] = {"bytes": train_cache.nbytes + held_cache.nbytes,
+                                  "seconds": round(cache_seconds, 2)}
     vocab_file = out / DRAFT_VOCAB_FILE
     if vocab_info is not None:
         vocab_file.write_text(json.dumps(vocab_info))
