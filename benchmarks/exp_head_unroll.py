@@ -54,15 +54,19 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-4,
                     help="continuations' peak lr (and warm's, with --init-head)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--aux-layers", default="",
+                    help="warm: EAGLE-3's multi-layer features, e.g. 2,14 (DistillConfig."
+                         "aux_layers; continuations take the warm head's)")
     ap.add_argument("--cache-features", action="store_true",
                     help="the target's features computed once per block, kept on the device "
                          "(train/feature_cache.py), not once per step")
     args = ap.parse_args()
     out = Path(args.out)
+    aux = tuple(int(i) for i in args.aux_layers.split(",") if i.strip())
     if args.stage == "warm":
         rec = _train(args.target, args.data, out / "warm", args.warm_steps, args.warm_seconds,
                      args.lr if args.init_head else None, 500, init_head=args.init_head,
-                     cache_features=args.cache_features)
+                     cache_features=args.cache_features, aux_layers=aux)
         print(json.dumps({k: rec[k] for k in ("best_kl", "best_top1", "best_step",
                                                "steps_run", "stopped")}))
         return 0
@@ -70,7 +74,7 @@ def main() -> int:
     for name in args.variants.split(","):
         rec = _train(args.target, args.data, out / name, args.steps, args.seconds, args.lr,
                      args.steps // 2, init_head=str(out / "warm"),
-                     cache_features=args.cache_features, **VARIANTS[name])
+                     cache_features=args.cache_features, aux_layers=aux, **VARIANTS[name])
         rows[name] = rec
     print("| variant | steps run | seconds | top-1 step 1 | step 2 | step 3 | step 4 | "
           "tokens/round at k=4 |\n|---|---|---|---|---|---|---|---|")

@@ -18,7 +18,9 @@
 # warm   a plain head on it (exp_head_unroll.py --stage warm), TRAIN_SECONDS (the cosine
 #        follows the time limit: train/loop.py); from INIT_HEAD where set (an earlier
 #        session's head, staged), at peak lr LR; the target's features computed once per
-#        block first (--cache-features, train/feature_cache.py) unless CACHE is empty
+#        block first (--cache-features, train/feature_cache.py) unless CACHE is empty; AUX:
+#        EAGLE-3's multi-layer features (--aux-layers, e.g. 2,14; empty: the final hidden
+#        state only)
 #        The head comes back in pieces of 15 MiB (a call returns at most 8 files, 64 MiB
 #        together): `warm` returns its config, draft vocabulary and pieces 0-3, and `w5head`
 #        the rest, so no call is spent on them alone (a separate call came too late once: the
@@ -43,6 +45,7 @@ T05=/tmp/stage/q05
 DATA_SECONDS=${DATA_SECONDS:-120}
 TRAIN_SECONDS=${TRAIN_SECONDS:-420}
 CACHE=${CACHE-1}  # warm: --cache-features (CACHE= turns it off)
+AUX=${AUX-}  # warm: --aux-layers
 CONT_SECONDS=${CONT_SECONDS:-300}
 HEAD=${HEAD:-$H/warm}
 SWITCH=${SWITCH:-auto}  # spec_bench --switch: auto, on (speculate every round), or auto,on
@@ -108,7 +111,7 @@ case $part in
   warm)
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage warm \
       --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" \
-      ${CACHE:+--cache-features} \
+      ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} \
       ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
     pieces 0
@@ -141,7 +144,7 @@ case $part in
     ;;
   tests)
     python -m pytest -q -p no:cacheprovider -m gpu tests/test_spec_head_overlap.py \
-      tests/test_spec_head.py tests/test_spec_overlap.py 2>&1 | tail -5 \
+      tests/test_spec_head.py tests/test_spec_overlap.py tests/test_head_aux_layers.py 2>&1 | tail -5 \
       | tee "$out/$tag-gpu-tests.txt"
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

@@ -279,6 +279,10 @@ def distill_draft(
                                         "instead of running the target every step (needs "
                                         "blocks x seq_len x hidden size in the target's "
                                         "dtype; an error if that does not fit)."),
+    aux_layers: str = typer.Option("", help="head: EAGLE-3's multi-layer features, e.g. "
+                                   "2,14: besides the final hidden state, the hidden states "
+                                   "entering these target layers (normalized by their input "
+                                   "norms) are fused into the head's input (empty: EAGLE-1)."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),
@@ -307,6 +311,7 @@ def distill_draft(
         max_blocks=max_blocks, kl_weight=kl_weight, feature_noise=feature_noise,
         unroll_steps=unroll_steps, unroll_decay=unroll_decay, init_head=init_head,
         unroll_detach=unroll_detach, cache_features=cache_features,
+        aux_layers=o.parse_int_list(aux_layers, "--aux-layers") if aux_layers else (),
         draft_vocab_size=draft_vocab_size, schedule=schedule,
         warmup=warmup, max_seconds=max_seconds, seed=seed, device=device, dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""

@@ -123,7 +123,8 @@ def test_head_catch_up_inputs_follow_each_rows_acceptance():
 
     hidden = 4
     head = SimpleNamespace(static_features=torch.zeros(16, hidden),
-                           static_out=torch.zeros(16, hidden))
+                           static_out=torch.zeros(16, hidden),
+                           fuse_target_features=lambda f: f)  # no aux layers
     feature_cache = torch.arange(64, dtype=torch.float32)[:, None].repeat(1, hidden)
     proposer = HeadProposer.__new__(HeadProposer)
     proposer.model = SimpleNamespace(model=head)

@@ -99,7 +99,7 @@ class LLMEngine:
         spec_bytes = 0 if proposer is None else bytes_per_block(proposer, bs,
                                                                 self.kv_cache_dtype)
         if self.draft_head is not None:
-            spec_bytes += feature_bytes_per_block(self.model, bs, mc.dtype)
+            spec_bytes += feature_bytes_per_block(self.draft_head, bs, mc.dtype)
         num_blocks = config.num_gpu_blocks or profile_num_blocks(
             config, self.model, mc.max_model_len, self.max_num_batched_tokens,
             self.kv_cache_dtype, device, spec_bytes)
@@ -111,7 +111,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.enable_chunked_prefill)
         if self.draft_head is not None:  # before the target's graphs are captured
-            self.model.feature_cache = torch.zeros(num_blocks * bs + 1, mc.hf_config.hidden_size,
+            self.model.model.aux_hidden_state_layers = self.draft_head.model.aux_layers
+            self.model.feature_cache = torch.zeros(num_blocks * bs + 1,
+                                                   self.draft_head.model.feature_width,
                                                    dtype=mc.dtype, device=device)
         self.runner = ModelRunner(self.model, allocate_kv_caches(
             self.model, num_blocks, bs, self.kv_cache_dtype, device), bs, mc.max_model_len,

@@ -20,6 +20,14 @@ every other token are -inf. The LM head is most of a head step's weight reads (Q
 draft steps were chained, per-step launches hid the difference, session 11). Drafts outside
 the vocabulary are never proposed; verification stays exact whatever is drafted.
 
+With EAGLE-3's multi-layer features (the marker's `aux_hidden_state_layers`, written by
+`distill-draft --aux-layers`) the target's feature at i is f_i followed by the hidden state
+entering each aux layer, through that layer's input norm (the target keeps them by slot
+too: `TransformerModel.aux_hidden_states`), and the checkpoint has `fuse.weight` [H, (1 + n) H]:
+the proposer maps target features through it (`fuse_target_features`, outside the head's
+graphs) before they go in; the head's own outputs go in as they are. Such a head is our
+format only (EAGLE-1 loaders know no fuse; EAGLE-3's layout differs).
+
 The features come in through `static_features` (a buffer the CUDA graphs read: the proposer
 copies each step's features there) or, for steps larger than it (a long catch-up, run
 eagerly), `feature_input`. Outputs go to `static_out` (what a graph replay leaves) and
@@ -50,7 +58,7 @@ DEFAULT_STATIC_ROWS = 512
 
 class DraftHeadModel(nn.Module):
     def __init__(self, config, target: TransformerForCausalLM, max_positions: int,
-                 fc_bias: bool) -> None:
+                 fc_bias: bool, aux_layers: tuple[int, ...] = ()) -> None:
         super().__init__()
         hidden = config.hidden_size
         # its own backend object: set_fused_kernels configures a backend per model
@@ -60,6 +68,9 @@ class DraftHeadModel(nn.Module):
         rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
         self.embed_tokens = target.model.embed_tokens  # shared: the target's
         self.fc = Linear(2 * hidden, hidden, fc_bias, None, "fc")
+        self.aux_layers = tuple(aux_layers)
+        self.fuse = (Linear((1 + len(aux_layers)) * hidden, hidden, False, None, "fuse")
+                     if aux_layers else None)
         self.layers = nn.ModuleList([DecoderLayer(config, backend, rotary, None, "layers.0")])
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: the fc output goes in as is
         # ModelRunner reads norm.use_triton to decide on Triton launch settings; the head's
@@ -75,6 +86,15 @@ class DraftHeadModel(nn.Module):
         any CUDA graph is captured: graphs keep their addresses)."""
         self.static_features = torch.zeros(rows, self.hidden_size, dtype=dtype, device=device)
         self.static_out = torch.zeros(rows, self.hidden_size, dtype=dtype, device=device)
+
+    def fuse_target_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """The target's features (rows of its feature cache) in the head's width."""
+        return feats if self.fuse is None else self.fuse(feats)
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the target's feature-cache rows this head reads."""
+        return (1 + len(self.aux_layers)) * self.hidden_size
 
     def forward(self, input_ids, positions, meta):
         n = input_ids.shape[0]
@@ -95,12 +115,12 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
     logits through the target's LM head."""
 
     def __init__(self, config, target: TransformerForCausalLM, max_positions: int,
-                 fc_bias: bool = False) -> None:
+                 fc_bias: bool = False, aux_layers: tuple[int, ...] = ()) -> None:
         nn.Module.__init__(self)
         self.config = config
         self.quant_config = None
         self.tie_word_embeddings = False
-        self.model = DraftHeadModel(config, target, max_positions, fc_bias)
+        self.model = DraftHeadModel(config, target, max_positions, fc_bias, aux_layers)
         self.feature_cache = None  # the head keeps no features of its own
         # a plain attribute, not a submodule: the target's weights are not the head's
         object.__setattr__(self, "_target", target)
@@ -212,12 +232,19 @@ def load_draft_head(path: str | Path, target: TransformerForCausalLM, max_positi
             raise LLMAccelError(f"draft head {str(path)!r} has {key} {getattr(config, key)}, "
                                 f"the target {getattr(tcfg, key)}: it was trained for another "
                                 "model")
+    aux = marker.get("aux_hidden_state_layers", [])
+    layers = tcfg.num_hidden_layers
+    if (not isinstance(aux, list) or not all(isinstance(i, int) and 1 <= i < layers for i in aux)
+            or len(set(aux)) != len(aux)):
+        raise CorruptCheckpointError(f"draft head {str(path)!r}: aux_hidden_state_layers "
+                                     f"{aux!r} must be distinct layer indexes in 1..{layers - 1} "
+                                     "of the target")
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             head = DraftHeadForCausalLM(config, target, max_positions,
-                                        bool(marker.get("fc_bias", False)))
+                                        bool(marker.get("fc_bias", False)), tuple(aux))
         finally:
             torch.set_default_dtype(prev)
     try:

@@ -222,10 +222,23 @@ class TransformerModel(nn.Module):
             DecoderLayer(config, backend, rotary_emb, quant_config, f"model.layers.{i}")
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # A draft head with EAGLE-3's multi-layer features (models/draft_head.py) also reads
+        # the hidden state entering these layers, through each layer's input norm;
+        # `forward` collects them in `aux_hidden_states` (set by the engine).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: list[torch.Tensor] = []
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        aux = self.aux_hidden_state_layers
+        self.aux_hidden_states = []
+        for i, layer in enumerate(self.layers):
+            if i in aux:
+                # the residual stream entering layer i (x None: the last layer ran fused and
+                # added in place), normalized as layer i reads it; a new tensor, so later
+                # in-place adds to the stream leave it alone
+                stream = residual if x is None else x if residual is None else x + residual
+                self.aux_hidden_states.append(layer.input_layernorm(stream))
             x, residual = layer(positions, x, residual, meta)
         if x is None:  # the last layer ran fused: the residual stream is the output
             return self.norm(residual)
@@ -259,6 +272,8 @@ class TransformerForCausalLM(nn.Module):
         # [KV slots + 1, hidden]: with a draft head (models/draft_head.py), every step's
         # final hidden states are kept by KV slot, where the head reads its input features;
         # the last row takes the writes of rows without a slot (-1: padding, profiling).
+        # With aux layers ([KV slots + 1, (1 + n) hidden]) each row is followed by the
+        # model's aux_hidden_states.
         self.feature_cache: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -266,7 +281,9 @@ class TransformerForCausalLM(nn.Module):
         hidden = self.model(input_ids, positions, attn_metadata)
         cache = self.feature_cache
         if cache is not None and attn_metadata.slot_mapping is not None:
-            cache.index_copy_(0, attn_metadata.slot_mapping.remainder(cache.shape[0]), hidden)
+            aux = self.model.aux_hidden_states
+            feats = torch.cat([hidden, *aux], dim=-1) if aux else hidden
+            cache.index_copy_(0, attn_metadata.slot_mapping.remainder(cache.shape[0]), feats)
         return hidden
 
     def prepare_chained_step(self, rows: int) -> None:

@@ -5,7 +5,8 @@ The head keeps its own one-layer paged KV and runs like a draft model (spec/draf
 a catch-up step, then k - 1 single-token steps, drafts kept on the device for the verify
 step), with two differences:
 
-- Its input at head position i is the token at i + 1 and the target's feature f_i. The target
+- Its input at head position i is the token at i + 1 and the target's feature f_i (with aux
+  layers, f_i and the aux layers' hidden states, fused to the head's width first). The target
   writes every step's final hidden states into a cache indexed by KV slot
   (`TransformerForCausalLM.feature_cache`), so the catch-up gathers f_i for any position the
   target has computed: after a verify step, after plain steps (speculation switched off), or
@@ -77,7 +78,8 @@ class HeadProposer(DraftModelProposer):
             for view, n in step:
                 table, start = view.seq.block_table, view.num_computed_tokens
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            feats = self.target.feature_cache.index_select(0, _to_device(slots, device))
+            feats = head.fuse_target_features(
+                self.target.feature_cache.index_select(0, _to_device(slots, device)))
         else:  # the head's own outputs at each still-drafting view's last row
             feats = self._last_outputs(len(step))
         rows = feats.shape[0]
@@ -143,8 +145,8 @@ class HeadProposer(DraftModelProposer):
         positions = (acc.p[:, None] + j).flatten()
         write = (j <= a).flatten()
         rows = torch.arange(0, n * width, width, device=acc.a.device) + acc.a
-        head.static_features[:n * width].copy_(
-            self.target.feature_cache.index_select(0, acc.extra.flatten()))
+        head.static_features[:n * width].copy_(head.fuse_target_features(
+            self.target.feature_cache.index_select(0, acc.extra.flatten())))
         first = self.runner.execute_on_device([v for v in views for _ in range(width)], ids,
                                               positions, write, rows)[0]
         head.static_features[:n].copy_(head.static_out.index_select(0, rows))
@@ -179,10 +181,11 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def feature_bytes_per_block(target: TransformerForCausalLM, block_size: int,
+def feature_bytes_per_block(head: DraftHeadForCausalLM, block_size: int,
                             dtype: torch.dtype) -> int:
-    """The feature cache's share of each KV block (one hidden state per slot)."""
-    return block_size * target.config.hidden_size * dtype.itemsize
+    """The feature cache's share of each KV block (one row of the head's feature width per
+    slot: the final hidden state, and with aux layers theirs)."""
+    return block_size * head.model.feature_width * dtype.itemsize
 
 
 def load_head_for(config, target: TransformerForCausalLM, target_model_config,

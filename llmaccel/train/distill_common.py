@@ -55,6 +55,11 @@ class DistillConfig:
     # head: the target's features of every block computed once and kept on the device
     # (train/feature_cache.py), not once per step
     cache_features: bool = False
+    # head: EAGLE-3's multi-layer features. Besides the final hidden state, the hidden state
+    # entering each of these target layers (vLLM's eagle_aux_hidden_state_layer_ids
+    # convention), normalized by that layer's input norm, fused into the head's feature
+    # width by a linear `fuse` (() = EAGLE-1: the final hidden state only)
+    aux_layers: tuple[int, ...] = ()
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
     # whole vocabulary); FR-Spec / EAGLE-3 cut the draft's LM-head cost this way.
@@ -100,6 +105,11 @@ class DistillConfig:
                   (not self.cache_features or self.kind == "head",
                    "cache_features keeps the target's features for a head (kind 'head'); a "
                    "student trains on the target's logits"),
+                  (not self.aux_layers or self.kind == "head",
+                   "aux_layers gives a head (kind 'head') the target's earlier layers"),
+                  (all(isinstance(i, int) and i >= 1 for i in self.aux_layers)
+                   and len(set(self.aux_layers)) == len(self.aux_layers),
+                   f"aux_layers must be distinct layer indexes >= 1, got {self.aux_layers}"),
                   (self.draft_vocab_size >= 0,
                    f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
                   (self.schedule in ("cosine", "constant"),

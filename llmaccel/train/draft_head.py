@@ -16,6 +16,17 @@ test") the head also drafts that many steps ahead on its own outputs during trai
 step fitted the same way (DraftHead.unroll), so it learns from the inputs it drafts from.
 The target is frozen; only fc and the layer train.
 
+With `aux_layers` (EAGLE-3's multi-layer features) the target's feature at i is wider: f_i
+followed by, for each aux layer l, the hidden state entering target layer l at position i
+normalized by that layer's input RMSNorm (what layer l reads). A linear `fuse` ([H, (1 + n) H],
+no bias) maps it to the head's width before fc; the head's own outputs, fed back when it
+drafts further, are already of that width and skip it. fuse starts as [I, 0, ..., 0] (the
+final hidden state only: the EAGLE-1 head), so training learns what the earlier layers add.
+Why: the final hidden state has mostly traded the identity of its own token for a prediction
+of the next, so one layer attending over the head's rows cannot find "where did this token
+occur before" (an induction lookup: copying, which rewriting and quoting are full of); an
+early layer's hidden state still holds its token. The regression target stays f_{i+1}.
+
 Checkpoint (a directory): config.json, a one-layer Llama config with the target's shapes and
 rope settings plus the "llmaccel_draft_head" marker, and model.safetensors with fc.weight
 (fc.bias) and layers.0.* in HF Llama names, no input_layernorm, embed_tokens or lm_head.
@@ -55,11 +66,13 @@ EVAL_STEPS = 4
 
 
 def head_config_dict(target_config: dict[str, Any], target_name: str, dtype: torch.dtype,
-                     fc_bias: bool = False) -> dict[str, Any]:
+                     fc_bias: bool = False, aux_layers: tuple[int, ...] = ()
+                     ) -> dict[str, Any]:
     """The head's config.json: a one-layer Llama (what vLLM's EAGLE-1 loader reads) with the
     target's shapes, its rope settings copied as written, and our marker."""
     c = target_config
     heads = c["num_attention_heads"]
+    check_aux_layers(aux_layers, c["num_hidden_layers"])
     out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
@@ -76,7 +89,18 @@ def head_config_dict(target_config: dict[str, Any], target_name: str, dtype: tor
             out[key] = c[key]
     out[MARKER] = {"kind": "eagle", "target": target_name, "feature": FEATURE,
                    "fc_bias": bool(fc_bias)}
+    if aux_layers:
+        out[MARKER]["aux_hidden_state_layers"] = [int(i) for i in aux_layers]
     return out
+
+
+def check_aux_layers(aux_layers, num_layers: int) -> None:
+    """Aux layers must be distinct target layers 1..num_layers - 1 (the hidden state entering
+    layer 0 is the embedding; the final one is always a feature)."""
+    bad = [i for i in aux_layers if not isinstance(i, int) or not 1 <= i < num_layers]
+    if bad or len(set(aux_layers)) != len(aux_layers):
+        raise LLMAccelError(f"aux layers {list(aux_layers)} must be distinct layer indexes in "
+                            f"1..{num_layers - 1} of a {num_layers}-layer target")
 
 
 def _llama_config(config_dict: dict[str, Any]):
@@ -112,6 +136,9 @@ class DraftHead(nn.Module):
                                 f"{config.vocab_size} does not fit a target with embedding "
                                 f"{tuple(embed_tokens.shape)}")
         self.fc = nn.Linear(2 * hidden, hidden, bias=config_dict[MARKER]["fc_bias"])
+        self.aux_layers = tuple(config_dict[MARKER].get("aux_hidden_state_layers", ()))
+        if self.aux_layers:
+            self.fuse = nn.Linear((1 + len(self.aux_layers)) * hidden, hidden, bias=False)
         layer = LlamaDecoderLayer(config, layer_idx=0)
         layer.input_layernorm = nn.Identity()  # EAGLE-1: the first layer reads fc's output raw
         self.layers = nn.ModuleList([layer])
@@ -120,9 +147,20 @@ class DraftHead(nn.Module):
         self.embed_tokens = embed_tokens.detach()
         self.lm_head = lm_head.detach()
 
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Features in the head's width: the target's (1 + n aux) x H wide ones through fuse;
+        H wide ones (the head's own outputs, or fused already) as they are."""
+        hidden = self.fc.out_features
+        if features.shape[-1] == hidden:
+            return features
+        if not self.aux_layers or features.shape[-1] != (1 + len(self.aux_layers)) * hidden:
+            raise LLMAccelError(f"features of width {features.shape[-1]} do not fit a head of "
+                                f"hidden size {hidden} with aux layers {list(self.aux_layers)}")
+        return self.fuse(features.to(self.fuse.weight.dtype))
+
     def forward(self, next_ids: torch.Tensor, features: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self._inputs(next_ids, features)
+        h = self._inputs(next_ids, self.fuse_features(features))
         b, t, _ = h.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=h.device).expand(b, t)
@@ -168,7 +206,7 @@ class DraftHead(nn.Module):
         rows = torch.arange(n, device=ids.device)
         hs: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
-        feats = features
+        feats = self.fuse_features(features)
         for step in range(1, steps + 1):
             # the token after row t's feature at this step: x_{t+step}, clamped into the block
             hs.append(self._inputs(ids[:, (rows + step).clamp(max=n)],
@@ -191,22 +229,38 @@ class DraftHead(nn.Module):
 
 
 @torch.no_grad()
-def target_features(target_model, input_ids: torch.Tensor) -> torch.Tensor:
-    """f: the target's last hidden states after its final norm, [B, T, H]."""
-    return target_model.base_model(input_ids=input_ids).last_hidden_state
+def target_features(target_model, input_ids: torch.Tensor,
+                    aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """f: the target's last hidden states after its final norm, [B, T, H]; with `aux_layers`
+    followed by the hidden state entering each of those layers through its input norm,
+    [B, T, (1 + n) H] (the module docstring)."""
+    base = target_model.base_model
+    if not aux_layers:
+        return base(input_ids=input_ids).last_hidden_state
+    out = base(input_ids=input_ids, output_hidden_states=True)
+    # hidden_states[l] enters layer l (0: the embedding); the last is after the final norm
+    aux = [base.layers[i].input_layernorm(out.hidden_states[i]) for i in aux_layers]
+    return torch.cat([out.last_hidden_state, *aux], dim=-1)
 
 
 def build_draft_head(target_model, target_config: dict[str, Any] | None = None,
                      target_name: str = "", fc_bias: bool = False, init: bool = True,
-                     save_dtype: torch.dtype | None = None) -> DraftHead:
+                     save_dtype: torch.dtype | None = None,
+                     aux_layers: tuple[int, ...] = ()) -> DraftHead:
     """A head for `target_model` (an HF causal LM), fp32, on the target's device. `init`:
-    start from the target's last layer (else transformers' random init and a random fc)."""
+    start from the target's last layer (else transformers' random init and a random fc);
+    fuse, with aux layers, starts as the final hidden state's pass-through either way."""
     target_config = target_config or target_model.config.to_dict()
     dtype = save_dtype or target_model.dtype
     embed = target_model.get_input_embeddings().weight
     lm_head = target_model.get_output_embeddings().weight  # the embedding itself when tied
-    head = DraftHead(head_config_dict(target_config, target_name, dtype, fc_bias), embed,
-                     lm_head).to(device=embed.device, dtype=torch.float32)
+    head = DraftHead(head_config_dict(target_config, target_name, dtype, fc_bias, aux_layers),
+                     embed, lm_head).to(device=embed.device, dtype=torch.float32)
+    if aux_layers:
+        with torch.no_grad():
+            hidden = head.fc.out_features
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, :hidden].copy_(torch.eye(hidden))
     if init:
         _init_from_target(head, target_model)
     return head
@@ -257,17 +311,22 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
     the loss is the mean over the steps weighted by unroll_decay ** (j - 1) (a step is
     worth only as much as the chance the drafts before it were accepted). `features`: the
     batch's target features when already computed (train/feature_cache.py)."""
-    f = target_features(target_model, batch) if features is None else features
+    f = (target_features(target_model, batch, head.aux_layers) if features is None
+         else features)
+    final = f[..., :head.fc.out_features]  # f_i itself, before any aux layers' features
     inputs = f[:, :-1].float()
     if feature_noise > 0:
-        rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
-        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * feature_noise * rms
+        # relative to each part's RMS (the final hidden state and each aux layer's)
+        parts_view = inputs.unflatten(-1, (-1, head.fc.out_features))
+        rms = parts_view.pow(2).mean(-1, keepdim=True).sqrt()
+        noise = (torch.rand_like(parts_view) * 2 - 1) * feature_noise * rms
+        inputs = (parts_view + noise).flatten(-2)
     with autocast_for(batch.device, target_model.dtype):
         outs = head.unroll(batch, inputs, unroll_steps, unroll_detach)
     total, parts, weights = 0.0, {}, 0.0
     for step, o in enumerate(outs, start=1):
         valid = f.shape[1] - step  # rows 0..T-1-step have a feature f_{i+step}
-        want = f[:, step:]
+        want = final[:, step:]
         with torch.no_grad():
             p_logits = head.compute_logits(want)
         reg = F.smooth_l1_loss(o[:, :valid].float(), want.float())
@@ -298,10 +357,11 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
     ids = draft_vocab.to(device) if draft_vocab is not None else None
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i:i + batch_size].to(device)
-        f = (target_features(target_model, batch) if features is None
-             else features.features[i:i + len(batch)])
+        wide = (target_features(target_model, batch, head.aux_layers) if features is None
+                else features.features[i:i + len(batch)])
+        f = wide[..., :head.fc.out_features]
         with autocast_for(device, target_model.dtype):
-            outs = head.unroll(batch, f[:, :-1], max(1, min(steps, f.shape[1] - 1)))
+            outs = head.unroll(batch, wide[:, :-1], max(1, min(steps, f.shape[1] - 1)))
         for step, o in enumerate(outs, start=1):
             p_logits = head.compute_logits(f[:, step:])
             q_logits = head.compute_logits(o[:, :f.shape[1] - step])
@@ -385,10 +445,17 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     from llmaccel.train.distill_common import finish, train_loop
 
     model = target.model
+    aux = tuple(cfg.aux_layers)
     head = build_draft_head(model, target.config, cfg.target, cfg.fc_bias,
-                            save_dtype=target.save_dtype, init=cfg.init_head is None)
+                            save_dtype=target.save_dtype, init=cfg.init_head is None,
+                            aux_layers=aux)
     if cfg.init_head is not None:  # go on from a saved head (e.g. unrolled after plain)
-        head.load_state_dict(load_draft_head(cfg.init_head, model).state_dict(), strict=True)
+        start = load_draft_head(cfg.init_head, model)
+        if start.aux_layers != aux:
+            raise LLMAccelError(f"init_head {cfg.init_head!r} has aux layers "
+                                f"{list(start.aux_layers)}, this training {list(aux)}: give "
+                                "the same aux_layers")
+        head.load_state_dict(start.state_dict(), strict=True)
     params = list(head.parameters())
     vocab, vocab_info = None, None
     if cfg.draft_vocab_size:
@@ -399,8 +466,12 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     batches = train  # what the loop draws random rows of
     if cfg.cache_features:  # the target runs once per block, not once per step
         start = time.perf_counter()
-        train_cache = FeatureCache(model, train, cfg.batch_size, target_features)
-        held_cache = FeatureCache(model, held, cfg.batch_size, target_features)
+        def compute(m, ids):
+            return target_features(m, ids, aux)
+
+        width = head.fc.out_features * (1 + len(aux))
+        train_cache = FeatureCache(model, train, cfg.batch_size, compute, width)
+        held_cache = FeatureCache(model, held, cfg.batch_size, compute, width)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         cache_seconds = time.perf_counter() - start

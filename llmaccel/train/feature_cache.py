@@ -42,11 +42,12 @@ class FeatureCache:
     device memory): a clear error, not a silent switch to computing them per step."""
 
     def __init__(self, target_model, blocks: torch.Tensor, batch_size: int,
-                 compute) -> None:
-        """`compute(target_model, ids [B, T]) -> [B, T, H]`: train/draft_head.target_features."""
+                 compute, width: int | None = None) -> None:
+        """`compute(target_model, ids [B, T]) -> [B, T, width]`: train/draft_head's
+        target_features (width: the hidden size, or (1 + aux layers) times it)."""
         param = next(target_model.parameters())
         device, dtype = param.device, param.dtype
-        hidden = target_model.config.hidden_size
+        hidden = width or target_model.config.hidden_size
         need = cache_bytes(blocks, hidden, dtype)
         if device.type == "cuda":
             require_fit(need, torch.cuda.mem_get_info(device)[0], len(blocks), device)
