@@ -30,7 +30,7 @@
 #        pieces 0-3; N=1 the rest
 # cont   continue it unrolled and detached (session 24's best variant), CONT_SECONDS
 # w5head W5 at batch 1 with HEAD (default the warm head): OVERLAP (off,on), FIRST (lookup
-#        first: off), LOOKUP (its most drafts)
+#        first: off), LOOKUP (its most drafts), TOPK (tree verification, spec/tree.py)
 # w5hybrid  W5 at batch 1 with HEAD, n-gram lookup first (SpeculativeConfig.ngram_first;
 #        LOOKUP_MIN: its shortest match, default 2)
 # w5     W5 at batch 1: n-gram and the 0.5B draft model, same settings
@@ -52,6 +52,7 @@ SWITCH=${SWITCH:-auto}  # spec_bench --switch: auto, on (speculate every round),
 OVERLAP=${OVERLAP:-off,on}  # w5head: --draft-overlap
 FIRST=${FIRST:-off}  # w5head: --ngram-first (off, on, or off,on)
 LOOKUP=${LOOKUP:-k}  # w5head/w5hybrid: --prompt-lookup-num-tokens (k: the head's k), e.g. k,7
+TOPK=${TOPK:-1}  # w5head: --draft-topk (tree verification: candidates per depth), e.g. 1,3
 W5="python benchmarks/spec_bench.py --target $T15 --batches 1 --kinds code,prose --k 4
     --max-tokens 192 --repeats 5 --dtype bfloat16 --switch $SWITCH --out $out"
 quiet() { grep -v "Converting and de-quantizing\|Loading weights" || true; }
@@ -130,7 +131,7 @@ case $part in
   w5head)
     $W5 --methods head --head "$HEAD" --draft-overlap "$OVERLAP" --ngram-first "$FIRST" \
       --prompt-lookup-num-tokens "$LOOKUP" --prompt-lookup-min "${LOOKUP_MIN:-2}" \
-      --name "$tag-W5-head" 2>&1 | quiet | tail -8
+      --draft-topk "$TOPK" --name "$tag-W5-head" 2>&1 | quiet | tail -12
     [[ $HEAD == "$H/warm" ]] && pieces 1
     ;;
   w5hybrid)
@@ -144,7 +145,8 @@ case $part in
     ;;
   tests)
     python -m pytest -q -p no:cacheprovider -m gpu tests/test_spec_head_overlap.py \
-      tests/test_spec_head.py tests/test_spec_overlap.py tests/test_head_aux_layers.py 2>&1 | tail -5 \
+      tests/test_spec_head.py tests/test_spec_overlap.py tests/test_head_aux_layers.py \
+      tests/test_spec_tree.py tests/test_kernels_paged_attention.py 2>&1 | tail -8 \
       | tee "$out/$tag-gpu-tests.txt"
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

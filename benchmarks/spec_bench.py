@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="draft/head: comma-separated on,off -- the next round's drafts launched "
                          "with this round's verify step (on, the default; spec/overlap.py) or "
                          "after verification (off: LLMACCEL_DRAFT_OVERLAP=0), one engine each")
+    ap.add_argument("--draft-topk", default="1",
+                    help="head: candidates per draft depth (tree verification, "
+                         "spec/tree.py; 1 = a chain), comma-separated: one engine each")
     ap.add_argument("--ngram-first", default="off",
                     help="draft/head: comma-separated off,on -- n-gram lookup drafts where the "
                          "context has a match, the model elsewhere (SpeculativeConfig."
@@ -241,16 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     firsts = args.ngram_first.split(",")
     lookup_ks = [None if v == "k" else int(v)
                  for v in (args.prompt_lookup_num_tokens or "k").split(",")]
-    runs = [(m, s, v, c, o, f, lk) for m in args.methods.split(",")
+    topks = [int(t) for t in args.draft_topk.split(",")]
+    runs = [(m, s, v, c, o, f, lk, tk) for m in args.methods.split(",")
             for s in args.switch.split(",")
             for v in (vocab_sizes if m == "head" else [None])
             for c in (chains if m != "ngram" else ["on"])
             for o in (overlaps if m in ("draft", "head") else ["on"])
             for f in (firsts if m in ("draft", "head") else ["off"])
-            for lk in (lookup_ks if f == "on" else [None])]
+            for lk in (lookup_ks if f == "on" else [None])
+            for tk in (topks if m == "head" else [1])]
     limits = _limits(args.disable_by_batch_size, args.methods.split(","))
-    for method, switch, vocab, chain, overlap, first, lookup_k in runs:
+    for method, switch, vocab, chain, overlap, first, lookup_k, topk in runs:
         spec = {"method": method, "num_speculative_tokens": args.k}
+        if topk > 1:
+            spec["draft_topk"] = topk
         if first == "on":
             spec["ngram_first"] = True
             spec["prompt_lookup_num_tokens"] = lookup_k
@@ -276,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 before = llm.get_stats().spec_decode
                 overlapped = llm.engine.spec.num_overlapped
                 looked_up = llm.engine.spec.num_ngram_first
+                tree_acc = llm.engine.spec.num_tree_accepted
                 sw = llm.engine.spec.switch
                 switches = 0 if sw is None else sw.num_switches
                 # the plain engine stays loaded: its runs alternate with the speculative
@@ -308,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "draft_overlap": overlap if method in ("draft", "head") else None,
                                   "ngram_first": first == "on",
                                   "prompt_lookup_num_tokens": lookup_k,
+                                  "draft_topk": topk,
                                   "identical_to_plain": tokens == base_tokens,
                                   "plain_out_tok_s": round(n_out / base_wall, 2),
                                   "spec_out_tok_s": round(n_out / wall, 2)},
@@ -326,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                 # of the cell (warm-up included)
                 rec["config"]["overlapped_rounds"] = llm.engine.spec.num_overlapped - overlapped
                 rec["config"]["ngram_first_rounds"] = llm.engine.spec.num_ngram_first - looked_up
+                # sequence rounds that accepted a sibling draft (tree verification), all runs
+                rec["config"]["tree_accepted_rounds"] = (llm.engine.spec.num_tree_accepted
+                                                         - tree_acc)
                 # the timed runs' engine steps by class, summed over the repeats: where a
                 # speculative run's time went against the plain engine's (step_trace.py)
                 rec["config"]["steps_plain"] = steps_plain
@@ -365,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                     label += f" (ngram first {first})"
                 if lookup_k is not None:
                     label += f" (lookup up to {lookup_k})"
+                if topk > 1:
+                    label += f" (topk {topk})"
                 rows.append(f"| {label} | {switch} | {kind} | {b} | "
                             f"{rec['config']['plain_out_tok_s']} | "
                             f"{rec['config']['spec_out_tok_s']} | {rec['value']} | {acc:.2f} | "

@@ -16,7 +16,8 @@ def graphs_on_cpu(runner: ModelRunner, chain_steps: int, width: int = WIDTH
                   ) -> CUDAGraphRunner:
     """Give a CPU runner the graph runner's code path (static buffers, padding, chains),
     run eagerly: what a GPU runner replays. `width`: block-table entries per row."""
-    graphs = CUDAGraphRunner(runner.model, SIZES, width, torch.device("cpu"), runner.block_size)
-    graphs.capture_chains(chain_steps, 64)
+    graphs = CUDAGraphRunner(runner.model, SIZES, width, torch.device("cpu"), runner.block_size,
+                             runner.tree_rows)
+    graphs.capture_chains(chain_steps, 64, runner.chain_topk)
     runner.graphs = graphs
     return graphs

@@ -58,6 +58,12 @@ SUBSET_ROWS = 8
 SUBSET_MIN_ROWS = 32
 
 
+def runners_up(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, vocab] -> the 2nd to (width + 1)-th best token ids per row [rows, width],
+    float64 (exact ids, as the greedy tokens): a draft's siblings in tree drafts."""
+    return logits.topk(width + 1, dim=-1).indices[:, 1:].to(torch.float64)
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to 256, then every 64: padding wastes at most 16 rows
     (or 64 beyond 256) while keeping the number of graphs (and capture time) small."""
@@ -128,8 +134,11 @@ class _HostStaging:
 
 class CUDAGraphRunner:
     def __init__(self, model: TransformerForCausalLM, capture_sizes: list[int],
-                 max_blocks_per_seq: int, device: torch.device, block_size: int = 16) -> None:
+                 max_blocks_per_seq: int, device: torch.device, block_size: int = 16,
+                 tree_rows: bool = False) -> None:
         self.model = model
+        # tree verification: rows read their newest key from their own slot (spec/tree.py)
+        self.tree_rows = tree_rows
         self.sizes = sorted(set(capture_sizes))
         self.max_bs = self.sizes[-1]
         self.device = device
@@ -163,13 +172,19 @@ class CUDAGraphRunner:
         self.chain_outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.chain_sizes: list[int] = []
         self.chain_steps = 0
+        # tree drafts: each chained step's runners-up too (`_chain_forward`), and the last
+        # chain's, [steps * (topk - 1), rows] (`last_chain_siblings`)
+        self.chain_topk = 1
+        self.last_chain_siblings: torch.Tensor | None = None
+        self.last_rows_siblings: torch.Tensor | None = None  # run_on_device's, [rows, w]
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
             slot_mapping=self.inputs[2, :bs], block_tables=self.block_tables[:bs],
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
-            max_query_len=1, max_seq_len=None, kv_fresh_from=self.inputs[KV_FRESH_ROW, :bs])
+            max_query_len=1, max_seq_len=None, kv_fresh_from=self.inputs[KV_FRESH_ROW, :bs],
+            newest_key_from_slot=self.tree_rows)
 
     def _forward(self, bs: int, subset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's logits and greedy tokens: of all bs rows, or (subset > 0) of the rows
@@ -183,18 +198,23 @@ class CUDAGraphRunner:
 
     def _chain_forward(self, bs: int, steps: int) -> torch.Tensor:
         """`steps` greedy decode steps of bs rows, each fed the last one's tokens -> the
-        tokens [steps, bs] (float64, exact ids). Row r starts at position inputs[6, r] with
-        input id inputs[0, r] and writes KV for its first inputs[7, r] steps only."""
+        tokens [steps, bs] (float64, exact ids), followed with chain_topk > 1 by each step's
+        runners-up: row steps + s * (topk - 1) + r holds step s's (r + 2)-th best token (tree
+        drafts, spec/tree.py). Row r starts at position inputs[6, r] with input id
+        inputs[0, r] and writes KV for its first inputs[7, r] steps only."""
         start, count = self.inputs[6, :bs], self.inputs[7, :bs]
-        out = torch.empty(steps, bs, dtype=torch.float64, device=self.device)
+        w = self.chain_topk - 1
+        out = torch.empty(steps * (1 + w), bs, dtype=torch.float64, device=self.device)
         for s in range(steps):
             # a row past its count stays on its last written position (valid KV to attend)
             pos = start - 1 + count.clamp(max=s + 1)
             self._place_rows(bs, pos, count > s)
             hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
-            tokens = greedy_with_logprobs(self.model.compute_logits(hidden),
-                                          use_kernel=USE_GREEDY_KERNEL)[0]
+            logits = self.model.compute_logits(hidden)
+            tokens = greedy_with_logprobs(logits, use_kernel=USE_GREEDY_KERNEL)[0]
             out[s].copy_(tokens)
+            if w:
+                out[steps + s * w:steps + (s + 1) * w].copy_(runners_up(logits, w).T)
             self.inputs[0, :bs].copy_(tokens)  # float64 ids -> int64, exact
             self.model.prepare_chained_step(bs)
         return out
@@ -253,11 +273,13 @@ class CUDAGraphRunner:
         return graph, outputs
 
     @torch.inference_mode()
-    def capture_chains(self, max_steps: int, max_rows: int) -> None:
+    def capture_chains(self, max_steps: int, max_rows: int, topk: int = 1) -> None:
         """Chained-decode graphs of 1..max_steps steps for the captured row counts up to
-        max_rows (on the CPU nothing is captured: `run_chain` runs the same steps eagerly)."""
+        max_rows (on the CPU nothing is captured: `run_chain` runs the same steps eagerly),
+        keeping each step's top `topk` tokens (tree drafts)."""
         self.chain_sizes = [bs for bs in self.sizes if bs <= max_rows]
         self.chain_steps = max_steps
+        self.chain_topk = topk
         if self.device.type != "cuda" or max_steps < 1:
             return
         # capture-time runs write nothing: every row has a count of 0 (slot -1)
@@ -360,9 +382,12 @@ class CUDAGraphRunner:
         self.inputs[0, :n].copy_(first_ids)
         graph = self.chain_graphs.get((bs, steps))
         if graph is None:  # CPU: the same steps, eagerly
-            return self._chain_forward(bs, steps)[:, :n]
-        graph.replay()
-        return self.chain_outputs[bs, steps][:, :n]
+            out = self._chain_forward(bs, steps)
+        else:
+            graph.replay()
+            out = self.chain_outputs[bs, steps]
+        self.last_chain_siblings = out[steps:, :n] if self.chain_topk > 1 else None
+        return out[:steps, :n]
 
     def run_on_device(self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
                       tables: list[list[int]], rows: torch.Tensor) -> torch.Tensor:
@@ -387,6 +412,9 @@ class CUDAGraphRunner:
             self.outputs[bs] = self._forward(bs)
         else:
             graph.replay()
+        if self.chain_topk > 1:  # tree drafts: the asked rows' runners-up too
+            self.last_rows_siblings = runners_up(self.outputs[bs][0].index_select(0, rows),
+                                                 self.chain_topk - 1)
         return self.outputs[bs][1].index_select(1, rows)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],

@@ -115,9 +115,16 @@ class LLMEngine:
             self.model.feature_cache = torch.zeros(num_blocks * bs + 1,
                                                    self.draft_head.model.feature_width,
                                                    dtype=mc.dtype, device=device)
+        spec_cfg = config.speculative_config
+        topk = 1 if spec_cfg is None else spec_cfg.draft_topk
+        if topk > 1 and self.model.attention_backend.name not in ("triton", "torch"):
+            raise LLMAccelError(f"speculative draft_topk={topk} (tree verification) needs the "
+                                "triton or torch attention backend, not "
+                                f"{self.model.attention_backend.name!r}")
         self.runner = ModelRunner(self.model, allocate_kv_caches(
             self.model, num_blocks, bs, self.kv_cache_dtype, device), bs, mc.max_model_len,
-            capture_sizes(config, device, max_num_batched_tokens=self.max_num_batched_tokens))
+            capture_sizes(config, device, max_num_batched_tokens=self.max_num_batched_tokens),
+            tree_rows=topk > 1)
         self.stop_checker = StopChecker(eos_token_ids(mc, self.tokenizer), mc.max_model_len,
                                         self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -139,9 +146,11 @@ class LLMEngine:
                                            self.kv_cache_dtype, device, sizes, k)
             elif self.draft_head is not None:
                 draft = HeadProposer(self.draft_head, self.model, num_blocks, bs,
-                                     mc.max_model_len, self.kv_cache_dtype, device, sizes, k)
+                                     mc.max_model_len, self.kv_cache_dtype, device, sizes, k,
+                                     draft_topk=topk)
             self.spec = SpecDecoder(config.speculative_config, mc.max_model_len,
                                     self.stop_checker, draft)
+            self.spec.move_slots = self.runner.move_slots
             self.spec.costs = measure_step_costs(self.runner, draft)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, bs,
                     num_blocks * bs, str(self.kv_cache_dtype).removeprefix("torch."))
@@ -282,7 +291,8 @@ class LLMEngine:
         if greedy is None and plain:
             greedy = greedy_with_logprobs(logits)  # eager steps: argmax on the device too
         return _Launched(sched, sampling, logits, greedy, plain,
-                         rows_per_seq=[1 + len(seq.spec_token_ids) for seq in sampling])
+                         rows_per_seq=[1 + len(seq.spec_token_ids) + len(seq.spec_sibling_ids)
+                                       for seq in sampling])
 
     def _plain(self, seqs: list[Sequence]) -> bool:
         """Greedy, no logprobs, nothing banned: the token is the argmax."""
@@ -363,7 +373,7 @@ class LLMEngine:
             if seq.is_finished:  # a stop string found just now, or aborted
                 if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER_TOKEN:
                     seq.output_token_ids.pop()
-                seq.spec_token_ids = []
+                seq.spec_token_ids, seq.spec_sibling_ids = [], []
                 continue
             if seq.spec_token_ids:
                 spec_seqs.append(seq)

@@ -20,6 +20,7 @@ from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.engine.sequence import Sequence
 from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.transformer import TransformerForCausalLM
+from llmaccel.spec.tree import sibling_positions
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +47,13 @@ class ModelRunner:
     def __init__(self, model: TransformerForCausalLM, kv_caches: list[torch.Tensor],
                  block_size: int, max_model_len: int = 0,
                  cudagraph_capture_sizes: list[int] | None = None,
-                 chain_steps: int = 0) -> None:
+                 chain_steps: int = 0, chain_topk: int = 1,
+                 tree_rows: bool = False) -> None:
         """`chain_steps`: a draft's runner also captures chained greedy steps of 1 to this
-        many steps (`execute_chain`)."""
+        many steps (`execute_chain`), with each step's top `chain_topk` tokens where that is
+        above 1 (tree drafts, spec/tree.py). `tree_rows`: the target of tree verification;
+        its decode rows read their newest key from their own slot
+        (AttentionMetadata.newest_key_from_slot), in its graphs too."""
         self.model = model
         self.kv_caches = kv_caches
         # Copy-on-write moves FP8 blocks as bytes: torch's float8 indexing is patchy by device.
@@ -74,10 +79,12 @@ class ModelRunner:
             else:
                 self.graphs = CUDAGraphRunner(model, cudagraph_capture_sizes,
                                               -(-max_model_len // block_size), self.device,
-                                              block_size)
+                                              block_size, tree_rows)
                 self.graphs.capture()
                 if chain_steps > 0 and os.environ.get("LLMACCEL_DRAFT_CHAIN", "1") == "1":
-                    self.graphs.capture_chains(chain_steps, CHAIN_MAX_ROWS)
+                    self.graphs.capture_chains(chain_steps, CHAIN_MAX_ROWS, chain_topk)
+        self.tree_rows = tree_rows
+        self.chain_topk = chain_topk
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks before a sequence writes into its copy."""
@@ -92,6 +99,21 @@ class ModelRunner:
             offsets = torch.arange(self.block_size, device=self.device)
             features[(dst[:, None] * self.block_size + offsets).flatten()] = features[
                 (src[:, None] * self.block_size + offsets).flatten()]
+
+    def move_slots(self, moves: list[tuple[int, int]]) -> None:
+        """Tree verification (spec/tree.py): each (src, dst) pair's KV, in every layer, and
+        its feature (a draft head's input) copied from slot src to slot dst: an accepted
+        sibling's, to the slot of its position."""
+        if not moves:
+            return
+        src = torch.tensor([s for s, _ in moves], device=self.device)
+        dst = torch.tensor([d for _, d in moves], device=self.device)
+        for cache in self._copy_views:
+            flat = cache.view(2, -1, *cache.shape[-2:])  # [2, slots, kv_heads, d]
+            flat[:, dst] = flat[:, src]
+        features = self.model.feature_cache
+        if features is not None:
+            features[dst] = features[src]
 
     def can_chain(self, num_rows: int, steps: int) -> bool:
         """Whether `execute_chain` serves `steps` chained steps of `num_rows` rows."""
@@ -137,7 +159,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, input_ids: torch.Tensor | None = None,
-                drafts: tuple[torch.Tensor, dict[Sequence, int]] | None = None
+                drafts: tuple[torch.Tensor, dict[Sequence, int], int] | None = None
                 ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
         """Launch the step (no host sync); returns the sequences that reached their last token
         (and so sample now), their next-token logits [rows, vocab] (one row per sequence, or
@@ -148,7 +170,8 @@ class ModelRunner:
         tokens the host does not know yet (async scheduling, a draft model's next step): one
         per scheduled token. `drafts` (ids [steps, rows] on the device, and the column of
         each sequence whose spec_token_ids are placeholders for them): a draft model's
-        proposals the host has not seen, written into the input ids on the device."""
+        proposals the host has not seen, written into the input ids on the device; a third
+        entry, the row of drafts[0] where sibling drafts start (spec/tree.py)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -163,42 +186,60 @@ class ModelRunner:
         # decode rows, one per token: token j of a sequence attends over its first
         # start + j + 1 positions, which is exactly the causal mask, so the decode kernel
         # (split-K over the context) and the decode CUDA graphs serve it.
-        as_rows = (all(n <= DECODE_ROWS_MAX for _, n in step.scheduled)
+        # Tree verification (spec/tree.py) needs decode rows: a step with sibling drafts runs
+        # as rows whatever else it holds (eagerly where no graph fits).
+        tree = any(seq.spec_sibling_ids for seq, _ in step.scheduled)
+        as_rows = (tree or all(n <= DECODE_ROWS_MAX for _, n in step.scheduled)
                    or self._small_step_as_rows(step))
+        sib_row0 = drafts[2] if drafts is not None else 0
         for seq, n in step.scheduled:
             start = seq.num_computed_tokens
             table = seq.block_table
             spec = seq.spec_token_ids  # speculative drafts follow the last real token
+            sibs = seq.spec_sibling_ids  # and their siblings follow the drafts
+            ns = len(sibs)
             if n == 1:  # decode: skip building per-token ranges
                 ids.append(seq.token_at(start))
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                ids += seq.token_slice(start, start + n - len(spec)) + spec
+                ids += seq.token_slice(start, start + n - len(spec) - ns) + spec + sibs
                 col = columns.get(seq) if spec else None
                 if col is not None:
-                    patch_dst += range(len(ids) - len(spec), len(ids))
+                    patch_dst += range(len(ids) - ns - len(spec), len(ids) - ns)
                     patch_src += range(col, col + width * len(spec), width)
-                positions += range(start, start + n)
+                    if ns:
+                        patch_dst += range(len(ids) - ns, len(ids))
+                        patch_src += range(sib_row0 * width + col,
+                                           (sib_row0 + ns) * width + col, width)
+                positions += range(start, start + n - ns)
+                if ns:
+                    positions += sibling_positions(seq.num_tokens - 1, ns,
+                                                   seq.spec_sibling_width)
+                # a sibling's KV goes to the slot of its row in the step, after the chain's
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             if as_rows:
                 fresh += [start] * n
                 query_lens += [1] * n
-                seq_lens += range(start + 1, start + n + 1)
+                seq_lens += range(start + 1, start + n - ns + 1)
+                if ns:  # a sibling's context: its ancestors, then its own key (its slot)
+                    seq_lens += [q + 1 for q in positions[-ns:]]
                 tables += [table] * n
             else:
                 query_lens.append(n)
                 seq_lens.append(start + n)
                 tables.append(table)
-            if start + n == seq.num_tokens + len(spec):
+            if start + n == seq.num_tokens + len(spec) + ns:
                 sampling.append(seq)
                 # logits of the last real token and of every draft (to verify them)
-                rows.extend(range(len(ids) - 1 - len(spec), len(ids)))
+                rows.extend(range(len(ids) - 1 - len(spec) - ns, len(ids)))
         if input_ids is not None and input_ids.shape[0] != len(ids):
             raise ValueError(f"input_ids has {input_ids.shape[0]} ids for {len(ids)} tokens")
         subset = len(rows) < len(ids)
         patch = (patch_src, patch_dst, drafts[0]) if patch_dst else None
         self.ran_graph = as_rows and self.graphs is not None and self.graphs.can_run(len(ids))
+        if tree and not self.tree_rows:
+            raise ValueError("a step with sibling drafts on a runner made without tree_rows")
         if self.graphs is not None and not self.ran_graph:
             self.graphs.flush_copy_out()  # an eager step: the copy the engine asked for first
         if self.ran_graph:
@@ -210,6 +251,7 @@ class ModelRunner:
                                               input_ids, rows if subset else None, patch,
                                               fresh)
         meta = AttentionMetadata.build(query_lens, seq_lens, self.device, slots, tables)
+        meta.newest_key_from_slot = tree
         ids_t = (torch.tensor(ids, device=self.device) if input_ids is None
                  else input_ids.to(device=self.device, dtype=torch.long))
         if patch is not None:

@@ -52,7 +52,11 @@ class Scheduler:
             seq = self.running[i]
             real = seq.num_uncomputed_tokens
             # speculative drafts are computed like any token, after the real ones
-            n = min(real + len(seq.spec_token_ids), budget)
+            n = min(real + len(seq.spec_token_ids) + len(seq.spec_sibling_ids), budget)
+            if seq.spec_sibling_ids and n < real + len(seq.spec_token_ids) + len(
+                    seq.spec_sibling_ids):
+                seq.spec_sibling_ids = []  # cut by the budget: the chain alone, as it fits
+                n = min(real + len(seq.spec_token_ids), budget)
             if not self.enable_chunked_prefill and n < real:
                 i += 1
                 continue
@@ -115,7 +119,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.spec_sibling_ids = [], []
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -44,6 +44,10 @@ class Sequence:
     num_preemptions: int = 0
     # speculative decoding: drafts to verify in the next step (not part of the output yet)
     spec_token_ids: list[int] = field(default_factory=list)
+    # tree verification (spec/tree.py): the proposer's runners-up at each draft depth, verified
+    # as leaves, `spec_sibling_width` per depth, flat (empty: a plain chain)
+    spec_sibling_ids: list[int] = field(default_factory=list)
+    spec_sibling_width: int = 0
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     spec_tracker: AcceptanceTracker | None = None  # recent acceptance, for the adaptive k
     spec_draft_probs: torch.Tensor | None = None  # [k, vocab] q of sampled drafts (draft model)

@@ -33,8 +33,10 @@ from llmaccel.spec.costs import StepCosts, constant_cost_fn
 from llmaccel.spec.draft_model import DeviceDrafts
 from llmaccel.spec.metrics import SpecDecodeStats
 from llmaccel.spec.ngram import NgramIndex
-from llmaccel.spec.overlap import Lookahead, launch_next_round, use_lookahead
+from llmaccel.spec.overlap import (Lookahead, launch_next_round, set_pending_siblings,
+                                   use_lookahead)
 from llmaccel.spec.switch import ShadowAcceptance, SpecSwitch, StepKind
+from llmaccel.spec.tree import greedy_verify_tree, sibling_depth
 from llmaccel.spec.verifier import greedy_verify_rows, processed_probs, rejection_sample
 
 # Cost of one more token in a verify step relative to a decode step, for the adaptive k of the
@@ -89,6 +91,11 @@ class SpecDecoder:
         self.num_overlapped = 0  # rounds whose drafts were launched during the previous one
         self.num_overlap_dropped = 0  # such drafts dropped (the running set changed, ...)
         self.num_ngram_first = 0  # sequence rounds drafted by lookup under ngram_first
+        self.num_tree_accepted = 0  # sequence rounds that accepted a sibling (spec/tree.py)
+        # tree verification: the engine's ModelRunner.move_slots (an accepted sibling's KV to
+        # its position's slot)
+        self.move_slots = None
+        self.tree_picks: list[int] | None = None  # the last verify's accepted siblings
         self._index_cursor = 0  # index_running: where the next share of sequences starts
         self.stats = SpecDecodeStats()
 
@@ -161,7 +168,7 @@ class SpecDecoder:
         drafted = False
         rows = 0
         for seq, n in sched.scheduled:
-            if n != 1 + len(seq.spec_token_ids):
+            if n != 1 + len(seq.spec_token_ids) + len(seq.spec_sibling_ids):
                 return None
             drafted = drafted or bool(seq.spec_token_ids)
             rows += n
@@ -248,6 +255,7 @@ class SpecDecoder:
         drafting, ks = [], []
         for seq in running:
             seq.spec_token_ids, seq.spec_draft_probs = [], None
+            seq.spec_sibling_ids = []
             if on and self._eligible(seq):
                 k = self._k(seq, cost, memo)
                 if k:
@@ -263,6 +271,7 @@ class SpecDecoder:
                 drafting, ks, self.config.draft_confidence_threshold, keep_on_device=True)
             for seq, d, q in zip(drafting, drafts, qs):
                 seq.spec_token_ids, seq.spec_draft_probs = d, q
+            set_pending_siblings(drafting, self.pending)
         self.stats.draft_time_s += time.perf_counter() - start
 
     def _ngram_first(self, seqs: list[Sequence], ks: list[int]
@@ -354,9 +363,11 @@ class SpecDecoder:
         self.stats.draft_time_s += time.perf_counter() - start
         return host
 
-    def device_drafts(self) -> tuple[torch.Tensor, dict[Sequence, int]] | None:
-        """For ModelRunner.execute: the drafts the verify step reads on the device."""
-        return None if self.pending is None else (self.pending.ids, self.pending.columns)
+    def device_drafts(self) -> tuple[torch.Tensor, dict[Sequence, int], int] | None:
+        """For ModelRunner.execute: the drafts the verify step reads on the device (ids,
+        columns, the row where sibling drafts start)."""
+        p = self.pending
+        return None if p is None else (p.ids, p.columns, p.sibling_row0)
 
     # -- after the step ------------------------------------------------------------------------
     def verify(self, seqs: list[Sequence], logits: torch.Tensor, offsets: list[int],
@@ -378,8 +389,13 @@ class SpecDecoder:
             if event is not None:
                 event.synchronize()
             argmax, lps = host.tolist()
-            tokens, accepted = greedy_verify_rows([s.spec_token_ids for s in seqs], argmax,
-                                                  offsets)
+            if any(s.spec_sibling_ids for s in seqs):
+                tokens, accepted, self.tree_picks = greedy_verify_tree(
+                    [s.spec_token_ids for s in seqs], [s.spec_sibling_ids for s in seqs],
+                    [s.spec_sibling_width for s in seqs], argmax, offsets)
+            else:
+                tokens, accepted = greedy_verify_rows([s.spec_token_ids for s in seqs], argmax,
+                                                      offsets)
             logprobs = [lps[o:o + len(t)] for o, t in zip(offsets, tokens)]
             self.stats.verify_time_s += time.perf_counter() - start
             return tokens, accepted, logprobs
@@ -420,7 +436,9 @@ class SpecDecoder:
         """Book a verified step: the rejected drafts leave the computed tokens (the caller
         appends the emitted tokens, with its stop checks, then calls `rollback_blocks`)."""
         k = len(seq.spec_token_ids)
-        seq.num_computed_tokens -= k - num_accepted
+        # rejected drafts and every sibling's row leave the computed tokens (an accepted
+        # sibling's KV was moved to its position's slot: `complete`)
+        seq.num_computed_tokens -= k - num_accepted + len(seq.spec_sibling_ids)
         if self.draft is not None:
             # called before the emitted tokens are appended: num_tokens is still the count
             # the drafts were proposed after
@@ -430,6 +448,7 @@ class SpecDecoder:
             if ahead and kept is not None:
                 la.kept[seq] = kept
         seq.spec_token_ids, seq.spec_draft_probs = [], None
+        seq.spec_sibling_ids = []
         self.stats.observe(k, num_accepted)
         self.batch_tracker.observe(k, num_accepted)
         seq.spec_stats.observe(k, num_accepted)
@@ -445,8 +464,11 @@ class SpecDecoder:
         if self.pending is not None:  # the drafts' copy was queued before the verify step
             self.pending.resolve()
             self.pending = None
+        self.tree_picks = None
         all_tokens, all_accepted, logprobs = self.verify(seqs, logits, offsets, greedy,
                                                          greedy_host)
+        if self.tree_picks is not None:
+            self._move_accepted_siblings(seqs, self.tree_picks, block_manager.block_size)
         emitted = 0
         for seq, tokens, lps, accepted in zip(seqs, all_tokens, logprobs, all_accepted):
             self.accept(seq, accepted)
@@ -464,9 +486,26 @@ class SpecDecoder:
                 self.rollback_blocks(seq, block_manager)
         return emitted
 
+    def _move_accepted_siblings(self, seqs: list[Sequence], picks: list[int],
+                                bs: int) -> None:
+        """An accepted sibling's KV and feature, from its row's slot to the slot of its
+        position (spec/tree.py); called before the emitted tokens are appended."""
+        moves = []
+        for seq, pick in zip(seqs, picks):
+            if pick < 0:
+                continue
+            table, p, k = seq.block_table, seq.num_tokens - 1, len(seq.spec_token_ids)
+            src = p + k + 1 + pick
+            dst = p + sibling_depth(pick, seq.spec_sibling_width)
+            moves.append((table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs))
+        self.num_tree_accepted += len(moves)
+        if moves:
+            self.move_slots(moves)
+
     def release(self, seq: Sequence) -> None:
         """A sequence left the running set (finished, aborted, preempted): its draft KV goes."""
         seq.spec_token_ids, seq.spec_draft_probs = [], None
+        seq.spec_sibling_ids = []
         if self.draft is not None:
             self.draft.release(seq)
 

@@ -118,10 +118,13 @@ def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                               k_scale: float = 1.0, v_scale: float = 1.0,
+                               last_slots: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence, all sequences in one padded SDPA call: q [B, H, d],
     block_tables [B, max_blocks], seq_lens [B] -> [B, H, d]. Same math as
-    `paged_attention_ref`, without its per-sequence Python loop."""
+    `paged_attention_ref`, without its per-sequence Python loop. `last_slots` [B] (tree
+    verification): row b's newest key (position seq_lens[b] - 1) comes from that cache slot
+    where it is >= 0, not through the block table."""
     block_size = kv_cache.shape[2]
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     max_len = int(seq_lens.max())
@@ -129,6 +132,10 @@ def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
     valid = pos[None, :] < seq_lens[:, None].long()                        # [B, L]
     blocks = block_tables[:, pos // block_size].long().clamp_min(0)       # -1 pads -> block 0
     slots = torch.where(valid, blocks * block_size + pos % block_size, 0)
+    if last_slots is not None:
+        last = last_slots.long()
+        newest = (pos[None, :] == seq_lens[:, None].long() - 1) & (last[:, None] >= 0)
+        slots = torch.where(newest, last[:, None].expand_as(slots), slots)
     if is_fp8(kv_cache.dtype):
         k = dequantize_kv(gather_cache(flat[0], slots), q.dtype, k_scale)
         v = dequantize_kv(gather_cache(flat[1], slots), q.dtype, v_scale)

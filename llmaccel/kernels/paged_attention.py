@@ -64,14 +64,15 @@ def _attend_tile(q, k, v, p_mask, m_i, l_i, acc, qk_scale, PRECISION: tl.constex
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, K, V, BlockTables, SeqLens, KvFresh, Out, PartOut, PartLse, Counters, qk_scale, v_scale,
+    Q, K, V, BlockTables, SeqLens, KvFresh, LastSlots, Out, PartOut, PartLse, Counters,
+    qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr, FUSED_COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    EARLY_INPUTS: tl.constexpr, EARLY_KV: tl.constexpr,
+    EARLY_INPUTS: tl.constexpr, EARLY_KV: tl.constexpr, LAST_FROM_SLOT: tl.constexpr,
 ):
     if not (EARLY_INPUTS or EARLY_KV):
         pdl_enter(USE_PDL)
@@ -84,6 +85,15 @@ def _paged_decode_kernel(
     # (the kernel before this one writes the new tokens' K/V). This takes two dependent
     # loads off the path after the wait.
     seq_len = tl.load(SeqLens + seq)
+    if LAST_FROM_SLOT:
+        # Tree verification (spec/tree.py): the row's newest key, at position seq_len - 1, is
+        # the one it wrote itself (its slot, a step input like the length), not the one its
+        # block table holds there (a sibling draft shares its position with a chain draft).
+        # A row without a slot (-1: padding) reads through its table.
+        last_slot = tl.load(LastSlots + seq)
+        last_pos = tl.where(last_slot >= 0, seq_len - 1, -1)
+        last_off = ((last_slot // BLOCK_SIZE) * stride_kb + (last_slot % BLOCK_SIZE) * stride_ks
+                    + kv_head * stride_kh)
     # Whole tiles per split, so every split but the last starts and ends on a tile boundary.
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
@@ -102,6 +112,8 @@ def _paged_decode_kernel(
         fresh = tl.load(KvFresh + seq).to(tl.int32)
         offs0 = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
                  + kv_head * stride_kh)
+        if LAST_FROM_SLOT:
+            offs0 = tl.where(pos == last_pos, last_off, offs0)
         old = (pos < end) & (pos < fresh)
         # in q's dtype at once (an FP8 cache's values are exact in it), so the merge with
         # the rows loaded after the wait selects between 16/32-bit values
@@ -140,6 +152,8 @@ def _paged_decode_kernel(
         pos = tile + tl.arange(0, BLOCK_N)
         p_mask = pos < end
         offs = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        if LAST_FROM_SLOT:
+            offs = tl.where(pos == last_pos, last_off, offs)
         # the next tile's block ids, loaded while this tile computes
         block = tl.load(BlockTables + seq * stride_bt + (pos + BLOCK_N) // BLOCK_SIZE,
                         mask=pos + BLOCK_N < end, other=0)
@@ -305,7 +319,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                            block_n: int | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0,
-                           kv_fresh_from: torch.Tensor | None = None) -> torch.Tensor:
+                           kv_fresh_from: torch.Tensor | None = None,
+                           last_slots: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, d]; kv_cache [2, num_blocks, block_size, kv_heads, d]; block_tables
     [B, max_blocks] int32; seq_lens [B] int32 -> [B, H, d].
 
@@ -316,7 +331,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     k_scale/v_scale: per-tensor scales of an FP8 cache (ignored otherwise).
     kv_fresh_from [B] (int32/int64, on q's device): row b's K/V at positions below
     kv_fresh_from[b] were written before the kernel launched just before this one (earlier
-    steps), so under PDL they are read before the wait; None: every K/V read waits."""
+    steps), so under PDL they are read before the wait; None: every K/V read waits.
+    last_slots [B] int64 (tree verification, spec/tree.py): row b reads its newest key
+    (position seq_lens[b] - 1) from cache slot last_slots[b] instead of through its block
+    table, where that is >= 0 (the slot the row wrote; -1: through the table)."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -337,6 +355,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                          f"{tuple(kv_fresh_from.shape)} {kv_fresh_from.dtype} on "
                          f"{kv_fresh_from.device}")
     early_kv = EARLY_KV and kv_fresh_from is not None
+    if last_slots is not None and (last_slots.shape != (num_seqs,)
+                                   or last_slots.device != q.device
+                                   or last_slots.dtype != torch.int64):
+        raise ValueError(f"last_slots must be [{num_seqs}] int64 on {q.device}, got "
+                         f"{tuple(last_slots.shape)} {last_slots.dtype} on {last_slots.device}")
     # tl.dot needs every dimension >= 16.
     group_pad = max(16, triton.next_power_of_2(group))
     dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -365,7 +388,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, key, value, block_tables, seq_lens, kv_fresh_from if early_kv else seq_lens,
-        out, part_out, part_lse,
+        last_slots if last_slots is not None else seq_lens, out, part_out, part_lse,
         counters if counters is not None else seq_lens,
         scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2),
@@ -376,7 +399,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         USE_PDL=pdl.enabled(), FUSED_COMBINE=counters is not None,
         SPLITS_PAD=triton.next_power_of_2(num_splits), EARLY_INPUTS=EARLY_INPUTS,
-        EARLY_KV=early_kv, **pdl.launch_kwargs(),
+        EARLY_KV=early_kv, LAST_FROM_SLOT=last_slots is not None, **pdl.launch_kwargs(),
     )
     if num_splits > 1 and counters is None:
         _combine_splits_kernel[(num_seqs, num_heads)](

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from llmaccel.errors import LLMAccelError
 
 METHODS = ("draft", "ngram", "head")
+# The most verify rows of one sequence with tree drafts (engine/model_runner.DECODE_ROWS_MAX:
+# a step that gives a sequence more tokens runs the prefill kernel, which has no tree mask).
+MAX_TREE_ROWS = 16
 
 
 class SpeculativeConfigError(LLMAccelError, ValueError):
@@ -56,6 +59,11 @@ class SpeculativeConfig:
     # model's k, and at small batches a verify step with a few more rows costs about the same
     # (its graph is padded to 8 rows at k = 4 anyway). HF transformers' name for prompt lookup.
     prompt_lookup_num_tokens: int | None = None
+    # head: candidates per draft depth (SGLang's speculative_eagle_topk). The top-1 continues
+    # the chain; the other topk - 1 are verified as leaves beside it (spec/tree.py), for greedy
+    # requests. 1: a plain chain. A verify step runs 1 + k * topk rows per sequence (at most
+    # MAX_TREE_ROWS, the decode rows a step gives one sequence).
+    draft_topk: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -87,6 +95,15 @@ class SpeculativeConfig:
             (self.prompt_lookup_num_tokens is None or self.ngram_first,
              "prompt_lookup_num_tokens applies with ngram_first (method='ngram' drafts "
              "num_speculative_tokens)"),
+            (self.draft_topk >= 1, f"draft_topk must be >= 1, got {self.draft_topk}"),
+            (self.draft_topk == 1 or self.method == "head",
+             "draft_topk > 1 applies to method='head' (tree verification of its drafts)"),
+            (self.draft_topk == 1 or self.draft_confidence_threshold == 0.0,
+             "draft_topk > 1 needs draft_confidence_threshold=0 (drafts stay on the device)"),
+            (1 + self.num_speculative_tokens * self.draft_topk <= MAX_TREE_ROWS,
+             (f"num_speculative_tokens * draft_topk must be <= {MAX_TREE_ROWS - 1} (a verify "
+              f"step's rows per sequence), got {self.num_speculative_tokens} * "
+              f"{self.draft_topk}")),
             (self.method == "ngram" or self.model,
              f"method={self.method!r} needs `model` (the draft model or head to load)"),
             (self.method != "ngram" or self.model is None,

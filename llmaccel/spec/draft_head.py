@@ -57,14 +57,14 @@ class HeadProposer(DraftModelProposer):
                  num_blocks: int, block_size: int, max_model_len: int,
                  kv_cache_dtype: torch.dtype, device: torch.device,
                  cudagraph_capture_sizes: list[int] | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, draft_topk: int = 1) -> None:
         if target.feature_cache is None:
             raise ValueError("the target keeps no feature cache for the draft head")
         rows = max(cudagraph_capture_sizes) if cudagraph_capture_sizes else DEFAULT_STATIC_ROWS
         # before the head's graphs are captured: they read and write these buffers
         head.model.allocate_buffers(rows, target.feature_cache.dtype, device)
         super().__init__(head, num_blocks, block_size, max_model_len, kv_cache_dtype, device,
-                         cudagraph_capture_sizes, num_speculative_tokens)
+                         cudagraph_capture_sizes, num_speculative_tokens, draft_topk)
         self.target = target
         self._last_rows: torch.Tensor | None = None  # the previous step's row of each view
         self._arange: torch.Tensor | None = None
@@ -145,8 +145,15 @@ class HeadProposer(DraftModelProposer):
         positions = (acc.p[:, None] + j).flatten()
         write = (j <= a).flatten()
         rows = torch.arange(0, n * width, width, device=acc.a.device) + acc.a
+        slots = acc.extra
+        if acc.sibling_hit is not None:
+            # an accepted sibling's feature, at head position p + a, is in its own slot (the
+            # host moves it to p + a's slot later: SpecDecoder.complete)
+            at = acc.a.clamp(max=width - 1)[:, None]
+            slots = slots.scatter(1, at, torch.where(acc.sibling_hit, acc.sibling_slot,
+                                                     slots.gather(1, at)[:, 0])[:, None])
         head.static_features[:n * width].copy_(head.fuse_target_features(
-            self.target.feature_cache.index_select(0, acc.extra.flatten())))
+            self.target.feature_cache.index_select(0, slots.flatten())))
         first = self.runner.execute_on_device([v for v in views for _ in range(width)], ids,
                                               positions, write, rows)[0]
         head.static_features[:n].copy_(head.static_out.index_select(0, rows))

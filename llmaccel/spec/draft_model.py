@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmaccel.engine.block_manager import BlockManager
+from llmaccel.engine.cuda_graph import runners_up
 from llmaccel.engine.kv_cache import allocate_kv_caches
 from llmaccel.engine.model_runner import ModelRunner
 from llmaccel.engine.sampler import greedy_with_logprobs
@@ -47,6 +48,7 @@ class DraftView:
     num_computed_tokens: int = 0
     num_published_blocks: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # always empty for the draft
+    spec_sibling_ids: list[int] = field(default_factory=list)  # likewise
 
     @property
     def num_tokens(self) -> int:
@@ -76,16 +78,29 @@ class DeviceDrafts:
     columns: dict[Sequence, int]
     host: torch.Tensor
     copied: torch.cuda.Event | None
+    # tree drafts (spec/tree.py): ids holds steps * topk rows, the chain's steps first, then
+    # each step's topk - 1 runners-up (row steps + j * (topk - 1) + r)
+    topk: int = 1
+
+    @property
+    def sibling_row0(self) -> int:
+        """The row of `ids` where the siblings start (the chain's step count)."""
+        return self.ids.shape[0] // self.topk
 
     def resolve(self) -> None:
         """Wait for the host copy and write the drafts into each sequence's spec_token_ids
-        (as many as the scheduler kept: a token budget may have cut some)."""
+        and spec_sibling_ids (as many as the scheduler kept: a token budget may have cut
+        some)."""
         if self.copied is not None:
             self.copied.synchronize()
         host = self.host.tolist()
+        row0 = self.sibling_row0
         for seq, col in self.columns.items():
             k = len(seq.spec_token_ids)
             seq.spec_token_ids = [int(host[j][col]) for j in range(k)]
+            if seq.spec_sibling_ids:
+                seq.spec_sibling_ids = [int(host[row0 + i][col])
+                                        for i in range(len(seq.spec_sibling_ids))]
 
 
 def check_vocab_compatible(target_config, draft_config, target_tokenizer=None,
@@ -108,15 +123,18 @@ class DraftModelProposer:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int,
                  kv_cache_dtype: torch.dtype, device: torch.device,
                  cudagraph_capture_sizes: list[int] | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, draft_topk: int = 1) -> None:
         """`num_speculative_tokens`: the most drafts a step asks for; with CUDA graphs, the
-        k - 1 steps after the catch-up run as one chained graph (`_chain`)."""
+        k - 1 steps after the catch-up run as one chained graph (`_chain`). `draft_topk` > 1:
+        tree drafts (spec/tree.py), each step's runners-up kept beside its draft."""
         self.model = model
+        self.draft_topk = draft_topk
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, allocate_kv_caches(model, num_blocks, block_size,
                                                             kv_cache_dtype, device),
                                   block_size, max_model_len, cudagraph_capture_sizes,
-                                  chain_steps=max(0, num_speculative_tokens - 1))
+                                  chain_steps=max(0, num_speculative_tokens - 1),
+                                  chain_topk=draft_topk)
         # pinned, for DeviceDrafts.host; two, used in turn: with overlapped drafting the next
         # round's drafts are copied out before this round's are read (spec/overlap.py)
         self._host_ids: list[torch.Tensor | None] = [None, None]
@@ -195,9 +213,13 @@ class DraftModelProposer:
                 active = still + [i for i in active if i not in still]
                 next_ids = None
             else:
+                w = self.draft_topk - 1 if probs is None else 0  # tree drafts: greedy only
                 if on_device is None:
-                    on_device = tokens.new_empty(steps, len(rows))
+                    on_device = tokens.new_empty(steps * (1 + w), len(rows))
                 on_device[j, :len(rows)] = tokens
+                if w:  # this step's runners-up (spec/tree.py)
+                    on_device[steps + j * w:steps + (j + 1) * w, :len(rows)] = runners_up(
+                        logits, w).T
                 still = [i for i in rows if j + 1 < ks[i]]  # a prefix of rows (sorted by k)
                 for i in rows:
                     views[i].drafts.append(0)  # stands for the token still on the device
@@ -206,8 +228,10 @@ class DraftModelProposer:
                         and self.runner.can_chain(len(rows), steps - 1)):
                     # all greedy: the other steps in one launch, every row to its own k
                     counts = [ks[i] - 1 for i in rows]
-                    on_device[1:] = self._chain([views[i] for i in rows], counts, tokens,
-                                                steps - 1)
+                    on_device[1:steps] = self._chain([views[i] for i in rows], counts, tokens,
+                                                     steps - 1)
+                    if w:
+                        on_device[steps + w:] = self.runner.graphs.last_chain_siblings
                     for i, c in zip(rows, counts):
                         views[i].num_computed_tokens += c
                         views[i].drafts += [0] * c
@@ -218,9 +242,10 @@ class DraftModelProposer:
             for i in active:  # the views keep their placeholder drafts (only counted)
                 drafts[i] = [PENDING_DRAFT] * ks[i]
             return drafts, out_q, self._to_host(on_device, {seqs[i]: r for r, i in
-                                                           enumerate(active)})
+                                                           enumerate(active)},
+                                                on_device.shape[0] // steps)
         if on_device is not None:
-            host = on_device.tolist()
+            host = on_device[:steps].tolist()
             for r, i in enumerate(active):
                 drafts[i] = [int(host[j][r]) for j in range(ks[i])]
                 views[i].drafts = list(drafts[i])
@@ -238,11 +263,12 @@ class DraftModelProposer:
         chained in one graph: counts[r] of them for views[r] -> draft ids [steps, rows]."""
         return self.runner.execute_chain(views, counts, first_ids, steps)
 
-    def _to_host(self, ids: torch.Tensor, columns: dict[Sequence, int]) -> DeviceDrafts:
+    def _to_host(self, ids: torch.Tensor, columns: dict[Sequence, int],
+                 topk: int = 1) -> DeviceDrafts:
         """Start copying `ids` to a reused pinned buffer (read back in the verify step, before
         the next round's drafts are copied there)."""
         if not ids.is_cuda:
-            return DeviceDrafts(ids, columns, ids.clone(), None)
+            return DeviceDrafts(ids, columns, ids.clone(), None, topk)
         flip, self._host_flip = self._host_flip, self._host_flip ^ 1
         buf = self._host_ids[flip]
         if buf is None or buf.numel() < ids.numel():
@@ -252,7 +278,7 @@ class DraftModelProposer:
         host.copy_(ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return DeviceDrafts(ids, columns, host, event)
+        return DeviceDrafts(ids, columns, host, event, topk)
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None,
                 want_confidence: bool = False

@@ -95,7 +95,47 @@ class AcceptedOnDevice:
     bonus: torch.Tensor
     drafts: torch.Tensor
     extra: torch.Tensor
+    # tree drafts (spec/tree.py): per sequence, whether a sibling was accepted (then it is
+    # drafts[a - 1], counted in a, and the bonus is its row's argmax) and its KV slot
+    sibling_hit: torch.Tensor | None = None
+    sibling_slot: torch.Tensor | None = None
 
+
+def set_pending_siblings(seqs: list[Sequence], drafts) -> None:
+    """Tree drafts still on the device (a DeviceDrafts of topk > 1): each greedy sequence
+    whose drafts are there gets placeholders for its k * (topk - 1) siblings
+    (DeviceDrafts.resolve writes them)."""
+    if drafts is None or drafts.topk == 1:
+        return
+    w = drafts.topk - 1
+    for seq in seqs:
+        if seq in drafts.columns and seq.spec_token_ids and seq.params.greedy:
+            seq.spec_sibling_ids = [PENDING_DRAFT] * (len(seq.spec_token_ids) * w)
+            seq.spec_sibling_width = w
+
+
+def _accept_siblings(acc: AcceptedOnDevice, target_sib: torch.Tensor, mine_sib: torch.Tensor,
+                     valid_sib: torch.Tensor, slot_sib: torch.Tensor) -> AcceptedOnDevice:
+    """spec/tree.greedy_verify_tree on the device: where the chain stopped at a < k, the
+    first sibling of depth a + 1 equal to the target's token there is accepted. Sibling
+    tensors are [n, kmax, width]: the target's argmax at each sibling's row, the sibling, its
+    validity and its slot."""
+    n, kmax, w = mine_sib.shape
+    a = acc.a
+    at = a.clamp(max=kmax - 1)[:, None, None].expand(n, 1, w)
+    want = acc.bonus[:, None]  # the target's token after the accepted chain
+    cand = mine_sib.gather(1, at)[:, 0]
+    match = (cand == want) & valid_sib.gather(1, at)[:, 0] & (a < acc.k)[:, None]
+    hit = match.any(1)
+    r = match.long().argmax(1)[:, None]  # the first match
+    token = cand.gather(1, r)[:, 0]
+    drafts = acc.drafts.scatter(1, a.clamp(max=kmax - 1)[:, None], torch.where(
+        hit, token, acc.drafts.gather(1, a.clamp(max=kmax - 1)[:, None])[:, 0])[:, None])
+    bonus = torch.where(hit, target_sib.gather(1, at)[:, 0].gather(1, r)[:, 0], acc.bonus)
+    slot = slot_sib.gather(1, at)[:, 0].gather(1, r)[:, 0]
+    return AcceptedOnDevice(p=acc.p, t0=acc.t0, k=acc.k, a=a + hit.long(), bonus=bonus,
+                            drafts=drafts, extra=acc.extra, sibling_hit=hit,
+                            sibling_slot=slot)
 
 @torch.inference_mode()
 def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: list[int],
@@ -121,16 +161,29 @@ def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: lis
     width = drafts.ids.shape[1]
     # one host-to-device transfer: per sequence its argmax rows (o + min(j, k), j <= kmax),
     # its draft indexes in drafts.ids (min(j, k - 1) * width + column, j < kmax), whether
-    # draft j exists, what the proposer's catch-up needs besides, then p (t0's position),
+    # draft j exists, what the proposer's catch-up needs besides, with tree drafts the
+    # siblings' rows, indexes, validity and slots (kmax * w each), then p (t0's position),
     # t0 and k
+    w = drafts.topk - 1
+    row0 = drafts.sibling_row0
     host = []
     for seq, k, o in zip(seqs, ks, offsets):
         col = drafts.columns[seq]
         p = seq.num_tokens - 1
+        extra = proposer.overlap_catch_up_meta(seq, k, kmax)
+        if w:
+            has = len(seq.spec_sibling_ids) == k * w  # else cut by the token budget
+            ok = [has and i < k * w for i in range(kmax * w)]
+            table, block = seq.block_table, proposer.block_manager.block_size  # the target's
+            extra += ([o + 1 + k + i if v else o for i, v in enumerate(ok)]
+                      + [(row0 + i) * width + col if v else col for i, v in enumerate(ok)]
+                      + [int(v) for v in ok]
+                      + [table[(p + k + 1 + i) // block] * block + (p + k + 1 + i) % block
+                         if v else 0 for i, v in enumerate(ok)])
         host.append([o + min(j, k) for j in range(kmax + 1)]
                     + [min(j, k - 1) * width + col for j in range(kmax)]
                     + [int(j < k) for j in range(kmax)]
-                    + proposer.overlap_catch_up_meta(seq, k, kmax) + [p, seq.token_at(p), k])
+                    + extra + [p, seq.token_at(p), k])
     meta = torch.tensor(host, dtype=torch.long)
     if device.type == "cuda":  # pinned: the copy is queued, the host does not wait for it
         meta = meta.pin_memory()
@@ -140,16 +193,33 @@ def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: lis
     target = greedy[0].index_select(0, trow.flatten()).view(n, kmax + 1).long()
     mine = drafts.ids.reshape(-1).index_select(0, drow.flatten()).view(n, kmax).long()
     a = ((mine == target[:, :kmax]) & valid).long().cumprod(1).sum(1)
+    extra = meta[:, 3 * kmax + 1:-3]
+    sib = None
+    if w:
+        m = kmax * w
+        extra, sib = extra[:, :-4 * m], extra[:, -4 * m:]
     accepted = AcceptedOnDevice(p=meta[:, -3], t0=meta[:, -2], k=meta[:, -1], a=a,
                                 bonus=target.gather(1, a[:, None])[:, 0], drafts=mine,
-                                extra=meta[:, 3 * kmax + 1:-3])
+                                extra=extra)
+    if sib is not None:
+        m = kmax * w
+        target_sib = greedy[0].index_select(0, sib[:, :m].flatten()).view(n, kmax, w).long()
+        mine_sib = drafts.ids.reshape(-1).index_select(0, sib[:, m:2 * m].flatten()).view(
+            n, kmax, w).long()
+        accepted = _accept_siblings(accepted, target_sib, mine_sib,
+                                    sib[:, 2 * m:3 * m].bool().view(n, kmax, w),
+                                    sib[:, 3 * m:].view(n, kmax, w))
     first, starts = proposer.overlap_catch_up(views, accepted)
-    out = first.new_empty(kn, n)
+    out = first.new_empty(kn * (1 + w), n)
     out[0] = first
+    if w:  # the catch-up row's runners-up: the next round's siblings of depth 1
+        out[kn:kn + w] = runner.graphs.last_rows_siblings.T
     if kn > 1:
-        out[1:] = runner.execute_chain(views, [k2 - 1 for k2 in next_ks], first, kn - 1,
-                                       starts=starts)
-    return proposer._to_host(out, {seq: r for r, seq in enumerate(seqs)})
+        out[1:kn] = runner.execute_chain(views, [k2 - 1 for k2 in next_ks], first, kn - 1,
+                                         starts=starts)
+        if w:
+            out[kn + w:] = runner.graphs.last_chain_siblings
+    return proposer._to_host(out, {seq: r for r, seq in enumerate(seqs)}, 1 + w)
 
 
 def launch_next_round(spec, sampling: list[Sequence], logits: torch.Tensor,
@@ -207,7 +277,9 @@ def use_lookahead(spec, lookahead: Lookahead, running: list[Sequence], on: bool)
         for seq in running:
             k = lookahead.next_k[seq]
             seq.spec_token_ids, seq.spec_draft_probs = [PENDING_DRAFT] * k, None
+            seq.spec_sibling_ids = []
             spec._capped = spec._capped or spec._room(seq) < full
+        set_pending_siblings(running, lookahead.drafts)
         spec.pending = lookahead.drafts
         spec.num_overlapped += 1
         return True

@@ -51,8 +51,10 @@ class TorchAttentionBackend(AttentionBackend):
             return varlen_attention_ref(q, k, v, meta.query_start_loc_cpu, scale)
         reshape_and_cache_ref(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.is_pure_decode:  # one padded call, no Python loop
-            return paged_decode_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens,
-                                              scale, k_scale, v_scale)
+            return paged_decode_attention_ref(
+                q, kv_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale,
+                meta.slot_mapping if meta.newest_key_from_slot else None)
+        _check_no_tree(meta, self.name)
         return paged_attention_ref(q, kv_cache, meta.block_tables, meta.query_start_loc_cpu,
                                    meta.seq_lens_cpu, scale, k_scale, v_scale)
 
@@ -97,10 +99,20 @@ class TritonAttentionBackend(AttentionBackend):
                                        q.device)
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                                           num_splits=splits, k_scale=k_scale, v_scale=v_scale,
-                                          kv_fresh_from=meta.kv_fresh_from)
+                                          kv_fresh_from=meta.kv_fresh_from,
+                                          last_slots=(meta.slot_mapping
+                                                      if meta.newest_key_from_slot else None))
+        _check_no_tree(meta, self.name)
         return pf.paged_prefill_attention(q, kv_cache, meta.block_tables, meta.query_start_loc,
                                           meta.seq_lens, scale, meta.max_query_len,
                                           k_scale=k_scale, v_scale=v_scale)
+
+
+def _check_no_tree(meta: AttentionMetadata, backend: str) -> None:
+    """Tree verification runs as decode rows only (one token per row)."""
+    if meta.newest_key_from_slot:
+        raise ValueError(f"attention backend {backend!r}: tree verification rows "
+                         "(newest_key_from_slot) must be decode rows, one token each")
 
 
 def _flex() -> type[AttentionBackend]:

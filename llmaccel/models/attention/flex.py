@@ -169,6 +169,9 @@ class FlexAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float,
                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        if meta.newest_key_from_slot:
+            raise ValueError("attention backend 'flex' does not run tree verification rows "
+                             "(use the triton or torch backend)")
         num_rows = q.shape[0]
         if num_rows == 0 or meta.num_seqs == 0:
             return torch.zeros_like(q)

@@ -28,6 +28,11 @@ class AttentionMetadata:
     # CUDA-graph decode steps set it): the decode attention reads older positions before its
     # PDL wait. None: it reads every position after the wait.
     kv_fresh_from: torch.Tensor | None = None
+    # Tree verification (spec/tree.py): each decode row reads its newest key (position
+    # seq_len - 1) from its own slot_mapping entry instead of through its block table: a
+    # sibling draft's row sits at the position of a chain draft, whose KV the table holds.
+    # Identical for every other row (its slot is that table entry); -1 slots read the table.
+    newest_key_from_slot: bool = False
 
     @property
     def num_seqs(self) -> int:
