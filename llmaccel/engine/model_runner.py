@@ -106,8 +106,12 @@ class ModelRunner:
         sibling's, to the slot of its position."""
         if not moves:
             return
-        src = torch.tensor([s for s, _ in moves], device=self.device)
-        dst = torch.tensor([d for _, d in moves], device=self.device)
+        # one transfer from pinned memory, queued: a pageable copy would wait for the work
+        # already on the stream (the next round's overlapped drafts) every accepted round
+        idx = torch.tensor(moves, dtype=torch.long).T.contiguous()
+        if self.device.type == "cuda":
+            idx = idx.pin_memory()
+        src, dst = idx.to(self.device, non_blocking=True)
         for cache in self._copy_views:
             flat = cache.view(2, -1, *cache.shape[-2:])  # [2, slots, kv_heads, d]
             flat[:, dst] = flat[:, src]
