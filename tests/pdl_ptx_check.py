@@ -24,7 +24,8 @@ from llmaccel.kernels import activation, cache, gemm, greedy, paged_attention, r
 FLOAT_SCALARS = {"eps", "k_inv_scale", "v_inv_scale", "qk_scale", "v_scale"}
 POINTER_TYPES = {"Slots": "*i64", "Positions": "*i64", "BlockTables": "*i32", "SeqLens": "*i32",
                  "CosSin": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32", "Max": "*fp32",
-                 "Sum": "*fp32", "Arg": "*i64", "Counters": "*i32", "KvFresh": "*i64"}
+                 "Sum": "*fp32", "Arg": "*i64", "Counters": "*i32", "KvFresh": "*i64",
+                 "LastSlots": "*i64"}
 
 LINEAR_SIZES = {"M": "i32", "N": "i32", "K": "i32"}  # scalars, though capitalized
 CASES = [
@@ -49,13 +50,16 @@ CASES = [
     ("silu_and_mul", activation._silu_and_mul_kernel, dict(BLOCK=1024), False),
     # the decode attention without early reads (strict), with its step inputs read early, and
     # with the first tile's K/V of earlier steps read early too (both are prefetches the rule
-    # of kernels/pdl.py allows: written two or more launches back)
+    # of kernels/pdl.py allows: written two or more launches back), and the tree-verification
+    # variant that reads a row's newest key from its own slot (a step input as well)
     *[(f"paged_decode{tag}", paged_attention._paged_decode_kernel, dict(
         GROUP=4, GROUP_PAD=16, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=16, BLOCK_N=32,
         NUM_SPLITS=16, PRECISION="tf32", KV_FP8=False, FUSED_COMBINE=True, SPLITS_PAD=16,
-        EARLY_INPUTS=early, EARLY_KV=early_kv), early or early_kv)
-      for tag, early, early_kv in (("", False, False), ("-early-inputs", True, False),
-                                   ("-early-kv", True, True))],
+        EARLY_INPUTS=early, EARLY_KV=early_kv, LAST_FROM_SLOT=tree), early or early_kv)
+      for tag, early, early_kv, tree in (("", False, False, False),
+                                         ("-early-inputs", True, False, False),
+                                         ("-early-kv", True, True, False),
+                                         ("-early-kv-tree", True, True, True))],
     ("combine_splits", paged_attention._combine_splits_kernel, dict(
         HEAD_DIM=64, DIM_PAD=64, NUM_SPLITS=16, SPLITS_PAD=16), False),
     ("greedy_chunk", greedy._chunk_kernel, dict(CHUNK=4096), False),
