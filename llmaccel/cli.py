@@ -286,6 +286,12 @@ def distill_draft(
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),
+    loss_vocab: str = typer.Option("draft", help="head: the KL over the draft vocabulary "
+                                   "only (draft: what the engine's head scores, most of the "
+                                   "LM head's training cost saved) or the whole one (full)."),
+    eval_blocks: Optional[int] = typer.Option(None, min=1, help="head: held-out blocks scored "
+                                              "at each evaluation (the best weights are "
+                                              "scored on all of them at the end)."),
     schedule: str = typer.Option("cosine", help="Learning rate: cosine (down to a tenth over "
                                  "--steps) or constant."),
     warmup: Optional[int] = typer.Option(None, min=0, help="Linear warm-up steps (default: a "
@@ -312,8 +318,8 @@ def distill_draft(
         unroll_steps=unroll_steps, unroll_decay=unroll_decay, init_head=init_head,
         unroll_detach=unroll_detach, cache_features=cache_features,
         aux_layers=o.parse_int_list(aux_layers, "--aux-layers") if aux_layers else (),
-        draft_vocab_size=draft_vocab_size, schedule=schedule,
-        warmup=warmup, max_seconds=max_seconds, seed=seed, device=device, dtype=dtype))
+        draft_vocab_size=draft_vocab_size, loss_vocab=loss_vocab, eval_blocks=eval_blocks,
+        schedule=schedule, warmup=warmup, max_seconds=max_seconds, seed=seed, device=device, dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""
     method = "draft" if kind == "student" else "head"
     console.print(f"{kind}: held-out KL {res.baseline_kl:.4f} -> {res.best_kl:.4f}, top-1 "

@@ -551,3 +551,58 @@ def test_cached_features_train_the_same_head(target_dir, tmp_path):
         require_fit(61, 100, 3, "cuda:0")
     with pytest.raises(LLMAccelError, match="cache_features keeps the target's features"):
         _cfg(target_dir, tmp_path / "x", kind="student", cache_features=True).check()
+
+
+def test_loss_over_the_draft_vocabulary_renormalizes_both_distributions(target_dir):
+    """restrict_loss_vocab: head_losses' KL is KL(p || q) over the vocabulary's tokens only,
+    each distribution renormalized over them (EAGLE-3's draft-vocabulary loss); the
+    regression is unchanged, and evaluations still score the whole vocabulary."""
+    target = _target(target_dir)
+    head = build_draft_head(target, init=False)
+    blocks = periodic_blocks(3, 12, period=5)
+    ids = torch.tensor([3, 0, 9, 17, 40, 41, 100])
+    torch.manual_seed(0)
+    _, full = head_losses(head, target, blocks, kl_weight=1.0)
+    before = evaluate_head(head, target, blocks, 2, steps=1)
+    head.restrict_loss_vocab(ids)
+    loss, parts = head_losses(head, target, blocks, kl_weight=1.0)
+    with torch.no_grad():
+        f = target_features(target, blocks)
+        o = head(blocks[:, 1:], f[:, :-1])
+        w = head.lm_head[ids]
+        logp = F.log_softmax(f[:, 1:] @ w.T, -1)
+        logq = F.log_softmax(o @ w.T, -1)
+        kl = (logp.exp() * (logp - logq)).sum(-1).mean()
+    assert math.isclose(parts["kl"].item(), kl.item(), rel_tol=1e-5)
+    assert parts["kl"].item() != pytest.approx(full["kl"].item(), rel=1e-3)
+    assert parts["reg"].item() == pytest.approx(full["reg"].item(), rel=1e-6)
+    torch.testing.assert_close(loss, parts["reg"] + parts["kl"])
+    assert evaluate_head(head, target, blocks, 2, steps=1) == before
+    head.restrict_loss_vocab(None)
+    assert head_losses(head, target, blocks, kl_weight=1.0)[1]["kl"].item() == pytest.approx(
+        full["kl"].item(), rel=1e-6)
+
+
+def test_eval_blocks_scores_few_while_training_and_all_at_the_end(target_dir, tmp_path):
+    """eval_blocks: the evaluations during training score the first N held-out blocks; the
+    restored best weights are then scored on all of them (final_heldout in distill.json),
+    which equals evaluating the saved head. Timings of each evaluation are recorded."""
+    blocks = periodic_blocks()
+    res = distill_draft(_cfg(target_dir, tmp_path, kind="head", lr=1e-2, steps=10,
+                             eval_every=5, eval_blocks=2), progress=False, blocks=blocks)
+    summary = json.loads((tmp_path / "distill.json").read_text())
+    final = summary["final_heldout"]
+    assert final["blocks"] == 8 and summary["saved"]["loss_vocab"] == "draft"
+    held = blocks[-8:]
+    head = load_draft_head(tmp_path, _target(target_dir))
+    best_row = next(h for h in res.history if h["step"] == res.best_step)
+    assert math.isclose(evaluate_head(head, _target(target_dir), held[:2], 4)["heldout_kl"],
+                        best_row["heldout_kl"], rel_tol=1e-5)
+    assert math.isclose(evaluate_head(head, _target(target_dir), held, 4)["heldout_kl"],
+                        final["heldout_kl"], rel_tol=1e-5)
+    assert final["heldout_kl"] != pytest.approx(best_row["heldout_kl"], rel=1e-6)
+    assert all(0 <= h["eval_seconds"] <= h["seconds"] for h in res.history)
+    with pytest.raises(LLMAccelError, match="loss_vocab must be draft or full"):
+        _cfg(target_dir, tmp_path, kind="head", loss_vocab="all").check()
+    with pytest.raises(LLMAccelError, match="eval_blocks scores a head"):
+        _cfg(target_dir, tmp_path, kind="student", eval_blocks=4).check()

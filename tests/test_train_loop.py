@@ -74,3 +74,28 @@ def test_a_time_limited_cosine_decays_over_the_time_budget():
     assert lrs[2] > 0.08  # just after warm-up: near the peak
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
     assert lrs[-1] < 0.02, lrs[-1]  # by steps alone it would still be ~0.1
+
+
+def test_a_non_finite_loss_stops_at_its_step_and_restores_the_best():
+    """Losses are read back every READ_EVERY steps, not every step: a NaN at step 7 is still
+    named by its step, and the weights trained after it are replaced by the best evaluated."""
+    from llmaccel.train import loop
+
+    w = torch.nn.Parameter(torch.tensor([3.0]))
+    calls = []
+
+    def step_loss(batch):
+        calls.append(1)
+        loss = (w - 1.0).pow(2).sum()
+        return loss * float("nan") if len(calls) == 7 else loss
+
+    out = train_with_early_stop(
+        params=[w], lr=0.1, steps=200, batch_size=1, eval_every=1000, patience=5,
+        seed=0, train=torch.zeros(4, 2, dtype=torch.long), device=torch.device("cpu"),
+        step_loss=step_loss, evaluate=lambda: {"loss": float((w.detach() - 1.0).pow(2))},
+        metric="loss", metric_name="loss", describe=str,
+        snapshot=lambda: w.detach().clone(), restore=lambda s: w.data.copy_(s),
+        label="t", status=lambda row: "", progress=False)
+    assert out.stopped == "the training loss is not finite at step 7"
+    assert out.steps_run == loop.READ_EVERY  # found at the first read-back
+    assert w.item() == 3.0  # the step-0 evaluation's weights, the only one evaluated

@@ -58,12 +58,6 @@ SUBSET_ROWS = 8
 SUBSET_MIN_ROWS = 32
 
 
-def runners_up(logits: torch.Tensor, width: int) -> torch.Tensor:
-    """[rows, vocab] -> the 2nd to (width + 1)-th best token ids per row [rows, width],
-    float64 (exact ids, as the greedy tokens): a draft's siblings in tree drafts."""
-    return logits.topk(width + 1, dim=-1).indices[:, 1:].to(torch.float64)
-
-
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to 256, then every 64: padding wastes at most 16 rows
     (or 64 beyond 256) while keeping the number of graphs (and capture time) small."""
@@ -210,11 +204,11 @@ class CUDAGraphRunner:
             pos = start - 1 + count.clamp(max=s + 1)
             self._place_rows(bs, pos, count > s)
             hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
-            logits = self.model.compute_logits(hidden)
-            tokens = greedy_with_logprobs(logits, use_kernel=USE_GREEDY_KERNEL)[0]
+            # tokens only (no logprobs), a head's over its draft vocabulary alone
+            tokens, ups = self.model.greedy_draft(hidden, w)
             out[s].copy_(tokens)
             if w:
-                out[steps + s * w:steps + (s + 1) * w].copy_(runners_up(logits, w).T)
+                out[steps + s * w:steps + (s + 1) * w].copy_(ups.T)
             self.inputs[0, :bs].copy_(tokens)  # float64 ids -> int64, exact
             self.model.prepare_chained_step(bs)
         return out
@@ -413,8 +407,8 @@ class CUDAGraphRunner:
         else:
             graph.replay()
         if self.chain_topk > 1:  # tree drafts: the asked rows' runners-up too
-            self.last_rows_siblings = runners_up(self.outputs[bs][0].index_select(0, rows),
-                                                 self.chain_topk - 1)
+            self.last_rows_siblings = self.model.runners_up(
+                self.outputs[bs][0].index_select(0, rows), self.chain_topk - 1)
         return self.outputs[bs][1].index_select(1, rows)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],

@@ -296,6 +296,22 @@ class TransformerForCausalLM(nn.Module):
                                 self.model.norm.use_triton)
         return self.lm_head(hidden_states)
 
+    def greedy_draft(self, hidden_states: torch.Tensor, width: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A chained draft step's choice (engine/cuda_graph.py): each row's argmax and, with
+        `width`, its 2nd..(width + 1)-th best tokens [rows, width] (tree drafts), as float64
+        ids (exact). No log-probabilities: a draft step needs none. Ties go to the lowest
+        id, as the sampler's argmax."""
+        logits = self.compute_logits(hidden_states)
+        ups = self.runners_up(logits, width) if width else None
+        return logits.argmax(-1).double(), ups
+
+    def runners_up(self, logits: torch.Tensor, width: int) -> torch.Tensor:
+        """[rows, vocab] logits -> each row's 2nd..(width + 1)-th best token ids [rows,
+        width], float64 (exact ids, as the greedy tokens): a draft's siblings in tree
+        drafts (spec/tree.py)."""
+        return logits.topk(width + 1, dim=-1).indices[:, 1:].double()
+
     @property
     def attention_backend(self) -> AttentionBackend:
         return self.model.layers[0].self_attn.backend

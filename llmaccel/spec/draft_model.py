@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 from llmaccel.engine.block_manager import BlockManager
-from llmaccel.engine.cuda_graph import runners_up
 from llmaccel.engine.kv_cache import allocate_kv_caches
 from llmaccel.engine.model_runner import ModelRunner
 from llmaccel.engine.sampler import greedy_with_logprobs
@@ -218,7 +217,7 @@ class DraftModelProposer:
                     on_device = tokens.new_empty(steps * (1 + w), len(rows))
                 on_device[j, :len(rows)] = tokens
                 if w:  # this step's runners-up (spec/tree.py)
-                    on_device[steps + j * w:steps + (j + 1) * w, :len(rows)] = runners_up(
+                    on_device[steps + j * w:steps + (j + 1) * w, :len(rows)] = self.model.runners_up(
                         logits, w).T
                 still = [i for i in rows if j + 1 < ks[i]]  # a prefix of rows (sorted by k)
                 for i in rows:

@@ -64,6 +64,12 @@ class DistillConfig:
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
     # whole vocabulary); FR-Spec / EAGLE-3 cut the draft's LM-head cost this way.
     draft_vocab_size: int = 32768
+    # head: the KL over the draft vocabulary only ("draft", EAGLE-3's way: all the engine's
+    # head scores; most of a step's LM-head work saved) or the whole one ("full")
+    loss_vocab: str = "draft"
+    # held-out blocks scored at each evaluation during training (the first N; None: all);
+    # with fewer, the best weights are scored on all of them at the end (final_heldout)
+    eval_blocks: int | None = None
     schedule: str = "cosine"        # learning rate: cosine (down to a tenth) or constant
     warmup: int | None = None       # linear warm-up steps (None: a tenth of steps, <= 100)
     max_seconds: float | None = None  # stop (evaluate, keep the best) after this long
@@ -112,6 +118,12 @@ class DistillConfig:
                    f"aux_layers must be distinct layer indexes >= 1, got {self.aux_layers}"),
                   (self.draft_vocab_size >= 0,
                    f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
+                  (self.loss_vocab in ("draft", "full"),
+                   f"loss_vocab must be draft or full, got {self.loss_vocab!r}"),
+                  (self.eval_blocks is None or self.eval_blocks >= 1,
+                   f"eval_blocks must be >= 1, got {self.eval_blocks}"),
+                  (self.eval_blocks is None or self.kind == "head",
+                   "eval_blocks scores a head (kind 'head') on fewer held-out blocks"),
                   (self.schedule in ("cosine", "constant"),
                    f"schedule must be cosine or constant, got {self.schedule!r}"),
                   (self.warmup is None or self.warmup >= 0,

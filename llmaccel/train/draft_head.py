@@ -146,6 +146,17 @@ class DraftHead(nn.Module):
         # detached: plain tensors, so they stay out of parameters() and state_dict()
         self.embed_tokens = embed_tokens.detach()
         self.lm_head = lm_head.detach()
+        self.loss_lm_head: torch.Tensor | None = None  # restrict_loss_vocab
+
+    def restrict_loss_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Train on the logits of `token_ids` only (the draft vocabulary: all the engine's
+        head ever scores), target and head distributions both renormalized over them, as
+        EAGLE-3 trains its draft vocabulary. The LM head is most of a training step's
+        FLOPs and memory traffic (151,936 x 1,536 for the 1.5B Qwen against the layer's
+        ~50M weights), so a 32k vocabulary saves most of it. None: the whole vocabulary.
+        Evaluations always score the whole vocabulary."""
+        self.loss_lm_head = (None if token_ids is None else self.lm_head.index_select(
+            0, token_ids.to(self.lm_head.device)).contiguous())
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
         """Features in the head's width: the target's (1 + n aux) x H wide ones through fuse;
@@ -223,9 +234,12 @@ class DraftHead(nn.Module):
             outs.append(feats)
         return outs
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's lm_head (in its dtype) on head outputs or target features, as fp32."""
-        return F.linear(hidden.to(self.lm_head.dtype), self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, restricted: bool = False) -> torch.Tensor:
+        """The target's lm_head (in its dtype) on head outputs or target features, as fp32;
+        `restricted`: only the loss vocabulary's rows, where one is set."""
+        weight = (self.loss_lm_head if restricted and self.loss_lm_head is not None
+                  else self.lm_head)
+        return F.linear(hidden.to(weight.dtype), weight).float()
 
 
 @torch.no_grad()
@@ -310,7 +324,9 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
     (DraftHead.unroll) and step j's outputs are fitted to f_{i+j} and p_{i+j} the same way;
     the loss is the mean over the steps weighted by unroll_decay ** (j - 1) (a step is
     worth only as much as the chance the drafts before it were accepted). `features`: the
-    batch's target features when already computed (train/feature_cache.py)."""
+    batch's target features when already computed (train/feature_cache.py). The KL runs
+    over the head's loss vocabulary where one is set (`DraftHead.restrict_loss_vocab`).
+    The parts come back as 0-d tensors: reading them is a host sync, left to the caller."""
     f = (target_features(target_model, batch, head.aux_layers) if features is None
          else features)
     final = f[..., :head.fc.out_features]  # f_i itself, before any aux layers' features
@@ -324,18 +340,19 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
     with autocast_for(batch.device, target_model.dtype):
         outs = head.unroll(batch, inputs, unroll_steps, unroll_detach)
     total, parts, weights = 0.0, {}, 0.0
+    restricted = head.loss_lm_head is not None
     for step, o in enumerate(outs, start=1):
         valid = f.shape[1] - step  # rows 0..T-1-step have a feature f_{i+step}
         want = final[:, step:]
         with torch.no_grad():
-            p_logits = head.compute_logits(want)
+            p_logits = head.compute_logits(want, restricted)
         reg = F.smooth_l1_loss(o[:, :valid].float(), want.float())
-        kl = mean_kl_loss(p_logits, head.compute_logits(o[:, :valid]))
+        kl = mean_kl_loss(p_logits, head.compute_logits(o[:, :valid], restricted))
         weight = unroll_decay ** (step - 1)
         total = total + weight * (reg + kl_weight * kl)
         weights += weight
         suffix = "" if step == 1 else f"_step{step}"
-        parts.update({f"reg{suffix}": reg.item(), f"kl{suffix}": kl.item()})
+        parts.update({f"reg{suffix}": reg.detach(), f"kl{suffix}": kl.detach()})
     return total / weights, parts
 
 
@@ -461,6 +478,8 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     if cfg.draft_vocab_size:
         vocab, vocab_info = draft_vocabulary(train, head.embed_tokens.shape[0],
                                              cfg.draft_vocab_size)
+        if cfg.loss_vocab == "draft":
+            head.restrict_loss_vocab(vocab)
 
     train_cache = held_cache = None
     batches = train  # what the loop draws random rows of
@@ -487,15 +506,24 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
         return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise,
                            cfg.unroll_steps, cfg.unroll_decay, cfg.unroll_detach, features)
 
+    # held-out blocks scored while training (the first eval_blocks: every evaluation of a
+    # head runs EVAL_STEPS unrolled steps over the whole vocabulary); all of them at the end
+    held_eval = held if cfg.eval_blocks is None else held[:cfg.eval_blocks]
     outcome = train_loop(
         cfg, "head", params, batches, device, step_loss,
-        lambda: evaluate_head(head, model, held, cfg.batch_size, vocab,
+        lambda: evaluate_head(head, model, held_eval, cfg.batch_size, vocab,
                               features=held_cache),
         lambda: {k: v.detach().clone() for k, v in head.state_dict().items()},
         head.load_state_dict, progress)
+    extra: dict[str, Any] = {}
+    if len(held_eval) < len(held):  # the best weights (restored) on every held-out block
+        extra["final_heldout"] = {"blocks": len(held), **evaluate_head(
+            head, model, held, cfg.batch_size, vocab, features=held_cache)}
     out = save_draft_head(head, cfg.out, target.save_dtype)
     saved: dict[str, Any] = {"kind": "head", "dtype": dtype_name(target.save_dtype),
-                             "tensors": sorted(head.state_dict())}
+                             "tensors": sorted(head.state_dict()),
+                             "loss_vocab": "draft" if head.loss_lm_head is not None
+                             else "full"}
     if train_cache is not None:
         # (not in the training time limit: max_seconds counts from the first step)
         saved["feature_cache"] = {"bytes": train_cache.nbytes + held_cache.nbytes,
@@ -508,4 +536,4 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
         saved["draft_vocab"]["size"] = len(vocab_info["token_ids"])
     elif vocab_file.exists():  # an earlier head's vocabulary must not outlive it
         vocab_file.unlink()
-    return finish(cfg, out, outcome, len(train), len(held), {"saved": saved})
+    return finish(cfg, out, outcome, len(train), len(held), {"saved": saved, **extra})

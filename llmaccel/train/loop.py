@@ -21,6 +21,9 @@ import torch
 
 from llmaccel.errors import LLMAccelError
 
+# Training steps between reads of their losses (each read waits for the GPU).
+READ_EVERY = 25
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -116,14 +119,19 @@ def train_with_early_stop(
     t0 = time.perf_counter()
 
     def record(step: int, train_loss: float | None) -> dict[str, Any]:
-        row = {"step": step, "train_loss": train_loss, **evaluate(),
-               "seconds": round(time.perf_counter() - t0, 2)}
+        start = time.perf_counter()
+        measures = evaluate()
+        now = time.perf_counter()
+        # eval_seconds: this evaluation's share of `seconds` (the wall since the start)
+        row = {"step": step, "train_loss": train_loss, **measures,
+               "seconds": round(now - t0, 2), "eval_seconds": round(now - start, 2)}
         history.append(row)
         return row
 
     first = record(0, None)
     best, best_step, best_state = first[metric], 0, snapshot()
     stopped, bad, losses, step = None, 0, [], 0
+    pending: list[torch.Tensor] = []  # this stretch's losses, still on the device
     bar = Progress(TextColumn(label), BarColumn(), TextColumn(
         "{task.completed}/{task.total} loss {task.fields[loss]:.3f} {task.fields[status]}"),
         TimeRemainingColumn(), disable=not progress)
@@ -135,18 +143,30 @@ def train_with_early_stop(
                 group["lr"] = lr_at(step)
             idx = torch.randint(len(train), (batch_size,), generator=gen)
             loss = step_loss(train[idx].to(device))
-            if not torch.isfinite(loss):
-                stopped = f"the training loss is not finite at step {step}"
-                break
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            losses.append(loss.item())
-            bar.update(task, completed=step, loss=losses[-1])
+            pending.append(loss.detach())
             out_of_time = (max_seconds is not None
                            and time.perf_counter() - t0 >= max_seconds)
-            if step % eval_every and step != steps and not out_of_time:
+            evaluate_now = not (step % eval_every and step != steps and not out_of_time)
+            if not evaluate_now and step % READ_EVERY:
+                continue
+            # The losses are read back (a host sync) only every READ_EVERY steps and before an
+            # evaluation, so the host queues steps while the GPU runs earlier ones. A
+            # non-finite loss is found up to READ_EVERY steps late; the steps after it
+            # trained on garbage, but they never reach an evaluation: the loop stops here and
+            # restores the best evaluated weights.
+            values = torch.stack(pending).tolist()
+            first_step, pending = step - len(values) + 1, []
+            bad_at = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+            if bad_at is not None:
+                stopped = f"the training loss is not finite at step {first_step + bad_at}"
+                break
+            losses.extend(values)
+            bar.update(task, completed=step, loss=values[-1])
+            if not evaluate_now:
                 continue
             row = record(step, sum(losses) / len(losses))
             losses = []
