@@ -7,6 +7,8 @@ where the GPU waits for the host (CUDA events around each forward pass; GPU only
     python benchmarks/profile_spec.py --target qwen2.5-0.5b --draft qwen2.5-0.5b --gaps
     python benchmarks/profile_spec.py --target qwen2.5-1.5b --head HEAD --gaps --fixed-k \
         --chain on,off
+    python benchmarks/profile_spec.py --target qwen2.5-1.5b --head random --gaps --fixed-k \
+        --batches 1 --draft-topk 1,3 --greedy-draft off,on
 
 (A shape name loads random weights with the engine's seed, so a shape drafting for itself
 accepts nearly everything: host overhead of full-length rounds without staging real models.)
@@ -164,6 +166,15 @@ def main() -> None:
                     help="comma-separated on,off: chained draft steps (LLMACCEL_DRAFT_CHAIN)")
     ap.add_argument("--overlap", default="on",
                     help="comma-separated on,off: overlapped drafting (LLMACCEL_DRAFT_OVERLAP)")
+    ap.add_argument("--draft-topk", default="1",
+                    help="comma-separated: SpeculativeConfig.draft_topk (tree drafts, head)")
+    ap.add_argument("--greedy-draft", default="on",
+                    help="comma-separated on,off: chained steps pick tokens with the model's "
+                         "greedy_draft (on) or full logits + the sampler's greedy "
+                         "(LLMACCEL_GREEDY_DRAFT=0)")
+    ap.add_argument("--random-head-vocab", type=int, default=32768,
+                    help="--head random: a random head for the target shape (benchmarks/"
+                         "random_head.py) with a draft vocabulary of this many ids (0: none)")
     ap.add_argument("--batches", default="4", help="comma-separated batch sizes")
     ap.add_argument("--kinds", default="prose", help="comma-separated: code, prose")
     ap.add_argument("--k", type=int, default=4)
@@ -173,22 +184,35 @@ def main() -> None:
                     help="instead of cProfile: GPU time and idle time per forward pass (CUDA "
                          "events) and host time per engine phase")
     args = ap.parse_args()
+    if args.head == "random":
+        from random_head import make_random_head
+
+        args.head = make_random_head(args.target, "/tmp/llmaccel-random-head",
+                                     args.random_head_vocab)
     spec = ({"method": "draft", "model": args.draft} if args.draft else
             {"method": "head", "model": args.head} if args.head else {"method": "ngram"})
     spec["num_speculative_tokens"] = args.k
     if args.fixed_k:
         spec.update(adaptive=False, auto_disable=False)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    for chain in args.chain.split(","):
+    engines = [(chain, pick, topk) for chain in args.chain.split(",")
+               for pick in args.greedy_draft.split(",")
+               for topk in map(int, args.draft_topk.split(","))]
+    for chain, pick, topk in engines:
         os.environ["LLMACCEL_DRAFT_CHAIN"] = "1" if chain == "on" else "0"
+        os.environ["LLMACCEL_GREEDY_DRAFT"] = "1" if pick == "on" else "0"
+        if topk > 1:
+            spec.update(draft_topk=topk, draft_confidence_threshold=0.0)
+        else:
+            spec.pop("draft_topk", None)
         llm = LLM(args.target, dtype="bfloat16", max_model_len=2048,
                   enable_prefix_caching=False, speculative_config=spec)
         for overlap in args.overlap.split(","):
             os.environ["LLMACCEL_DRAFT_OVERLAP"] = "1" if overlap == "on" else "0"
             for kind in args.kinds.split(","):
                 for batch in map(int, args.batches.split(",")):
-                    print(f"\n=== {spec['method']}, chain {chain}, overlap {overlap}, {kind} "
-                          f"prompts, batch {batch}")
+                    print(f"\n=== {spec['method']}, chain {chain}, greedy_draft {pick}, "
+                          f"topk {topk}, overlap {overlap}, {kind} prompts, batch {batch}")
                     profile_one(llm, _prompts(llm, kind, batch), params, args)
         del llm
         gc.collect()

@@ -171,6 +171,10 @@ class CUDAGraphRunner:
         self.chain_topk = 1
         self.last_chain_siblings: torch.Tensor | None = None
         self.last_rows_siblings: torch.Tensor | None = None  # run_on_device's, [rows, w]
+        # A chained step picks its tokens with model.greedy_draft (no logprobs; a head's
+        # over its draft vocabulary); LLMACCEL_GREEDY_DRAFT=0: the full logits and the
+        # sampler's greedy, as before session 35 (the A/B of benchmarks/profile_spec.py)
+        self.greedy_draft = os.environ.get("LLMACCEL_GREEDY_DRAFT", "1") == "1"
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -204,8 +208,12 @@ class CUDAGraphRunner:
             pos = start - 1 + count.clamp(max=s + 1)
             self._place_rows(bs, pos, count > s)
             hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
-            # tokens only (no logprobs), a head's over its draft vocabulary alone
-            tokens, ups = self.model.greedy_draft(hidden, w)
+            if self.greedy_draft:  # tokens only, a head's over its draft vocabulary alone
+                tokens, ups = self.model.greedy_draft(hidden, w)
+            else:
+                logits = self.model.compute_logits(hidden)
+                tokens = greedy_with_logprobs(logits, use_kernel=USE_GREEDY_KERNEL)[0]
+                ups = self.model.runners_up(logits, w) if w else None
             out[s].copy_(tokens)
             if w:
                 out[steps + s * w:steps + (s + 1) * w].copy_(ups.T)
