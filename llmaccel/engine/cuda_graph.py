@@ -29,6 +29,8 @@ re-reads its last position; its later outputs are ignored.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import os
 
@@ -81,6 +83,30 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int, warmup: int = 1) -> float
 
 
 _PROCESS_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector collected first, then off until the block ends.
+
+    During a stream capture (global mode, torch's default) a CUDA call the capture forbids,
+    from this thread too, invalidates it. The collector runs when allocations pass its
+    thresholds, so it can run in the middle of a capture, and what it frees then, a dead
+    engine held by reference cycles (pinned host buffers whose events are queried, graphs
+    destroyed), makes such calls. torch.cuda.graph no longer collects before capturing
+    (torch.compiler.config.force_cudagraph_gc is off by default). On an H200 (session 35),
+    test processes that built a second engine after dropping the first failed 1 in 3 runs
+    while capturing the head's graphs: CUBLAS_STATUS_INTERNAL_ERROR / EXECUTION_FAILED
+    from an fp32 GEMM inside the capture, then cudaErrorStreamCaptureInvalidated; never
+    under CUDA_LAUNCH_BLOCKING=1, which changes the timing."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _process_capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -235,12 +261,14 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         self.inputs[2].fill_(-1)  # capture-time runs must not write into the cache
         self._pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.sizes):
-            self.graphs[bs], self.outputs[bs] = self._capture_one(lambda: self._forward(bs))
-        self.inputs[3].zero_()  # the subset graphs' sampled rows: valid during capture
-        for bs in sorted(self.subset_sizes, reverse=True):
-            self.subset_graphs[bs], self.subset_outputs[bs] = self._capture_one(
-                lambda: self._forward(bs, SUBSET_ROWS))
+        with gc_paused():
+            for bs in reversed(self.sizes):
+                self.graphs[bs], self.outputs[bs] = self._capture_one(
+                    lambda: self._forward(bs))
+            self.inputs[3].zero_()  # the subset graphs' sampled rows: valid during capture
+            for bs in sorted(self.subset_sizes, reverse=True):
+                self.subset_graphs[bs], self.subset_outputs[bs] = self._capture_one(
+                    lambda: self._forward(bs, SUBSET_ROWS))
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode row counts %s (and with the LM head on "
                     "%d rows for %s)", self.sizes, SUBSET_ROWS, sorted(self.subset_sizes))
@@ -287,10 +315,11 @@ class CUDAGraphRunner:
         # capture-time runs write nothing: every row has a count of 0 (slot -1)
         self.inputs[6].fill_(1)
         self.inputs[7].fill_(0)
-        for bs in reversed(self.chain_sizes):
-            for steps in range(1, max_steps + 1):
-                graph, out = self._capture_one(lambda: self._chain_forward(bs, steps))
-                self.chain_graphs[bs, steps], self.chain_outputs[bs, steps] = graph, out
+        with gc_paused():
+            for bs in reversed(self.chain_sizes):
+                for steps in range(1, max_steps + 1):
+                    graph, out = self._capture_one(lambda: self._chain_forward(bs, steps))
+                    self.chain_graphs[bs, steps], self.chain_outputs[bs, steps] = graph, out
         torch.cuda.synchronize(self.device)
         logger.info("captured chained-decode graphs of 1-%d steps for row counts %s",
                     max_steps, self.chain_sizes)

@@ -47,7 +47,7 @@ from llmaccel.models.attention import get_attention_backend
 from llmaccel.models.layers.linear import Linear
 from llmaccel.models.layers.quantization import dense_linear
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
-from llmaccel.models.transformer import DecoderLayer, TransformerForCausalLM
+from llmaccel.models.transformer import DecoderLayer, TransformerForCausalLM, greedy_ids
 
 HEAD_MARKER = "llmaccel_draft_head"
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -156,7 +156,7 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
             return super().greedy_draft(hidden_states, width)
         small = dense_linear(hidden_states, self.draft_lm_head, None,
                              self.model.norm.use_triton)
-        tokens = self.draft_ids[small.argmax(-1)].double()
+        tokens = self.draft_ids[greedy_ids(small).long()].double()
         if not width:
             return tokens, None
         return tokens, self.draft_ids[small.topk(width + 1, dim=-1).indices[:, 1:]].double()

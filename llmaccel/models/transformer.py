@@ -246,6 +246,15 @@ class TransformerModel(nn.Module):
         return x
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] -> argmax ids [rows], float64: on a GPU the chunked Triton kernel the
+    sampler's greedy uses (kernels/greedy.py; torch's argmax reduces a row in one block,
+    slow for one row of tens of thousands), else torch's."""
+    from llmaccel.engine.sampler import greedy_with_logprobs
+
+    return greedy_with_logprobs(logits, use_kernel=logits.is_cuda)[0]
+
+
 class TransformerForCausalLM(nn.Module):
     """forward(flat input_ids [T], positions [T], AttentionMetadata) -> hidden states [T, h];
     compute_logits(hidden) -> logits. The LM head stays unquantized, as in vLLM, unless the
@@ -304,7 +313,7 @@ class TransformerForCausalLM(nn.Module):
         id, as the sampler's argmax."""
         logits = self.compute_logits(hidden_states)
         ups = self.runners_up(logits, width) if width else None
-        return logits.argmax(-1).double(), ups
+        return greedy_ids(logits), ups
 
     def runners_up(self, logits: torch.Tensor, width: int) -> torch.Tensor:
         """[rows, vocab] logits -> each row's 2nd..(width + 1)-th best token ids [rows,
