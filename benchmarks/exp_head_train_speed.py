@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -102,15 +104,21 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
-        rec = {"experiment": "head-train-speed", "variant": variant, "batch": batch,
-               "seq_len": 512, "loss_vocab": "draft" if restricted else "full",
-               "read_back_every": 1 if sync_each else READ_EVERY, "steps": args.steps,
-               "seconds": round(seconds, 3),
-               "steps_per_s": round(args.steps / seconds, 3),
-               "tokens_per_s": round(args.steps * batch * 511 / seconds, 1),
-               "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-               if cuda else None,
-               "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
+        rec = {"workload": "head-train", "model": args.target,
+               "load_format": "dummy" if args.target in SHAPES else "auto",
+               "backend": "llmaccel",
+               "config": {"variant": variant, "batch": batch, "seq_len": 512,
+                          "loss_vocab": "draft" if restricted else "full",
+                          "read_back_every": 1 if sync_each else READ_EVERY,
+                          "steps": args.steps, "seconds": round(seconds, 3),
+                          "steps_per_s": round(args.steps / seconds, 3),
+                          "peak_mem_gib": round(torch.cuda.max_memory_allocated(device)
+                                                / 2**30, 2) if cuda else None},
+               "metric": "tokens_per_s",
+               "value": round(args.steps * batch * 511 / seconds, 1),
+               "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+               "torch": torch.__version__, "commit": os.environ.get("LLMACCEL_COMMIT", ""),
+               "command": " ".join(sys.argv)}
         records.append(rec)
         print(json.dumps(rec), flush=True)
     out = Path(args.out)
@@ -118,12 +126,13 @@ def main() -> int:
     with open(out / f"{args.name}.jsonl", "w") as f:
         for rec in records:
             f.write(json.dumps(rec) + "\n")
-    base = records[0]["tokens_per_s"]
+    base = records[0]["value"]
     print(f"\n{'variant':12s} {'batch':>5s} {'steps/s':>8s} {'tokens/s':>10s} {'x':>6s} "
           f"{'peak GiB':>9s}")
     for r in records:
-        print(f"{r['variant']:12s} {r['batch']:5d} {r['steps_per_s']:8.2f} "
-              f"{r['tokens_per_s']:10.0f} {r['tokens_per_s'] / base:6.2f} {r['peak_gib'] or 0:9.1f}")
+        c = r["config"]
+        print(f"{c['variant']:12s} {c['batch']:5d} {c['steps_per_s']:8.2f} "
+              f"{r['value']:10.0f} {r['value'] / base:6.2f} {c['peak_mem_gib'] or 0:9.1f}")
     return 0
 
 

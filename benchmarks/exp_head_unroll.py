@@ -30,8 +30,9 @@ def _train(target: str, data: str, out: Path, steps: int, seconds: float, lr: fl
     from llmaccel.train.distill import distill_draft
     from llmaccel.train.distill_common import DistillConfig
 
+    kw.setdefault("batch_size", 8)
     cfg = DistillConfig(target=target, out=str(out), kind="head", data=data, steps=steps,
-                        batch_size=8, seq_len=512, eval_every=eval_every, heldout=0.1,
+                        seq_len=512, eval_every=eval_every, heldout=0.1,
                         patience=100, kl_weight=0.1, feature_noise=0.1, lr=lr,
                         max_seconds=seconds, seed=0, **kw)
     distill_draft(cfg)
@@ -60,13 +61,23 @@ def main() -> int:
     ap.add_argument("--cache-features", action="store_true",
                     help="the target's features computed once per block, kept on the device "
                          "(train/feature_cache.py), not once per step")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--eval-every", type=int, default=500, help="warm: steps between "
+                    "evaluations (continuations: half their steps)")
+    ap.add_argument("--eval-blocks", type=int, default=None,
+                    help="held-out blocks scored while training (DistillConfig.eval_blocks; "
+                         "all of them at the end)")
+    ap.add_argument("--loss-vocab", default="draft", choices=["draft", "full"])
     args = ap.parse_args()
+    common = dict(batch_size=args.batch_size, eval_blocks=args.eval_blocks,
+                  loss_vocab=args.loss_vocab)
     out = Path(args.out)
     aux = tuple(int(i) for i in args.aux_layers.split(",") if i.strip())
     if args.stage == "warm":
         rec = _train(args.target, args.data, out / "warm", args.warm_steps, args.warm_seconds,
-                     args.lr if args.init_head else None, 500, init_head=args.init_head,
-                     cache_features=args.cache_features, aux_layers=aux)
+                     args.lr if args.init_head else None, args.eval_every,
+                     init_head=args.init_head, cache_features=args.cache_features,
+                     aux_layers=aux, **common)
         print(json.dumps({k: rec[k] for k in ("best_kl", "best_top1", "best_step",
                                                "steps_run", "stopped")}))
         return 0
@@ -74,7 +85,8 @@ def main() -> int:
     for name in args.variants.split(","):
         rec = _train(args.target, args.data, out / name, args.steps, args.seconds, args.lr,
                      args.steps // 2, init_head=str(out / "warm"),
-                     cache_features=args.cache_features, aux_layers=aux, **VARIANTS[name])
+                     cache_features=args.cache_features, aux_layers=aux, **common,
+                     **VARIANTS[name])
         rows[name] = rec
     print("| variant | steps run | seconds | top-1 step 1 | step 2 | step 3 | step 4 | "
           "tokens/round at k=4 |\n|---|---|---|---|---|---|---|---|")

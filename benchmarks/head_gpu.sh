@@ -15,6 +15,8 @@
 #        requests drawn with SEED; returned gzipped ($tag-head-data.txt.gz) and joined to the
 #        text of earlier sessions found in .headstate/*.txt.gz (carried), so the head's data
 #        grows from session to session (each has only ~30 device minutes)
+# trainspeed  the head's training step, variants side by side (exp_head_train_speed.py) on
+#        the 1.5B's shape with random weights (no staged files needed)
 # warm   a plain head on it (exp_head_unroll.py --stage warm), TRAIN_SECONDS (the cosine
 #        follows the time limit: train/loop.py); from INIT_HEAD where set (an earlier
 #        session's head, staged), at peak lr LR; the target's features computed once per
@@ -47,6 +49,12 @@ TRAIN_SECONDS=${TRAIN_SECONDS:-420}
 CACHE=${CACHE-1}  # warm: --cache-features (CACHE= turns it off)
 AUX=${AUX-}  # warm: --aux-layers
 CONT_SECONDS=${CONT_SECONDS:-300}
+# warm: batch, steps between evaluations, held-out blocks each scores (all at the end). An
+# evaluation of all ~1,000 held-out blocks took ~21 s (s34), about half of a 400 s run; a
+# step with the cache and the draft-vocabulary loss ~14 ms at batch 8 (s35, random weights)
+BATCH=${BATCH:-8}
+EVAL_EVERY=${EVAL_EVERY:-2000}
+EVAL_BLOCKS=${EVAL_BLOCKS:-128}
 HEAD=${HEAD:-$H/warm}
 SWITCH=${SWITCH:-auto}  # spec_bench --switch: auto, on (speculate every round), or auto,on
 OVERLAP=${OVERLAP:-off,on}  # w5head: --draft-overlap
@@ -111,11 +119,16 @@ case $part in
     ;;
   warm)
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage warm \
-      --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" \
+      --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" --batch-size "$BATCH" \
+      --eval-every "$EVAL_EVERY" --eval-blocks "$EVAL_BLOCKS" \
       ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} \
       ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
     pieces 0
+    ;;
+  trainspeed)
+    python benchmarks/exp_head_train_speed.py --target qwen2.5-1.5b --blocks 256 --steps 40 \
+      --out "$out" --name "$tag-head-train-speed" 2>&1 | tail -7
     ;;
   savehead)
     [[ ${4:-0} == 0 ]] && cp "$H/warm/distill.json" "$out/$tag-head-distill.json"
