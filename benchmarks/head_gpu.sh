@@ -11,7 +11,8 @@
 #        vocabulary three times per load (config, tokenizer, weights; ~28 s each on a slow
 #        CPU), and every later load reads safetensors instead; the 0.5B only where its chunks
 #        were staged (the draft model of `w5`: parts without it need not stage it)
-# data   self-distillation text (benchmarks/head_data.py), DATA_SECONDS of generation, from
+# data   self-distillation text (benchmarks/head_data.py), DATA_SECONDS of generation
+#        (DATA_SEQS: the engine's max_num_seqs, default 256), from
 #        requests drawn with SEED; returned gzipped ($tag-head-data.txt.gz) and joined to the
 #        text of earlier sessions found in .headstate/*.txt.gz (carried), so the head's data
 #        grows from session to session (each has only ~30 device minutes)
@@ -108,8 +109,9 @@ case $part in
     ;;
   data)
     mkdir -p "$H"
-    python benchmarks/head_data.py --target "$T15" --n 16384 --max-tokens 256 --chunk 2048 \
-      --seed "${SEED:-0}" --max-seconds "$DATA_SECONDS" --out "$H/new.txt" 2>&1 | quiet \
+    python benchmarks/head_data.py --target "$T15" --n "${DATA_N:-16384}" --max-tokens 256 --chunk 2048 \
+      --seed "${SEED:-0}" --max-seconds "$DATA_SECONDS" --out "$H/new.txt" \
+      ${DATA_SEQS:+--max-num-seqs "$DATA_SEQS"} 2>&1 | quiet \
       | tee "$out/$tag-data.log"
     gzip -c "$H/new.txt" > "$out/$tag-head-data.txt.gz"
     # earlier sessions' text first: the held-out set is the last 10%, this session's
