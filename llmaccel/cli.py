@@ -319,7 +319,8 @@ def distill_draft(
         unroll_detach=unroll_detach, cache_features=cache_features,
         aux_layers=o.parse_int_list(aux_layers, "--aux-layers") if aux_layers else (),
         draft_vocab_size=draft_vocab_size, loss_vocab=loss_vocab, eval_blocks=eval_blocks,
-        schedule=schedule, warmup=warmup, max_seconds=max_seconds, seed=seed, device=device, dtype=dtype))
+        schedule=schedule, warmup=warmup, max_seconds=max_seconds, seed=seed, device=device,
+        dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""
     method = "draft" if kind == "student" else "head"
     console.print(f"{kind}: held-out KL {res.baseline_kl:.4f} -> {res.best_kl:.4f}, top-1 "

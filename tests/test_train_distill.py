@@ -544,7 +544,8 @@ def test_cached_features_train_the_same_head(target_dir, tmp_path):
     for name, w in plain_w.items():
         torch.testing.assert_close(fast_w[name], w, rtol=1e-4, atol=1e-5)
     summary = json.loads((tmp_path / "h1" / "distill.json").read_text())
-    assert summary["config"]["cache_features"] and summary["saved"]["feature_cache"]["bytes"] == 4 * blocks.numel() * H
+    assert summary["config"]["cache_features"]
+    assert summary["saved"]["feature_cache"]["bytes"] == 4 * blocks.numel() * H
     # the cache must fit the device's free memory, and is for heads only
     require_fit(60, 100, 3, "cuda:0")
     with pytest.raises(LLMAccelError, match="needs 0.0 GiB, more than 60% of the 0.0 GiB free"):

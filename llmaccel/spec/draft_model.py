@@ -217,8 +217,8 @@ class DraftModelProposer:
                     on_device = tokens.new_empty(steps * (1 + w), len(rows))
                 on_device[j, :len(rows)] = tokens
                 if w:  # this step's runners-up (spec/tree.py)
-                    on_device[steps + j * w:steps + (j + 1) * w, :len(rows)] = self.model.runners_up(
-                        logits, w).T
+                    ups = self.model.runners_up(logits, w)
+                    on_device[steps + j * w:steps + (j + 1) * w, :len(rows)] = ups.T
                 still = [i for i in rows if j + 1 < ks[i]]  # a prefix of rows (sorted by k)
                 for i in rows:
                     views[i].drafts.append(0)  # stands for the token still on the device
