@@ -31,7 +31,8 @@
 #        head again next session (INIT_HEAD)
 # savehead N  the same pieces on their own: N=0 config, draft vocabulary, distill.json and
 #        pieces 0-3; N=1 the rest
-# cont   continue it unrolled and detached (session 24's best variant), CONT_SECONDS
+# cont   continue it in each of VARIANTS (exp_head_unroll.py's; default unrolled and
+#        detached, session 24's best), CONT_SECONDS each, from the warm head
 # w5head W5 at batch 1 with HEAD (default the warm head): OVERLAP (off,on), FIRST (lookup
 #        first: off), LOOKUP (its most drafts), TOPK (tree verification, spec/tree.py)
 # w5hybrid  W5 at batch 1 with HEAD, n-gram lookup first (SpeculativeConfig.ngram_first;
@@ -56,6 +57,7 @@ CONT_SECONDS=${CONT_SECONDS:-300}
 BATCH=${BATCH:-8}
 EVAL_EVERY=${EVAL_EVERY:-2000}
 EVAL_BLOCKS=${EVAL_BLOCKS:-128}
+VARIANTS=${VARIANTS:-unroll3-decay0.5-detach}  # cont
 HEAD=${HEAD:-$H/warm}
 SWITCH=${SWITCH:-auto}  # spec_bench --switch: auto, on (speculate every round), or auto,on
 OVERLAP=${OVERLAP:-off,on}  # w5head: --draft-overlap
@@ -139,9 +141,10 @@ case $part in
     ;;
   cont)
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage continue \
-      --variants unroll3-decay0.5-detach --steps 100000 --seconds "$CONT_SECONDS" --out "$H" \
-      2>&1 | quiet | tail -4
-    cp "$H/unroll3-decay0.5-detach/distill.json" "$out/$tag-cont-distill.json"
+      --variants "$VARIANTS" --steps 100000 --seconds "$CONT_SECONDS" --out "$H" \
+      --batch-size "$BATCH" --eval-blocks "$EVAL_BLOCKS" ${CACHE:+--cache-features} \
+      2>&1 | quiet | tail -8
+    for v in ${VARIANTS//,/ }; do cp "$H/$v/distill.json" "$out/$tag-cont-$v-distill.json"; done
     ;;
   w5head)
     $W5 --methods head --head "$HEAD" --draft-overlap "$OVERLAP" --ngram-first "$FIRST" \
