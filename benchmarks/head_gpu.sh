@@ -56,7 +56,7 @@ CONT_SECONDS=${CONT_SECONDS:-300}
 # step with the cache and the draft-vocabulary loss ~14 ms at batch 8 (s35, random weights)
 BATCH=${BATCH:-8}
 EVAL_EVERY=${EVAL_EVERY:-2000}
-EVAL_BLOCKS=${EVAL_BLOCKS:-128}
+EVAL_BLOCKS=${EVAL_BLOCKS-128}  # empty: all of them
 VARIANTS=${VARIANTS:-unroll3-decay0.5-detach}  # cont
 HEAD=${HEAD:-$H/warm}
 SWITCH=${SWITCH:-auto}  # spec_bench --switch: auto, on (speculate every round), or auto,on
@@ -124,7 +124,7 @@ case $part in
   warm)
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage warm \
       --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" --batch-size "$BATCH" \
-      --eval-every "$EVAL_EVERY" --eval-blocks "$EVAL_BLOCKS" \
+      --eval-every "$EVAL_EVERY" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} \
       ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} \
       ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
@@ -142,7 +142,7 @@ case $part in
   cont)
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage continue \
       --variants "$VARIANTS" --steps 100000 --seconds "$CONT_SECONDS" --out "$H" \
-      --batch-size "$BATCH" --eval-blocks "$EVAL_BLOCKS" ${CACHE:+--cache-features} \
+      --batch-size "$BATCH" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} ${CACHE:+--cache-features} \
       2>&1 | quiet | tail -8
     for v in ${VARIANTS//,/ }; do cp "$H/$v/distill.json" "$out/$tag-cont-$v-distill.json"; done
     ;;
