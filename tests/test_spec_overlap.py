@@ -301,7 +301,7 @@ def test_lookahead_inputs_follow_each_rows_acceptance():
     runner = _RecordingRunner()
     proposer = DraftModelProposer.__new__(DraftModelProposer)
     proposer.runner, proposer.block_manager = runner, _Blocks()
-    proposer._to_host = lambda out, columns: (out.clone(), columns)
+    proposer._to_host = lambda out, columns, topk=1: (out.clone(), columns)
     out, columns = launch_lookahead(proposer, seqs, ks, [4, 2, 1], greedy, [0, 4, 7],
                                     DeviceDrafts(ids, cols, ids, None))
     _, row_ids, positions, write, rows = runner.rows

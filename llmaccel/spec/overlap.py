@@ -219,8 +219,7 @@ def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: lis
                                          starts=starts)
         if w:
             out[kn + w:] = runner.graphs.last_chain_siblings
-    columns = {seq: r for r, seq in enumerate(seqs)}
-    return proposer._to_host(out, columns, 1 + w) if w else proposer._to_host(out, columns)
+    return proposer._to_host(out, {seq: r for r, seq in enumerate(seqs)}, 1 + w)
 
 
 def launch_next_round(spec, sampling: list[Sequence], logits: torch.Tensor,
