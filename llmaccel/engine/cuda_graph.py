@@ -30,23 +30,20 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import gc
 import logging
 import os
 
 import torch
 
-from llmaccel.engine.sampler import greedy_with_logprobs
+from llmaccel.engine.sampler import USE_GREEDY_KERNEL, greedy_with_logprobs
 from llmaccel.kernels.stage_inputs import StagedCopy
 from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.transformer import TransformerForCausalLM
 
 logger = logging.getLogger(__name__)
 
-# The chunked Triton argmax+logprob (kernels/greedy.py) inside the graph instead of torch's
-# one-block-per-row reductions: measured 1541 -> 1364 us per llama-3.2-1b batch-1 step on an
-# H100. LLMACCEL_GREEDY_KERNEL=0 switches it off (to measure both).
-USE_GREEDY_KERNEL = os.environ.get("LLMACCEL_GREEDY_KERNEL", "1") == "1"
 
 
 # A step that samples few of its rows (a short prefill run as rows: one row per sequence)
@@ -198,8 +195,8 @@ class CUDAGraphRunner:
         self.last_chain_siblings: torch.Tensor | None = None
         self.last_rows_siblings: torch.Tensor | None = None  # run_on_device's, [rows, w]
         # A chained step picks its tokens with model.greedy_draft (no logprobs; a head's
-        # over its draft vocabulary); LLMACCEL_GREEDY_DRAFT=0: the full logits and the
-        # sampler's greedy, as before session 35 (the A/B of benchmarks/profile_spec.py)
+        # over its draft vocabulary); LLMACCEL_GREEDY_DRAFT=0: over the whole vocabulary's
+        # logits, as before session 35 (the A/B of benchmarks/profile_spec.py)
         self.greedy_draft = os.environ.get("LLMACCEL_GREEDY_DRAFT", "1") == "1"
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -234,12 +231,11 @@ class CUDAGraphRunner:
             pos = start - 1 + count.clamp(max=s + 1)
             self._place_rows(bs, pos, count > s)
             hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
-            if self.greedy_draft:  # tokens only, a head's over its draft vocabulary alone
-                tokens, ups = self.model.greedy_draft(hidden, w)
-            else:
-                logits = self.model.compute_logits(hidden)
-                tokens = greedy_with_logprobs(logits, use_kernel=USE_GREEDY_KERNEL)[0]
-                ups = self.model.runners_up(logits, w) if w else None
+            # tokens only, a head's over its draft vocabulary alone; the A/B's old path is
+            # the base class's pick over the whole vocabulary's logits
+            pick = (self.model.greedy_draft if self.greedy_draft
+                    else functools.partial(TransformerForCausalLM.greedy_draft, self.model))
+            tokens, ups = pick(hidden, w)
             out[s].copy_(tokens)
             if w:
                 out[steps + s * w:steps + (s + 1) * w].copy_(ups.T)

@@ -139,11 +139,18 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
                                       device=weight.device)
         self.draft_lm_head = weight.index_select(0, self.draft_ids).contiguous()
 
+    def _draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits of the draft vocabulary's tokens only, [rows, N] in draft_ids' order."""
+        return dense_linear(hidden_states, self.draft_lm_head, None, self.model.norm.use_triton)
+
+    def _ranked(self, small: torch.Tensor, width: int) -> torch.Tensor:
+        """Draft-vocabulary logits -> each row's 2nd..(width + 1)-th best token ids, float64."""
+        return self.draft_ids[small.topk(width + 1, dim=-1).indices[:, 1:]].double()
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.draft_ids is None:
             return self._target.compute_logits(hidden_states)
-        small = dense_linear(hidden_states, self.draft_lm_head, None,
-                             self.model.norm.use_triton)
+        small = self._draft_logits(hidden_states)
         logits = small.new_full((small.shape[0], self.config.vocab_size), -torch.inf)
         return logits.index_copy_(1, self.draft_ids, small)
 
@@ -154,19 +161,15 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
         vocabulary's row (151,936 wide for Qwen2.5) at every chained step."""
         if self.draft_ids is None:
             return super().greedy_draft(hidden_states, width)
-        small = dense_linear(hidden_states, self.draft_lm_head, None,
-                             self.model.norm.use_triton)
+        small = self._draft_logits(hidden_states)
         tokens = self.draft_ids[greedy_ids(small).long()].double()
-        if not width:
-            return tokens, None
-        return tokens, self.draft_ids[small.topk(width + 1, dim=-1).indices[:, 1:]].double()
+        return tokens, (self._ranked(small, width) if width else None)
 
     def runners_up(self, logits: torch.Tensor, width: int) -> torch.Tensor:
         # only the draft vocabulary's columns can rank (the rest are -inf)
         if self.draft_ids is None:
             return super().runners_up(logits, width)
-        small = logits.index_select(1, self.draft_ids)
-        return self.draft_ids[small.topk(width + 1, dim=-1).indices[:, 1:]].double()
+        return self._ranked(logits.index_select(1, self.draft_ids), width)
 
     def prepare_chained_step(self, rows: int) -> None:
         # the next head step's features: this step's outputs (o_i stands in for f_{i+1})

@@ -247,12 +247,12 @@ class TransformerModel(nn.Module):
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] -> argmax ids [rows], float64: on a GPU the chunked Triton kernel the
-    sampler's greedy uses (kernels/greedy.py; torch's argmax reduces a row in one block,
-    slow for one row of tens of thousands), else torch's."""
-    from llmaccel.engine.sampler import greedy_with_logprobs
+    """[rows, vocab] -> argmax ids [rows], float64: the sampler's greedy, through the chunked
+    Triton kernel where the decode graphs use it (torch's argmax reduces a row in one
+    block, slow for one row of tens of thousands)."""
+    from llmaccel.engine.sampler import USE_GREEDY_KERNEL, greedy_with_logprobs
 
-    return greedy_with_logprobs(logits, use_kernel=logits.is_cuda)[0]
+    return greedy_with_logprobs(logits, use_kernel=USE_GREEDY_KERNEL)[0]
 
 
 class TransformerForCausalLM(nn.Module):
