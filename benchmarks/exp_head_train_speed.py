@@ -44,8 +44,9 @@ def main() -> int:
 
     from llmaccel.train.distill_common import DistillConfig, load_target
     from llmaccel.train.data import load_training_text, token_blocks
-    from llmaccel.train.draft_head import (build_draft_head, draft_vocabulary, head_losses,
-                                           load_draft_head, target_features)
+    from llmaccel.train.draft_head import (build_draft_head, draft_vocabulary, load_draft_head,
+                                           target_features)
+    from llmaccel.train.head_training import head_losses
     from llmaccel.train.feature_cache import FeatureCache
     from llmaccel.models.shapes import SHAPES
     from llmaccel.train.loop import READ_EVERY

@@ -20,9 +20,9 @@ from tiny_models import make_tiny_model, periodic_blocks, save_word_tokenizer, t
 from llmaccel.errors import LLMAccelError
 from llmaccel.train.distill import build_student, distill_draft, evaluate_student
 from llmaccel.train.distill_common import DistillConfig
-from llmaccel.train.draft_head import (LAYER_TENSORS, build_draft_head, evaluate_head,
-                                       head_losses, load_draft_head, save_draft_head,
-                                       target_features)
+from llmaccel.train.draft_head import (LAYER_TENSORS, build_draft_head, load_draft_head,
+                                       save_draft_head, target_features)
+from llmaccel.train.head_training import evaluate_head, head_losses
 
 H, V = 64, 160  # tiny_models' hidden size and vocabulary
 

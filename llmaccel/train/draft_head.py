@@ -1,4 +1,5 @@
-"""An EAGLE-1 style draft head: its training module, its training loop and its checkpoint.
+"""An EAGLE-1 style draft head: its training module and its checkpoint (its losses,
+evaluation and training run are train/head_training.py's).
 
 The head drafts from the target's own features. For tokens x_0..x_{T-1}, let f_i be the
 target's final hidden state at position i after its final RMSNorm (what its lm_head reads).
@@ -8,7 +9,7 @@ own inputs 0..i, rope at position i), and returns o_i = h + attn(h) + mlp(norm(h
 with no final norm. The target's lm_head turns o_i into the draft for x_{i+2}, and o_i stands
 in for f_{i+1} when drafting further. The engine's head (method "head") computes the same.
 
-Training (EAGLE-1): smooth-L1 regression of o_i onto f_{i+1} plus `kl_weight` times
+Training (EAGLE-1; train/head_training.py): smooth-L1 regression of o_i onto f_{i+1} plus `kl_weight` times
 KL(p_{i+1} || q_i), p from the target's logits at i + 1, q from the head's; uniform noise on
 the input features (their RMS times `feature_noise`) so the head tolerates its own imperfect
 features when it drafts several tokens. With `unroll_steps` > 1 (EAGLE-3's "training-time
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmaccel.errors import LLMAccelError
-from llmaccel.models.draft_head import DRAFT_VOCAB_FILE
-from llmaccel.train.feature_cache import FeatureCache
-from llmaccel.train.distill_common import (DistillConfig, Meter, Target, autocast_for,
-                                           dtype_name, kl_terms, mean_kl_loss)
+from llmaccel.train.distill_common import dtype_name
 
 MARKER = "llmaccel_draft_head"
 FEATURE = "final_norm_output"
@@ -61,8 +58,6 @@ LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                  "mlp.up_proj.weight", "mlp.down_proj.weight",
                  "post_attention_layernorm.weight")
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
-# held-out agreement is reported for the head's first EVAL_STEPS drafts (k = 4 drafts in W5)
-EVAL_STEPS = 4
 
 
 def head_config_dict(target_config: dict[str, Any], target_name: str, dtype: torch.dtype,
@@ -314,96 +309,6 @@ def _rms(t: torch.Tensor) -> float:
     return t.float().pow(2).mean().sqrt().item()
 
 
-def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: float,
-                feature_noise: float = 0.0, unroll_steps: int = 1, unroll_decay: float = 1.0,
-                unroll_detach: bool = False, features: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The training loss on token blocks [B, T]: smooth L1(o_i, f_{i+1}) + kl_weight *
-    KL(p_{i+1} || q_i) over i = 0..T-2, with noise on the input features f_i. With
-    `unroll_steps` s > 1 the head also drafts s tokens ahead on its own outputs
-    (DraftHead.unroll) and step j's outputs are fitted to f_{i+j} and p_{i+j} the same way;
-    the loss is the mean over the steps weighted by unroll_decay ** (j - 1) (a step is
-    worth only as much as the chance the drafts before it were accepted). `features`: the
-    batch's target features when already computed (train/feature_cache.py). The KL runs
-    over the head's loss vocabulary where one is set (`DraftHead.restrict_loss_vocab`).
-    The parts come back as 0-d tensors: reading them is a host sync, left to the caller."""
-    f = (target_features(target_model, batch, head.aux_layers) if features is None
-         else features)
-    final = f[..., :head.fc.out_features]  # f_i itself, before any aux layers' features
-    inputs = f[:, :-1].float()
-    if feature_noise > 0:
-        # relative to each part's RMS (the final hidden state and each aux layer's)
-        parts_view = inputs.unflatten(-1, (-1, head.fc.out_features))
-        rms = parts_view.pow(2).mean(-1, keepdim=True).sqrt()
-        noise = (torch.rand_like(parts_view) * 2 - 1) * feature_noise * rms
-        inputs = (parts_view + noise).flatten(-2)
-    with autocast_for(batch.device, target_model.dtype):
-        outs = head.unroll(batch, inputs, unroll_steps, unroll_detach)
-    total, parts, weights = 0.0, {}, 0.0
-    restricted = head.loss_lm_head is not None
-    for step, o in enumerate(outs, start=1):
-        valid = f.shape[1] - step  # rows 0..T-1-step have a feature f_{i+step}
-        want = final[:, step:]
-        with torch.no_grad():
-            p_logits = head.compute_logits(want, restricted)
-        reg = F.smooth_l1_loss(o[:, :valid].float(), want.float())
-        kl = mean_kl_loss(p_logits, head.compute_logits(o[:, :valid], restricted))
-        weight = unroll_decay ** (step - 1)
-        total = total + weight * (reg + kl_weight * kl)
-        weights += weight
-        suffix = "" if step == 1 else f"_step{step}"
-        parts.update({f"reg{suffix}": reg.detach(), f"kl{suffix}": kl.detach()})
-    return total / weights, parts
-
-
-@torch.no_grad()
-def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_size: int,
-                  draft_vocab: torch.Tensor | None = None, steps: int = EVAL_STEPS,
-                  features: FeatureCache | None = None) -> dict[str, float]:
-    """Held-out means over every position: KL(p_{i+1} || q_i), top-1 agreement, regression,
-    and with `draft_vocab` (token ids) the top-1 agreement of the head's argmax over those
-    tokens only (what the engine drafts with that vocabulary). For steps 2..`steps`, the
-    head drafting on its own outputs (DraftHead.unroll, the tokens before it right):
-    heldout_kl_step{j} and heldout_top1_step{j}, the latter the chance that its j-th draft is
-    accepted given the earlier ones were, which is what speculative decoding's acceptance
-    falls with. `features`: the blocks' target features, cached (train/feature_cache.py)."""
-    head.eval()
-    meter = Meter()
-    later = {step: Meter() for step in range(2, steps + 1)}  # fewer rows than step 1's
-    device = head.fc.weight.device
-    ids = draft_vocab.to(device) if draft_vocab is not None else None
-    for i in range(0, len(blocks), batch_size):
-        batch = blocks[i:i + batch_size].to(device)
-        wide = (target_features(target_model, batch, head.aux_layers) if features is None
-                else features.features[i:i + len(batch)])
-        f = wide[..., :head.fc.out_features]
-        with autocast_for(device, target_model.dtype):
-            outs = head.unroll(batch, wide[:, :-1], max(1, min(steps, f.shape[1] - 1)))
-        for step, o in enumerate(outs, start=1):
-            p_logits = head.compute_logits(f[:, step:])
-            q_logits = head.compute_logits(o[:, :f.shape[1] - step])
-            kl, agree = kl_terms(p_logits, q_logits)
-            if step > 1:
-                later[step].add(kl.numel(), kl=kl.sum(), top1=agree.sum())
-                continue
-            reg = F.smooth_l1_loss(o.float(), f[:, 1:].float(), reduction="none").mean(-1)
-            sums = {"kl": kl.sum(), "top1": agree.sum(), "reg": reg.sum()}
-            if ids is not None:
-                restricted = ids[q_logits[..., ids].argmax(-1)]
-                sums["top1_vocab"] = (restricted == p_logits.argmax(-1)).sum()
-            meter.add(kl.numel(), **sums)
-    m = meter.means()
-    out = {"heldout_kl": m["kl"], "heldout_top1": m["top1"], "heldout_reg": m["reg"]}
-    if draft_vocab is not None:
-        out["heldout_top1_draft_vocab"] = m["top1_vocab"]
-    for step, step_meter in later.items():
-        if step_meter.count:
-            means = step_meter.means()
-            out[f"heldout_kl_step{step}"] = means["kl"]
-            out[f"heldout_top1_step{step}"] = means["top1"]
-    return out
-
-
 def draft_vocabulary(blocks: torch.Tensor, vocab_size: int, size: int
                      ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The `size` most frequent token ids of `blocks` (ties: lower id first; only tokens that
@@ -454,86 +359,3 @@ def load_draft_head(directory: str | Path, target_model) -> DraftHead:
     state = load_file(str(directory / "model.safetensors"), device=str(embed.device))
     head.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return head
-
-
-def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: torch.Tensor,
-               device: torch.device, progress: bool):
-    """Train a head on the target's features, keep the best evaluation, save it in cfg.out."""
-    from llmaccel.train.distill_common import finish, train_loop
-
-    model = target.model
-    aux = tuple(cfg.aux_layers)
-    head = build_draft_head(model, target.config, cfg.target, cfg.fc_bias,
-                            save_dtype=target.save_dtype, init=cfg.init_head is None,
-                            aux_layers=aux)
-    if cfg.init_head is not None:  # go on from a saved head (e.g. unrolled after plain)
-        start = load_draft_head(cfg.init_head, model)
-        if start.aux_layers != aux:
-            raise LLMAccelError(f"init_head {cfg.init_head!r} has aux layers "
-                                f"{list(start.aux_layers)}, this training {list(aux)}: give "
-                                "the same aux_layers")
-        head.load_state_dict(start.state_dict(), strict=True)
-    params = list(head.parameters())
-    vocab, vocab_info = None, None
-    if cfg.draft_vocab_size:
-        vocab, vocab_info = draft_vocabulary(train, head.embed_tokens.shape[0],
-                                             cfg.draft_vocab_size)
-        if cfg.loss_vocab == "draft":
-            head.restrict_loss_vocab(vocab)
-
-    train_cache = held_cache = None
-    batches = train  # what the loop draws random rows of
-    if cfg.cache_features:  # the target runs once per block, not once per step
-        start = time.perf_counter()
-        def compute(m, ids):
-            return target_features(m, ids, aux)
-
-        width = head.fc.out_features * (1 + len(aux))
-        train_cache = FeatureCache(model, train, cfg.batch_size, compute, width)
-        held_cache = FeatureCache(model, held, cfg.batch_size, compute, width)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        cache_seconds = time.perf_counter() - start
-        train_on_device = train.to(device)
-        batches = torch.arange(len(train))[:, None]  # rows of block indexes
-
-    def step_loss(batch: torch.Tensor):
-        head.train()
-        features = None
-        if train_cache is not None:
-            idx = batch[:, 0]
-            batch, features = train_on_device[idx.to(device)], train_cache[idx]
-        return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise,
-                           cfg.unroll_steps, cfg.unroll_decay, cfg.unroll_detach, features)
-
-    # held-out blocks scored while training (the first eval_blocks: every evaluation of a
-    # head runs EVAL_STEPS unrolled steps over the whole vocabulary); all of them at the end
-    held_eval = held if cfg.eval_blocks is None else held[:cfg.eval_blocks]
-    outcome = train_loop(
-        cfg, "head", params, batches, device, step_loss,
-        lambda: evaluate_head(head, model, held_eval, cfg.batch_size, vocab,
-                              features=held_cache),
-        lambda: {k: v.detach().clone() for k, v in head.state_dict().items()},
-        head.load_state_dict, progress)
-    extra: dict[str, Any] = {}
-    if len(held_eval) < len(held):  # the best weights (restored) on every held-out block
-        extra["final_heldout"] = {"blocks": len(held), **evaluate_head(
-            head, model, held, cfg.batch_size, vocab, features=held_cache)}
-    out = save_draft_head(head, cfg.out, target.save_dtype)
-    saved: dict[str, Any] = {"kind": "head", "dtype": dtype_name(target.save_dtype),
-                             "tensors": sorted(head.state_dict()),
-                             "loss_vocab": "draft" if head.loss_lm_head is not None
-                             else "full"}
-    if train_cache is not None:
-        # (not in the training time limit: max_seconds counts from the first step)
-        saved["feature_cache"] = {"bytes": train_cache.nbytes + held_cache.nbytes,
-                                  "seconds": round(cache_seconds, 2)}
-    vocab_file = out / DRAFT_VOCAB_FILE
-    if vocab_info is not None:
-        vocab_file.write_text(json.dumps(vocab_info))
-        saved["draft_vocab"] = {k: vocab_info[k] for k in ("tokens_counted", "distinct_tokens",
-                                                           "coverage")}
-        saved["draft_vocab"]["size"] = len(vocab_info["token_ids"])
-    elif vocab_file.exists():  # an earlier head's vocabulary must not outlive it
-        vocab_file.unlink()
-    return finish(cfg, out, outcome, len(train), len(held), {"saved": saved, **extra})
