@@ -170,7 +170,7 @@ def main() -> None:
                     help="comma-separated: SpeculativeConfig.draft_topk (tree drafts, head)")
     ap.add_argument("--greedy-draft", default="on",
                     help="comma-separated on,off: chained steps pick tokens with the model's "
-                         "greedy_draft (on) or full logits + the sampler's greedy "
+                         "greedy_draft (on) or over the whole vocabulary's logits "
                          "(LLMACCEL_GREEDY_DRAFT=0)")
     ap.add_argument("--random-head-vocab", type=int, default=32768,
                     help="--head random: a random head for the target shape (benchmarks/"
@@ -201,10 +201,7 @@ def main() -> None:
     for chain, pick, topk in engines:
         os.environ["LLMACCEL_DRAFT_CHAIN"] = "1" if chain == "on" else "0"
         os.environ["LLMACCEL_GREEDY_DRAFT"] = "1" if pick == "on" else "0"
-        if topk > 1:
-            spec.update(draft_topk=topk, draft_confidence_threshold=0.0)
-        else:
-            spec.pop("draft_topk", None)
+        spec["draft_topk"] = topk
         llm = LLM(args.target, dtype="bfloat16", max_model_len=2048,
                   enable_prefix_caching=False, speculative_config=spec)
         for overlap in args.overlap.split(","):
