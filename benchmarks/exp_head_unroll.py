@@ -65,6 +65,12 @@ def main() -> int:
     ap.add_argument("--aux-layers", default="",
                     help="warm: EAGLE-3's multi-layer features, e.g. 2,14 (DistillConfig."
                          "aux_layers; continuations take the warm head's)")
+    ap.add_argument("--prev-token", action="store_true",
+                    help="warm: the head also reads the token at each feature's position "
+                         "(DistillConfig.prev_token; from a plain --init-head, fc's new part "
+                         "starts fresh); continuations take the warm head's")
+    ap.add_argument("--warm-variant", default="plain", choices=list(VARIANTS),
+                    help="warm: train with this variant's settings (e.g. kl1)")
     ap.add_argument("--cache-features", action="store_true",
                     help="the target's features computed once per block, kept on the device "
                          "(train/feature_cache.py), not once per step")
@@ -84,7 +90,8 @@ def main() -> int:
         rec = _train(args.target, args.data, out / "warm", args.warm_steps, args.warm_seconds,
                      args.lr if args.init_head else None, args.eval_every,
                      init_head=args.init_head, cache_features=args.cache_features,
-                     aux_layers=aux, **common)
+                     aux_layers=aux, prev_token=args.prev_token,
+                     **{**common, **VARIANTS[args.warm_variant]})
         print(json.dumps({k: rec[k] for k in ("best_kl", "best_top1", "best_step",
                                                "steps_run", "stopped")}))
         return 0
@@ -93,7 +100,7 @@ def main() -> int:
         rec = _train(args.target, args.data, out / name, args.steps, args.seconds, args.lr,
                      args.steps // 2, init_head=str(out / "warm"),
                      cache_features=args.cache_features, aux_layers=aux,
-                     **{**common, **VARIANTS[name]})  # a variant's settings win
+                     prev_token=args.prev_token, **{**common, **VARIANTS[name]})  # a variant's settings win
         rows[name] = rec
     print("| variant | steps run | seconds | top-1 step 1 | step 2 | step 3 | step 4 | "
           "tokens/round at k=4 |\n|---|---|---|---|---|---|---|---|")

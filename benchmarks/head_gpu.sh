@@ -50,6 +50,8 @@ DATA_SECONDS=${DATA_SECONDS:-120}
 TRAIN_SECONDS=${TRAIN_SECONDS:-420}
 CACHE=${CACHE-1}  # warm: --cache-features (CACHE= turns it off)
 AUX=${AUX-}  # warm: --aux-layers
+PREV=${PREV-}  # warm/cont: --prev-token (the token at each feature's position) when set
+WARM_VARIANT=${WARM_VARIANT:-plain}  # warm: exp_head_unroll.py's variant settings
 CONT_SECONDS=${CONT_SECONDS:-300}
 # warm: batch, steps between evaluations, held-out blocks each scores (all at the end). An
 # evaluation of all ~1,000 held-out blocks took ~21 s (s34), about half of a 400 s run; a
@@ -125,8 +127,8 @@ case $part in
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage warm \
       --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" --batch-size "$BATCH" \
       --eval-every "$EVAL_EVERY" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} \
-      ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} \
-      ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
+      ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} ${PREV:+--prev-token} \
+      --warm-variant "$WARM_VARIANT" ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
     pieces 0
     ;;
@@ -143,7 +145,7 @@ case $part in
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage continue \
       --variants "$VARIANTS" --steps 100000 --seconds "$CONT_SECONDS" --out "$H" \
       --batch-size "$BATCH" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} ${CACHE:+--cache-features} \
-      2>&1 | quiet | tail -8
+      ${PREV:+--prev-token} 2>&1 | quiet | tail -8
     for v in ${VARIANTS//,/ }; do cp "$H/$v/distill.json" "$out/$tag-cont-$v-distill.json"; done
     ;;
   w5head)
@@ -164,7 +166,7 @@ case $part in
   tests)
     python -m pytest -q -p no:cacheprovider -m gpu tests/test_spec_head_overlap.py \
       tests/test_spec_head.py tests/test_spec_overlap.py tests/test_head_aux_layers.py \
-      tests/test_spec_tree.py tests/test_kernels_paged_attention.py 2>&1 | tail -8 \
+      tests/test_spec_tree.py tests/test_kernels_paged_attention.py tests/test_head_prev_token.py 2>&1 | tail -8 \
       | tee "$out/$tag-gpu-tests.txt"
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

@@ -283,6 +283,9 @@ def distill_draft(
                                    "2,14: besides the final hidden state, the hidden states "
                                    "entering these target layers (normalized by their input "
                                    "norms) are fused into the head's input (empty: EAGLE-1)."),
+    prev_token: bool = typer.Option(False, help="head: fc also reads the embedding of the "
+                                    "token at each feature's position, so the one layer can "
+                                    "look up where a token occurred before (copying)."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),
@@ -318,7 +321,7 @@ def distill_draft(
         unroll_steps=unroll_steps, unroll_decay=unroll_decay, init_head=init_head,
         unroll_detach=unroll_detach, cache_features=cache_features,
         aux_layers=o.parse_int_list(aux_layers, "--aux-layers") if aux_layers else (),
-        draft_vocab_size=draft_vocab_size, loss_vocab=loss_vocab, eval_blocks=eval_blocks,
+        prev_token=prev_token, draft_vocab_size=draft_vocab_size, loss_vocab=loss_vocab, eval_blocks=eval_blocks,
         schedule=schedule, warmup=warmup, max_seconds=max_seconds, seed=seed, device=device,
         dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""

@@ -28,6 +28,13 @@ the proposer maps target features through it (`fuse_target_features`, outside th
 graphs) before they go in; the head's own outputs go in as they are. Such a head is our
 format only (EAGLE-1 loaders know no fuse; EAGLE-3's layout differs).
 
+With the marker's `prev_token_embedding` (`distill-draft --prev-token`) fc is [H, 3H] and reads
+a third part, the embedding of the token at the feature's own position: fc(cat(embed(x_{i+1}),
+f_i, embed(x_i))), so the one layer can find where a token occurred before (copying;
+train/draft_head.py says why). The proposer writes those ids into `static_prev_ids` (or
+`prev_input` for a large eager step); a chained step's are the previous step's input ids,
+which every forward keeps in `static_ids`. Our format only, like aux layers.
+
 The features come in through `static_features` (a buffer the CUDA graphs read: the proposer
 copies each step's features there) or, for steps larger than it (a long catch-up, run
 eagerly), `feature_input`. Outputs go to `static_out` (what a graph replay leaves) and
@@ -58,7 +65,8 @@ DEFAULT_STATIC_ROWS = 512
 
 class DraftHeadModel(nn.Module):
     def __init__(self, config, target: TransformerForCausalLM, max_positions: int,
-                 fc_bias: bool, aux_layers: tuple[int, ...] = ()) -> None:
+                 fc_bias: bool, aux_layers: tuple[int, ...] = (),
+                 prev_token: bool = False) -> None:
         super().__init__()
         hidden = config.hidden_size
         # its own backend object: set_fused_kernels configures a backend per model
@@ -67,7 +75,8 @@ class DraftHeadModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
         rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
         self.embed_tokens = target.model.embed_tokens  # shared: the target's
-        self.fc = Linear(2 * hidden, hidden, fc_bias, None, "fc")
+        self.prev_token = prev_token
+        self.fc = Linear((3 if prev_token else 2) * hidden, hidden, fc_bias, None, "fc")
         self.aux_layers = tuple(aux_layers)
         self.fuse = (Linear((1 + len(aux_layers)) * hidden, hidden, False, None, "fuse")
                      if aux_layers else None)
@@ -80,12 +89,20 @@ class DraftHeadModel(nn.Module):
         self.static_out: torch.Tensor | None = None
         self.feature_input: torch.Tensor | None = None
         self.last_out: torch.Tensor | None = None
+        # prev_token: the ids at the features' positions, and each step's own input ids
+        self.static_prev_ids: torch.Tensor | None = None
+        self.static_ids: torch.Tensor | None = None
+        self.prev_input: torch.Tensor | None = None
+        self.last_ids: torch.Tensor | None = None
 
     def allocate_buffers(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
         """Static feature input and output buffers for steps of up to `rows` tokens (before
         any CUDA graph is captured: graphs keep their addresses)."""
         self.static_features = torch.zeros(rows, self.hidden_size, dtype=dtype, device=device)
         self.static_out = torch.zeros(rows, self.hidden_size, dtype=dtype, device=device)
+        if self.prev_token:
+            self.static_prev_ids = torch.zeros(rows, dtype=torch.long, device=device)
+            self.static_ids = torch.zeros(rows, dtype=torch.long, device=device)
 
     def fuse_target_features(self, feats: torch.Tensor) -> torch.Tensor:
         """The target's features (rows of its feature cache) in the head's width."""
@@ -101,7 +118,15 @@ class DraftHeadModel(nn.Module):
         feats = (self.feature_input if self.feature_input is not None
                  else self.static_features[:n])
         emb = self.embed_tokens(input_ids)
-        x = self.fc(torch.cat([emb, feats.to(emb.dtype)], dim=-1))
+        parts = [emb, feats.to(emb.dtype)]
+        if self.prev_token:
+            prev = (self.prev_input if self.prev_input is not None
+                    else self.static_prev_ids[:n])
+            parts.append(self.embed_tokens(prev))
+            if n <= self.static_ids.shape[0]:  # the next chained step's prev ids
+                self.static_ids[:n].copy_(input_ids)
+            self.last_ids = input_ids
+        x = self.fc(torch.cat(parts, dim=-1))
         x, residual = self.layers[0](positions, x, None, meta)
         out = x + residual
         if n <= self.static_out.shape[0]:
@@ -109,18 +134,29 @@ class DraftHeadModel(nn.Module):
         self.last_out = out
         return out
 
+    def set_prev_ids(self, ids: torch.Tensor) -> None:
+        """The next step's ids at its features' positions (prev_token heads; else a no-op)."""
+        if not self.prev_token:
+            return
+        if ids.shape[0] <= self.static_prev_ids.shape[0]:
+            self.static_prev_ids[:ids.shape[0]].copy_(ids)
+        else:
+            self.prev_input = ids  # an eager step larger than the static buffer
+
 
 class DraftHeadForCausalLM(TransformerForCausalLM):
     """The head with the engine's model interface (ModelRunner, CUDA graphs, KV sizing);
     logits through the target's LM head."""
 
     def __init__(self, config, target: TransformerForCausalLM, max_positions: int,
-                 fc_bias: bool = False, aux_layers: tuple[int, ...] = ()) -> None:
+                 fc_bias: bool = False, aux_layers: tuple[int, ...] = (),
+                 prev_token: bool = False) -> None:
         nn.Module.__init__(self)
         self.config = config
         self.quant_config = None
         self.tie_word_embeddings = False
-        self.model = DraftHeadModel(config, target, max_positions, fc_bias, aux_layers)
+        self.model = DraftHeadModel(config, target, max_positions, fc_bias, aux_layers,
+                                    prev_token)
         self.feature_cache = None  # the head keeps no features of its own
         # a plain attribute, not a submodule: the target's weights are not the head's
         object.__setattr__(self, "_target", target)
@@ -174,6 +210,8 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
     def prepare_chained_step(self, rows: int) -> None:
         # the next head step's features: this step's outputs (o_i stands in for f_{i+1})
         self.model.static_features[:rows].copy_(self.model.static_out[:rows])
+        if self.model.prev_token:  # and the token at that position: this step's input
+            self.model.static_prev_ids[:rows].copy_(self.model.static_ids[:rows])
 
     def set_fused_kernels(self, enabled: bool, fuse_decode: bool | None = None) -> None:
         # The fused decode layer folds the input norm into the qkv GEMV; the head has none.
@@ -266,12 +304,17 @@ def load_draft_head(path: str | Path, target: TransformerForCausalLM, max_positi
         raise CorruptCheckpointError(f"draft head {str(path)!r}: aux_hidden_state_layers "
                                      f"{aux!r} must be distinct layer indexes in 1..{layers - 1} "
                                      "of the target")
+    prev_token = marker.get("prev_token_embedding", False)
+    if not isinstance(prev_token, bool):
+        raise CorruptCheckpointError(f"draft head {str(path)!r}: prev_token_embedding "
+                                     f"{prev_token!r} must be true or false")
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             head = DraftHeadForCausalLM(config, target, max_positions,
-                                        bool(marker.get("fc_bias", False)), tuple(aux))
+                                        bool(marker.get("fc_bias", False)), tuple(aux),
+                                        prev_token)
         finally:
             torch.set_default_dtype(prev)
     try:

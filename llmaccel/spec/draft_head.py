@@ -75,13 +75,20 @@ class HeadProposer(DraftModelProposer):
         if j == 0:  # catch-up: the target's features of each view's new positions
             bs = self.block_manager.block_size
             slots: list[int] = []
+            prev: list[int] = []  # prev_token: the sequence's tokens at those positions
             for view, n in step:
                 table, start = view.seq.block_table, view.num_computed_tokens
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+                if head.prev_token:
+                    prev += DraftView.token_slice(view, start, start + n)
             feats = head.fuse_target_features(
                 self.target.feature_cache.index_select(0, _to_device(slots, device)))
+            if head.prev_token:
+                head.set_prev_ids(_to_device(prev, device))
         else:  # the head's own outputs at each still-drafting view's last row
             feats = self._last_outputs(len(step))
+            if head.prev_token:  # and that row's input id
+                head.set_prev_ids(self._last_ids(len(step)))
         rows = feats.shape[0]
         if rows <= head.static_features.shape[0]:
             head.static_features[:rows].copy_(feats)
@@ -90,7 +97,7 @@ class HeadProposer(DraftModelProposer):
         try:
             result = self.runner.execute(SchedulerOutput(scheduled=step), next_ids)
         finally:
-            head.feature_input = None
+            head.feature_input = head.prev_input = None
         if j == 0:
             ends, total = [], 0
             for _, n in step:
@@ -108,6 +115,7 @@ class HeadProposer(DraftModelProposer):
         # later steps take the previous step's outputs inside the graph
         # (DraftHeadForCausalLM.prepare_chained_step)
         self.model.model.static_features[:len(views)].copy_(self._last_outputs(len(views)))
+        self.model.model.set_prev_ids(self._last_ids(len(views)))
         return super()._chain(views, counts, first_ids, steps)
 
     def _last_outputs(self, n: int) -> torch.Tensor:
@@ -115,6 +123,14 @@ class HeadProposer(DraftModelProposer):
         head = self.model.model
         out = head.static_out if self.runner.ran_graph else head.last_out
         return out.index_select(0, self._last_rows[:n])
+
+    def _last_ids(self, n: int) -> torch.Tensor | None:
+        """The previous head step's input ids at those rows (prev_token heads; else None)."""
+        head = self.model.model
+        if not head.prev_token:
+            return None
+        ids = head.static_ids if self.runner.ran_graph else head.last_ids
+        return ids.index_select(0, self._last_rows[:n])
 
     # -- overlapped drafting (spec/overlap.py) --------------------------------------------------
     def overlap_catch_up_rows(self, num_seqs: int, kmax: int) -> int:
@@ -154,9 +170,14 @@ class HeadProposer(DraftModelProposer):
                                                      slots.gather(1, at)[:, 0])[:, None])
         head.static_features[:n * width].copy_(head.fuse_target_features(
             self.target.feature_cache.index_select(0, slots.flatten())))
+        if head.prev_token:  # row j's token at its feature's position: row j - 1's (t0 at p)
+            prev = torch.cat([acc.t0[:, None], ids.view(n, width)[:, :-1]], 1)
+            head.set_prev_ids(prev.flatten().long())
         first = self.runner.execute_on_device([v for v in views for _ in range(width)], ids,
                                               positions, write, rows)[0]
         head.static_features[:n].copy_(head.static_out.index_select(0, rows))
+        if head.prev_token:  # the chain's first step: row a's input id
+            head.set_prev_ids(ids.index_select(0, rows).long())
         return first, acc.p + acc.a + 1
 
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,

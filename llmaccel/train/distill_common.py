@@ -60,6 +60,9 @@ class DistillConfig:
     # convention), normalized by that layer's input norm, fused into the head's feature
     # width by a linear `fuse` (() = EAGLE-1: the final hidden state only)
     aux_layers: tuple[int, ...] = ()
+    # head: fc also reads the embedding of the token at each feature's own position, so its
+    # one layer can do the induction lookup copying needs (train/draft_head.py)
+    prev_token: bool = False
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
     # whole vocabulary); FR-Spec / EAGLE-3 cut the draft's LM-head cost this way.
@@ -116,6 +119,8 @@ class DistillConfig:
                   (all(isinstance(i, int) and i >= 1 for i in self.aux_layers)
                    and len(set(self.aux_layers)) == len(self.aux_layers),
                    f"aux_layers must be distinct layer indexes >= 1, got {self.aux_layers}"),
+                  (not self.prev_token or self.kind == "head",
+                   "prev_token gives a head (kind 'head') the token at its feature's position"),
                   (self.draft_vocab_size >= 0,
                    f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
                   (self.loss_vocab in ("draft", "full"),

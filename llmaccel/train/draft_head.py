@@ -28,6 +28,15 @@ of the next, so one layer attending over the head's rows cannot find "where did 
 occur before" (an induction lookup: copying, which rewriting and quoting are full of); an
 early layer's hidden state still holds its token. The regression target stays f_{i+1}.
 
+With `prev_token` (the marker's "prev_token_embedding") fc reads a third part, the embedding
+of x_i, the token at the feature's own position: h = fc(cat[embed(x_{i+1}), f_i, embed(x_i)])
+(fc.weight [H, 3H], EAGLE-1's two parts first). The same lookup problem, solved where the
+token is always known exactly: a copy continues x_{i+1} with what followed an earlier x_j equal
+to it, and with its own token at every row the one attention layer can match x_{i+1} against
+the x_j (key) and read the token after it (value: the embedding of x_{j+1} in that row) in one
+step. Unlike aux layers, the extra input is the same kind of thing at every draft step: when
+the head drafts on its own output o_i, x_{i+1} is the previous step's input token, known.
+
 Checkpoint (a directory): config.json, a one-layer Llama config with the target's shapes and
 rope settings plus the "llmaccel_draft_head" marker, and model.safetensors with fc.weight
 (fc.bias) and layers.0.* in HF Llama names, no input_layernorm, embed_tokens or lm_head.
@@ -61,8 +70,8 @@ _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
 def head_config_dict(target_config: dict[str, Any], target_name: str, dtype: torch.dtype,
-                     fc_bias: bool = False, aux_layers: tuple[int, ...] = ()
-                     ) -> dict[str, Any]:
+                     fc_bias: bool = False, aux_layers: tuple[int, ...] = (),
+                     prev_token: bool = False) -> dict[str, Any]:
     """The head's config.json: a one-layer Llama (what vLLM's EAGLE-1 loader reads) with the
     target's shapes, its rope settings copied as written, and our marker."""
     c = target_config
@@ -86,6 +95,8 @@ def head_config_dict(target_config: dict[str, Any], target_name: str, dtype: tor
                    "fc_bias": bool(fc_bias)}
     if aux_layers:
         out[MARKER]["aux_hidden_state_layers"] = [int(i) for i in aux_layers]
+    if prev_token:
+        out[MARKER]["prev_token_embedding"] = True
     return out
 
 
@@ -112,9 +123,10 @@ class DraftHead(nn.Module):
     layers.0.*); the target's embedding and lm_head weights are held as plain tensors (shared,
     frozen, on the target's device: the head must live on that device too).
 
-    forward(next_ids [B, T], features [B, T, H]) -> o [B, T, H]: row t uses
-    embed(next_ids[:, t]) and features[:, t] at rope position t (or `position_ids`), causal
-    over rows 0..t. For a sequence x with target features f: head(x[:, 1:], f[:, :-1]).
+    forward(next_ids [B, T], features [B, T, H], prev_ids [B, T]) -> o [B, T, H]: row t
+    uses embed(next_ids[:, t]), features[:, t] (and with prev_token embed(prev_ids[:, t])) at
+    rope position t (or `position_ids`), causal over rows 0..t. For a sequence x with target
+    features f: head(x[:, 1:], f[:, :-1], x[:, :-1]).
     """
 
     def __init__(self, config_dict: dict[str, Any], embed_tokens: torch.Tensor,
@@ -130,7 +142,9 @@ class DraftHead(nn.Module):
             raise LLMAccelError(f"draft head of hidden size {hidden} and vocab "
                                 f"{config.vocab_size} does not fit a target with embedding "
                                 f"{tuple(embed_tokens.shape)}")
-        self.fc = nn.Linear(2 * hidden, hidden, bias=config_dict[MARKER]["fc_bias"])
+        self.prev_token = bool(config_dict[MARKER].get("prev_token_embedding", False))
+        self.fc = nn.Linear((3 if self.prev_token else 2) * hidden, hidden,
+                            bias=config_dict[MARKER]["fc_bias"])
         self.aux_layers = tuple(config_dict[MARKER].get("aux_hidden_state_layers", ()))
         if self.aux_layers:
             self.fuse = nn.Linear((1 + len(self.aux_layers)) * hidden, hidden, bias=False)
@@ -165,19 +179,26 @@ class DraftHead(nn.Module):
         return self.fuse(features.to(self.fuse.weight.dtype))
 
     def forward(self, next_ids: torch.Tensor, features: torch.Tensor,
+                prev_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self._inputs(next_ids, self.fuse_features(features))
+        h = self._inputs(next_ids, self.fuse_features(features), prev_ids)
         b, t, _ = h.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=h.device).expand(b, t)
         rows = torch.arange(t, device=h.device)
         return self._layer(h, position_ids, rows[None, :] <= rows[:, None])
 
-    def _inputs(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """fc(cat[embed(next_ids), features]): the layer's input rows."""
+    def _inputs(self, next_ids: torch.Tensor, features: torch.Tensor,
+                prev_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """fc(cat[embed(next_ids), features(, embed(prev_ids))]): the layer's input rows."""
         dtype = self.fc.weight.dtype
-        embeds = F.embedding(next_ids, self.embed_tokens).to(dtype)
-        return self.fc(torch.cat([embeds, features.to(dtype)], dim=-1))
+        parts = [F.embedding(next_ids, self.embed_tokens).to(dtype), features.to(dtype)]
+        if self.prev_token:
+            if prev_ids is None:
+                raise LLMAccelError("this head reads the token at each feature's position "
+                                    "(prev_token): give prev_ids")
+            parts.append(F.embedding(prev_ids, self.embed_tokens).to(dtype))
+        return self.fc(torch.cat(parts, dim=-1))
 
     def _layer(self, h: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor
                ) -> torch.Tensor:
@@ -215,8 +236,10 @@ class DraftHead(nn.Module):
         feats = self.fuse_features(features)
         for step in range(1, steps + 1):
             # the token after row t's feature at this step: x_{t+step}, clamped into the block
+            # (with prev_token also x_{t+step-1}: the token at that feature's position)
             hs.append(self._inputs(ids[:, (rows + step).clamp(max=n)],
-                                   feats.detach() if detach and step > 1 else feats))
+                                   feats.detach() if detach and step > 1 else feats,
+                                   ids[:, (rows + step - 1).clamp(max=n)]))
             blocks = torch.arange(step, device=ids.device).repeat_interleave(n)
             t = rows.repeat(step)
             causal = t[None, :] <= t[:, None]
@@ -255,7 +278,7 @@ def target_features(target_model, input_ids: torch.Tensor,
 def build_draft_head(target_model, target_config: dict[str, Any] | None = None,
                      target_name: str = "", fc_bias: bool = False, init: bool = True,
                      save_dtype: torch.dtype | None = None,
-                     aux_layers: tuple[int, ...] = ()) -> DraftHead:
+                     aux_layers: tuple[int, ...] = (), prev_token: bool = False) -> DraftHead:
     """A head for `target_model` (an HF causal LM), fp32, on the target's device. `init`:
     start from the target's last layer (else transformers' random init and a random fc);
     fuse, with aux layers, starts as the final hidden state's pass-through either way."""
@@ -263,8 +286,8 @@ def build_draft_head(target_model, target_config: dict[str, Any] | None = None,
     dtype = save_dtype or target_model.dtype
     embed = target_model.get_input_embeddings().weight
     lm_head = target_model.get_output_embeddings().weight  # the embedding itself when tied
-    head = DraftHead(head_config_dict(target_config, target_name, dtype, fc_bias, aux_layers),
-                     embed, lm_head).to(device=embed.device, dtype=torch.float32)
+    head = DraftHead(head_config_dict(target_config, target_name, dtype, fc_bias, aux_layers,
+                                      prev_token), embed, lm_head).to(device=embed.device, dtype=torch.float32)
     if aux_layers:
         with torch.no_grad():
             hidden = head.fc.out_features
@@ -300,9 +323,34 @@ def _init_from_target(head: DraftHead, target_model) -> None:
     final_norm = getattr(base, "norm", None)
     feat_rms = (_rms(final_norm.weight) if final_norm is not None else 1.0)
     s = feat_rms / max(_rms(head.embed_tokens), 1e-8)
-    head.fc.weight.copy_(torch.cat([s * eye, eye], dim=1) / math.sqrt(2.0))
+    head.fc.weight[:, :2 * hidden].copy_(torch.cat([s * eye, eye], dim=1) / math.sqrt(2.0))
     if head.fc.bias is not None:
         head.fc.bias.zero_()
+    if head.prev_token:
+        init_prev_token_part(head, target_model)
+
+
+# The previous token's part of fc starts as PREV_TOKEN_INIT times a random rotation at the
+# features' scale: small enough that the copied layer reads it as the kind of noise it is
+# trained with (feature_noise 0.1), but with every entry at the size a learned map needs.
+# Zero would be silent, and Adam moves each entry by about the learning rate a step: with the
+# token embedding ~100x smaller than the features (Qwen2.5-1.5B), the entries must reach a few
+# units, tens of thousands of steps from zero.
+PREV_TOKEN_INIT = 0.1
+
+
+@torch.no_grad()
+def init_prev_token_part(head: DraftHead, target_model, seed: int = 0) -> None:
+    """fc's third part (embed(x_i)) as PREV_TOKEN_INIT x a random orthogonal matrix x the
+    final norm's RMS / the embedding's RMS (a seeded one: the same head from the same
+    target)."""
+    hidden = head.fc.out_features
+    final_norm = getattr(target_model.base_model, "norm", None)
+    feat_rms = _rms(final_norm.weight) if final_norm is not None else 1.0
+    s = feat_rms / max(_rms(head.embed_tokens), 1e-8)
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=gen))
+    head.fc.weight[:, 2 * hidden:].copy_(PREV_TOKEN_INIT * s * q)
 
 
 def _rms(t: torch.Tensor) -> float:

@@ -24,7 +24,8 @@ from llmaccel.models.draft_head import DRAFT_VOCAB_FILE
 from llmaccel.train.distill_common import (DistillConfig, Meter, Target, autocast_for,
                                            dtype_name, kl_terms, mean_kl_loss)
 from llmaccel.train.draft_head import (DraftHead, build_draft_head, draft_vocabulary,
-                                       load_draft_head, save_draft_head, target_features)
+                                       init_prev_token_part, load_draft_head, save_draft_head,
+                                       target_features)
 from llmaccel.train.feature_cache import FeatureCache
 
 # held-out agreement is reported for the head's first EVAL_STEPS drafts (k = 4 drafts in W5)
@@ -121,6 +122,26 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
     return out
 
 
+def init_from_head(head: DraftHead, start: DraftHead, name: str, target_model) -> None:
+    """`head` takes the weights of `start` (a saved head). The same kind of head only, except
+    that a head without prev_token may start one with it: fc's first two parts are the old
+    head's and the third starts as a fresh head's (train/draft_head.init_prev_token_part), so
+    training begins from the old head's drafts."""
+    if start.aux_layers != head.aux_layers:
+        raise LLMAccelError(f"init_head {name!r} has aux layers {list(start.aux_layers)}, this "
+                            f"training {list(head.aux_layers)}: give the same aux_layers")
+    state = start.state_dict()
+    if start.prev_token and not head.prev_token:
+        raise LLMAccelError(f"init_head {name!r} reads the previous token (prev_token) and "
+                            "this training's head does not: set prev_token")
+    if head.prev_token and not start.prev_token:
+        init_prev_token_part(head, target_model)
+        fc = head.fc.weight.detach().clone()
+        fc[:, :2 * fc.shape[0]] = state["fc.weight"]
+        state["fc.weight"] = fc
+    head.load_state_dict(state, strict=True)
+
+
 def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: torch.Tensor,
                device: torch.device, progress: bool):
     """Train a head on the target's features, keep the best evaluation, save it in cfg.out."""
@@ -130,14 +151,9 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     aux = tuple(cfg.aux_layers)
     head = build_draft_head(model, target.config, cfg.target, cfg.fc_bias,
                             save_dtype=target.save_dtype, init=cfg.init_head is None,
-                            aux_layers=aux)
+                            aux_layers=aux, prev_token=cfg.prev_token)
     if cfg.init_head is not None:  # go on from a saved head (e.g. unrolled after plain)
-        start = load_draft_head(cfg.init_head, model)
-        if start.aux_layers != aux:
-            raise LLMAccelError(f"init_head {cfg.init_head!r} has aux layers "
-                                f"{list(start.aux_layers)}, this training {list(aux)}: give "
-                                "the same aux_layers")
-        head.load_state_dict(start.state_dict(), strict=True)
+        init_from_head(head, load_draft_head(cfg.init_head, model), cfg.init_head, model)
     params = list(head.parameters())
     vocab, vocab_info = None, None
     if cfg.draft_vocab_size:
