@@ -113,18 +113,23 @@ class _RecordingRunner:
         return torch.stack([first, torch.zeros_like(first)])
 
 
-def test_head_catch_up_inputs_follow_each_rows_acceptance():
+@pytest.mark.parametrize("prev_token", [False, True])
+def test_head_catch_up_inputs_follow_each_rows_acceptance(prev_token):
     """HeadProposer.overlap_catch_up against a hand computation: k + 1 rows per sequence at
     head positions p..p + k, the token at p + j + 1 (drafts below a, then the bonus), the
     target's features read at the verify step's slots, KV written for j <= a, row a's output
-    as the chain's first feature, and the chain from p + a + 1."""
+    as the chain's first feature, and the chain from p + a + 1. A prev_token head also gets
+    the token at p + j (t0, then the rows' own ids shifted), and row a's id for the chain."""
     from llmaccel.spec.draft_head import HeadProposer
     from llmaccel.spec.overlap import AcceptedOnDevice
 
     hidden = 4
+    prev_ids: list[list[int]] = []
     head = SimpleNamespace(static_features=torch.zeros(16, hidden),
                            static_out=torch.zeros(16, hidden),
-                           fuse_target_features=lambda f: f)  # no aux layers
+                           fuse_target_features=lambda f: f,  # no aux layers
+                           prev_token=prev_token,
+                           set_prev_ids=lambda ids: prev_ids.append(ids.tolist()))
     feature_cache = torch.arange(64, dtype=torch.float32)[:, None].repeat(1, hidden)
     proposer = HeadProposer.__new__(HeadProposer)
     proposer.model = SimpleNamespace(model=head)
@@ -157,6 +162,8 @@ def test_head_catch_up_inputs_follow_each_rows_acceptance():
     assert starts.tolist() == [5 + 1 + 1, 2 + 2 + 1]
     # the chain's first features: the catch-up's outputs at rows a
     assert head.static_features[:2, 0].tolist() == [101.0, 106.0]
+    # the catch-up's tokens at p + j, then the chain's first: rows a's ids
+    assert prev_ids == ([[40, 11, 99, 99, 41, 21, 22, 77], [99, 77]] if prev_token else [])
 
 
 @pytest.mark.gpu
