@@ -51,6 +51,8 @@ TRAIN_SECONDS=${TRAIN_SECONDS:-420}
 CACHE=${CACHE-1}  # warm: --cache-features (CACHE= turns it off)
 AUX=${AUX-}  # warm: --aux-layers
 PREV=${PREV-}  # warm/cont: --prev-token (the token at each feature's position) when set
+PREV_INIT=${PREV_INIT:-0.1}  # warm: --prev-token-init
+COPY=${COPY:-0}  # warm, on a fresh machine: WikiText paragraphs written twice, first in the data
 WARM_VARIANT=${WARM_VARIANT:-plain}  # warm: exp_head_unroll.py's variant settings
 CONT_SECONDS=${CONT_SECONDS:-300}
 # warm: batch, steps between evaluations, held-out blocks each scores (all at the end). An
@@ -124,10 +126,18 @@ case $part in
     ls -l "$H"/*.txt
     ;;
   warm)
+    if [[ ! -f $H/data.txt ]]; then  # a fresh machine: the carried text of earlier sessions
+      mkdir -p "$H"
+      { [[ $COPY != 0 ]] && python -c "import sys
+from benchmarks.exp_head_prev_token import copy_text
+print(copy_text(int(sys.argv[1])))" "$COPY"
+        for f in .headstate/*.txt.gz; do [[ -f $f ]] && gzip -dc "$f"; done; } > "$H/data.txt"
+      ls -l "$H/data.txt"
+    fi
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage warm \
       --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" --batch-size "$BATCH" \
       --eval-every "$EVAL_EVERY" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} \
-      ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} ${PREV:+--prev-token} \
+      ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} ${PREV:+--prev-token --prev-token-init "$PREV_INIT"} \
       --warm-variant "$WARM_VARIANT" ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
     pieces 0

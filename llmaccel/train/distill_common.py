@@ -63,6 +63,8 @@ class DistillConfig:
     # head: fc also reads the embedding of the token at each feature's own position, so its
     # one layer can do the induction lookup copying needs (train/draft_head.py)
     prev_token: bool = False
+    # head: the scale that part of fc starts at (train/draft_head.init_prev_token_part)
+    prev_token_init: float = 0.1
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
     # whole vocabulary); FR-Spec / EAGLE-3 cut the draft's LM-head cost this way.
@@ -121,6 +123,8 @@ class DistillConfig:
                    f"aux_layers must be distinct layer indexes >= 1, got {self.aux_layers}"),
                   (not self.prev_token or self.kind == "head",
                    "prev_token gives a head (kind 'head') the token at its feature's position"),
+                  (self.prev_token_init >= 0,
+                   f"prev_token_init must be >= 0, got {self.prev_token_init}"),
                   (self.draft_vocab_size >= 0,
                    f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
                   (self.loss_vocab in ("draft", "full"),

@@ -278,7 +278,8 @@ def target_features(target_model, input_ids: torch.Tensor,
 def build_draft_head(target_model, target_config: dict[str, Any] | None = None,
                      target_name: str = "", fc_bias: bool = False, init: bool = True,
                      save_dtype: torch.dtype | None = None,
-                     aux_layers: tuple[int, ...] = (), prev_token: bool = False) -> DraftHead:
+                     aux_layers: tuple[int, ...] = (), prev_token: bool = False,
+                     prev_token_init: float | None = None) -> DraftHead:
     """A head for `target_model` (an HF causal LM), fp32, on the target's device. `init`:
     start from the target's last layer (else transformers' random init and a random fc);
     fuse, with aux layers, starts as the final hidden state's pass-through either way."""
@@ -294,12 +295,13 @@ def build_draft_head(target_model, target_config: dict[str, Any] | None = None,
             head.fuse.weight.zero_()
             head.fuse.weight[:, :hidden].copy_(torch.eye(hidden))
     if init:
-        _init_from_target(head, target_model)
+        _init_from_target(head, target_model, prev_token_init)
     return head
 
 
 @torch.no_grad()
-def _init_from_target(head: DraftHead, target_model) -> None:
+def _init_from_target(head: DraftHead, target_model, prev_token_init: float | None = None
+                      ) -> None:
     base = target_model.base_model
     last = base.layers[-1]
     source = dict(last.named_parameters())
@@ -327,7 +329,7 @@ def _init_from_target(head: DraftHead, target_model) -> None:
     if head.fc.bias is not None:
         head.fc.bias.zero_()
     if head.prev_token:
-        init_prev_token_part(head, target_model)
+        init_prev_token_part(head, target_model, prev_token_init)
 
 
 # The previous token's part of fc starts as PREV_TOKEN_INIT times a random rotation at the
@@ -340,17 +342,19 @@ PREV_TOKEN_INIT = 0.1
 
 
 @torch.no_grad()
-def init_prev_token_part(head: DraftHead, target_model, seed: int = 0) -> None:
-    """fc's third part (embed(x_i)) as PREV_TOKEN_INIT x a random orthogonal matrix x the
-    final norm's RMS / the embedding's RMS (a seeded one: the same head from the same
-    target)."""
+def init_prev_token_part(head: DraftHead, target_model, scale: float | None = None,
+                         seed: int = 0) -> None:
+    """fc's third part (embed(x_i)) as `scale` (default PREV_TOKEN_INIT) x a random
+    orthogonal matrix x the final norm's RMS / the embedding's RMS (a seeded one: the same
+    head from the same target). The next token's part is 1/sqrt(2) at this measure."""
+    scale = PREV_TOKEN_INIT if scale is None else scale
     hidden = head.fc.out_features
     final_norm = getattr(target_model.base_model, "norm", None)
     feat_rms = _rms(final_norm.weight) if final_norm is not None else 1.0
     s = feat_rms / max(_rms(head.embed_tokens), 1e-8)
     gen = torch.Generator().manual_seed(seed)
     q, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=gen))
-    head.fc.weight[:, 2 * hidden:].copy_(PREV_TOKEN_INIT * s * q)
+    head.fc.weight[:, 2 * hidden:].copy_(scale * s * q)
 
 
 def _rms(t: torch.Tensor) -> float:

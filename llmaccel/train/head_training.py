@@ -122,7 +122,8 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
     return out
 
 
-def init_from_head(head: DraftHead, start: DraftHead, name: str, target_model) -> None:
+def init_from_head(head: DraftHead, start: DraftHead, name: str, target_model,
+                   prev_token_init: float | None = None) -> None:
     """`head` takes the weights of `start` (a saved head). The same kind of head only, except
     that a head without prev_token may start one with it: fc's first two parts are the old
     head's and the third starts as a fresh head's (train/draft_head.init_prev_token_part), so
@@ -135,7 +136,7 @@ def init_from_head(head: DraftHead, start: DraftHead, name: str, target_model) -
         raise LLMAccelError(f"init_head {name!r} reads the previous token (prev_token) and "
                             "this training's head does not: set prev_token")
     if head.prev_token and not start.prev_token:
-        init_prev_token_part(head, target_model)
+        init_prev_token_part(head, target_model, prev_token_init)
         fc = head.fc.weight.detach().clone()
         fc[:, :2 * fc.shape[0]] = state["fc.weight"]
         state["fc.weight"] = fc
@@ -151,9 +152,11 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     aux = tuple(cfg.aux_layers)
     head = build_draft_head(model, target.config, cfg.target, cfg.fc_bias,
                             save_dtype=target.save_dtype, init=cfg.init_head is None,
-                            aux_layers=aux, prev_token=cfg.prev_token)
+                            aux_layers=aux, prev_token=cfg.prev_token,
+                            prev_token_init=cfg.prev_token_init)
     if cfg.init_head is not None:  # go on from a saved head (e.g. unrolled after plain)
-        init_from_head(head, load_draft_head(cfg.init_head, model), cfg.init_head, model)
+        init_from_head(head, load_draft_head(cfg.init_head, model), cfg.init_head, model,
+                       cfg.prev_token_init)
     params = list(head.parameters())
     vocab, vocab_info = None, None
     if cfg.draft_vocab_size:

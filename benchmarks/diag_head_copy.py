@@ -1,0 +1,102 @@
+"""Diagnostic (issue 7): where does a draft head miss on W5's prompts, and would a prompt lookup
+have been right there? The target answers W5's first code and prose prompts greedily (HF, on
+any device); the head then drafts from every answer position on the target's features
+(DraftHead.unroll, as the engine drafts), and each position is scored: the head's draft at
+steps 1-4 (right given the earlier ones were) and whether an n-gram prompt lookup (the last
+`--lookup-min` tokens matched earlier in the context, as vLLM's ngram proposer) proposes the
+right next token there.
+
+    python benchmarks/diag_head_copy.py --target GGUF --heads DIR[,DIR] [--device cpu]
+
+Prints, per prompt and head: the answer's length, top-1 at steps 1-4, the tokens per round at
+k = 4 they imply, and step 1's top-1 split by whether the lookup was right ("copy positions").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def lookup_right(ids: list[int], t: int, n: int) -> bool:
+    """Does the most recent earlier occurrence of ids[t-n+1..t] continue with ids[t+1]?"""
+    key = ids[t - n + 1:t + 1]
+    for s in range(t - n, -1, -1):
+        if ids[s:s + n] == key:
+            return ids[s + n] == ids[t + 1]
+    return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--heads", required=True, help="comma-separated head directories")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--out", default=None, help="a JSON file for the numbers")
+    args = ap.parse_args()
+
+    from llmaccel.bench.spec_prompts import PROMPTS
+    from llmaccel.train.distill_common import DistillConfig, load_target
+    from llmaccel.train.draft_head import load_draft_head, target_features
+
+    target, device = load_target(DistillConfig(target=args.target, out="-", kind="head",
+                                               device=args.device))
+    model, tok = target.model, target.tokenizer
+    rows = []
+    for kind in ("code", "prose"):
+        prompt = PROMPTS[kind][0]
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt").input_ids.to(device)
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=args.max_tokens, do_sample=False)
+        seq = out[0].tolist()
+        p = ids.shape[1]
+        f = target_features(model, out)
+        for head_dir in args.heads.split(","):
+            head = load_draft_head(head_dir, model).eval()
+            with torch.no_grad():
+                outs = head.unroll(out, f[:, :-1], 4)
+            n = len(seq)
+            # row t drafts x_{t+2}.. after the context x_0..x_{t+1}; answer rows: t + 1 >= p - 1
+            right = []
+            for step, o in enumerate(outs, start=1):
+                pred = head.compute_logits(o[0]).argmax(-1).tolist()
+                right.append([pred[t] == seq[t + step + 1] if t + step + 1 < n else None
+                              for t in range(n - 1)])
+            ts = [t for t in range(p - 2, n - 2)]
+            look = {t: lookup_right(seq, t + 1, args.lookup_min) for t in ts}
+            cond = []
+            for step in range(4):
+                ok = [t for t in ts if all(right[j][t] for j in range(step))
+                      and right[step][t] is not None]
+                cond.append(sum(right[step][t] for t in ok) / max(len(ok), 1))
+            tok_round, run = 1.0, 1.0
+            for c in cond:
+                run *= c
+                tok_round += run
+            copy = [t for t in ts if look[t]]
+            other = [t for t in ts if not look[t]]
+            row = {"kind": kind, "head": head_dir, "answer_tokens": n - p,
+                   "top1_steps": [round(c, 3) for c in cond],
+                   "tokens_per_round_k4": round(tok_round, 3),
+                   "lookup_right": round(len(copy) / max(len(ts), 1), 3),
+                   "step1_at_lookup_right": round(sum(right[0][t] for t in copy)
+                                                  / max(len(copy), 1), 3),
+                   "step1_elsewhere": round(sum(right[0][t] for t in other)
+                                            / max(len(other), 1), 3)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        print(repr(tok.decode(seq[p:]))[:600], flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
