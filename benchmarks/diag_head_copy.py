@@ -29,6 +29,26 @@ def lookup_right(ids: list[int], t: int, n: int) -> bool:
     return False
 
 
+@torch.no_grad()
+def attention_rows(head, ids: torch.Tensor, features: torch.Tensor, row: int) -> torch.Tensor:
+    """The head's attention weights of `row` over rows 0..row at step 1 (mean over heads):
+    its layer's q and k of fc's output rows, rotated as the layer rotates them."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    n = ids.shape[1] - 1
+    prev = ids[:, :-1] if head.prev_token else None
+    h = head._inputs(ids[:, 1:], head.fuse_features(features), prev)
+    attn = head.layers[0].self_attn
+    d = attn.head_dim
+    q = attn.q_proj(h).view(1, n, -1, d).transpose(1, 2)
+    k = attn.k_proj(h).view(1, n, -1, d).transpose(1, 2)
+    cos, sin = head.rotary_emb(h, torch.arange(n)[None])
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = (q[:, :, row] @ k[:, :, :row + 1].transpose(-1, -2)) / d ** 0.5
+    return scores.softmax(-1).mean(1)[0, 0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
@@ -37,6 +57,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--out", default=None, help="a JSON file for the numbers")
+    ap.add_argument("--show-misses", type=int, default=0,
+                    help="print up to N copy positions (lookup right) where step 1 missed: "
+                         "the context's last tokens, the right token and the head's")
     args = ap.parse_args()
 
     from llmaccel.bench.spec_prompts import PROMPTS
@@ -91,6 +114,19 @@ def main() -> int:
                                             / max(len(other), 1), 3)}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.show_misses:
+                pred1 = head.compute_logits(outs[0][0]).argmax(-1).tolist()
+                misses = [t for t in copy if not right[0][t]][:args.show_misses]
+                for t in misses:  # row t: context x_0..x_{t+1}, drafts x_{t+2}
+                    print(f"  miss at answer token {t + 2 - p}: ...{tok.decode(seq[t - 6:t + 2])!r}"
+                          f" -> want {tok.decode([seq[t + 2]])!r}, head {tok.decode([pred1[t]])!r}",
+                          flush=True)
+                    # where the layer looked: its top rows, each with its tokens (x_r, x_{r+1})
+                    w = attention_rows(head, out, f[:, :-1], t)
+                    top = w.topk(min(5, t + 1))
+                    print("    attends " + ", ".join(
+                        f"row {r - t:+d} {tok.decode(seq[r:r + 2])!r} {v:.2f}"
+                        for v, r in zip(top.values.tolist(), top.indices.tolist())), flush=True)
         print(repr(tok.decode(seq[p:]))[:600], flush=True)
     if args.out:
         with open(args.out, "w") as fh:
