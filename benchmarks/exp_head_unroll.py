@@ -71,6 +71,9 @@ def main() -> int:
                          "starts fresh); continuations take the warm head's")
     ap.add_argument("--prev-token-init", type=float, default=0.1,
                     help="warm: the scale the previous token's part of fc starts at")
+    ap.add_argument("--attention-init", default="target", choices=["target", "random"],
+                    help="warm (without --init-head): the layer's q/k from the target's last "
+                         "layer or drawn afresh")
     ap.add_argument("--warm-variant", default="plain", choices=list(VARIANTS),
                     help="warm: train with this variant's settings (e.g. kl1)")
     ap.add_argument("--cache-features", action="store_true",
@@ -93,7 +96,8 @@ def main() -> int:
                      args.lr if args.init_head else None, args.eval_every,
                      init_head=args.init_head, cache_features=args.cache_features,
                      aux_layers=aux, prev_token=args.prev_token,
-                     prev_token_init=args.prev_token_init, **{**common, **VARIANTS[args.warm_variant]})
+                     prev_token_init=args.prev_token_init,
+                     attention_init=args.attention_init, **{**common, **VARIANTS[args.warm_variant]})
         print(json.dumps({k: rec[k] for k in ("best_kl", "best_top1", "best_step",
                                                "steps_run", "stopped")}))
         return 0

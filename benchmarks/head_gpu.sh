@@ -52,6 +52,7 @@ CACHE=${CACHE-1}  # warm: --cache-features (CACHE= turns it off)
 AUX=${AUX-}  # warm: --aux-layers
 PREV=${PREV-}  # warm/cont: --prev-token (the token at each feature's position) when set
 PREV_INIT=${PREV_INIT:-0.1}  # warm: --prev-token-init
+ATTN_INIT=${ATTN_INIT:-target}  # warm (no INIT_HEAD): --attention-init (random: fresh q/k)
 COPY=${COPY:-0}  # warm, on a fresh machine: WikiText paragraphs written twice, first in the data
 WARM_VARIANT=${WARM_VARIANT:-plain}  # warm: exp_head_unroll.py's variant settings
 CONT_SECONDS=${CONT_SECONDS:-300}
@@ -138,7 +139,7 @@ print(copy_text(int(sys.argv[1])))" "$COPY"
       --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" --batch-size "$BATCH" \
       --eval-every "$EVAL_EVERY" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} \
       ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} ${PREV:+--prev-token --prev-token-init "$PREV_INIT"} \
-      --warm-variant "$WARM_VARIANT" ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
+      --warm-variant "$WARM_VARIANT" --attention-init "$ATTN_INIT" ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
     pieces 0
     ;;

@@ -289,6 +289,10 @@ def distill_draft(
     prev_token_init: float = typer.Option(0.1, min=0.0, help="head: with --prev-token, the "
                                           "scale its part of fc starts at (relative to the "
                                           "features; the next token's part: 0.71)."),
+    attention_init: str = typer.Option("target", help="head: its layer's q/k copied from the "
+                                       "target's last layer (target) or drawn afresh "
+                                       "(random: the copied attention looks at a sink row "
+                                       "only)."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),
@@ -324,7 +328,8 @@ def distill_draft(
         unroll_steps=unroll_steps, unroll_decay=unroll_decay, init_head=init_head,
         unroll_detach=unroll_detach, cache_features=cache_features,
         aux_layers=o.parse_int_list(aux_layers, "--aux-layers") if aux_layers else (),
-        prev_token=prev_token, prev_token_init=prev_token_init, draft_vocab_size=draft_vocab_size, loss_vocab=loss_vocab, eval_blocks=eval_blocks,
+        prev_token=prev_token, prev_token_init=prev_token_init,
+        attention_init=attention_init, draft_vocab_size=draft_vocab_size, loss_vocab=loss_vocab, eval_blocks=eval_blocks,
         schedule=schedule, warmup=warmup, max_seconds=max_seconds, seed=seed, device=device,
         dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""

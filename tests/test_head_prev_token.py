@@ -295,3 +295,36 @@ def test_prev_token_head_under_cuda_graphs_on_gpu(prev_head, target_dir, overlap
     assert len(rounds) >= 10 and same >= 0.9 * len(rounds), (same, len(rounds))
     assert (llm.engine.spec.num_overlapped > 0) == overlap
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_attention_init_random_draws_q_and_k_afresh(target_dir, tmp_path):
+    """attention_init="random": the layer's q/k drawn afresh (the copied last layer's
+    attention sits on a sink row), everything else as the target-initialized head; from a
+    saved head, its weights with fresh q/k."""
+    target = _target(target_dir)
+    torch.manual_seed(0)
+    copied = build_draft_head(target)
+    fresh = build_draft_head(target, attention_init="random")
+    a, b = copied.state_dict(), fresh.state_dict()
+    for name in a:
+        if "q_proj" in name or "k_proj" in name:
+            assert not torch.allclose(a[name], b[name]), name
+            assert abs(float(b[name].std()) - 0.02) < 0.005, name
+        else:
+            torch.testing.assert_close(a[name], b[name])
+    with pytest.raises(LLMAccelError, match="attention_init must be target or random"):
+        build_draft_head(target, attention_init="zeros")
+    with pytest.raises(LLMAccelError, match="attention_init must be target or random"):
+        _cfg(target_dir, tmp_path / "x", attention_init="zeros").check()
+    # from a saved head: its weights, q/k afresh
+    blocks = periodic_blocks()
+    start, out = tmp_path / "start", tmp_path / "out"
+    distill_draft(_cfg(target_dir, start, steps=2, eval_every=2, prev_token=False),
+                  progress=False, blocks=blocks)
+    distill_draft(_cfg(target_dir, out, steps=1, eval_every=1, prev_token=False, lr=1e-12,
+                       init_head=str(start), attention_init="random"), progress=False,
+                  blocks=blocks)
+    old, new = load_file(str(start / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    for name in old:
+        same = torch.allclose(old[name], new[name])
+        assert same != ("q_proj" in name or "k_proj" in name), name

@@ -65,6 +65,9 @@ class DistillConfig:
     prev_token: bool = False
     # head: the scale that part of fc starts at (train/draft_head.init_prev_token_part)
     prev_token_init: float = 0.1
+    # head: q/k of its layer copied from the target's last layer ("target") or drawn afresh
+    # ("random": the copied attention is stuck on a sink row, train/draft_head.py)
+    attention_init: str = "target"
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
     # whole vocabulary); FR-Spec / EAGLE-3 cut the draft's LM-head cost this way.
@@ -123,6 +126,10 @@ class DistillConfig:
                    f"aux_layers must be distinct layer indexes >= 1, got {self.aux_layers}"),
                   (not self.prev_token or self.kind == "head",
                    "prev_token gives a head (kind 'head') the token at its feature's position"),
+                  (self.attention_init in ("target", "random"),
+                   f"attention_init must be target or random, got {self.attention_init!r}"),
+                  (self.attention_init == "target" or self.kind == "head",
+                   "attention_init starts a head's (kind 'head') attention"),
                   (self.prev_token_init >= 0,
                    f"prev_token_init must be >= 0, got {self.prev_token_init}"),
                   (self.draft_vocab_size >= 0,

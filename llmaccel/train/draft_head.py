@@ -279,7 +279,8 @@ def build_draft_head(target_model, target_config: dict[str, Any] | None = None,
                      target_name: str = "", fc_bias: bool = False, init: bool = True,
                      save_dtype: torch.dtype | None = None,
                      aux_layers: tuple[int, ...] = (), prev_token: bool = False,
-                     prev_token_init: float | None = None) -> DraftHead:
+                     prev_token_init: float | None = None,
+                     attention_init: str = "target") -> DraftHead:
     """A head for `target_model` (an HF causal LM), fp32, on the target's device. `init`:
     start from the target's last layer (else transformers' random init and a random fc);
     fuse, with aux layers, starts as the final hidden state's pass-through either way."""
@@ -296,7 +297,31 @@ def build_draft_head(target_model, target_config: dict[str, Any] | None = None,
             head.fuse.weight[:, :hidden].copy_(torch.eye(hidden))
     if init:
         _init_from_target(head, target_model, prev_token_init)
+        if attention_init == "random":
+            init_attention_scores(head)
+        elif attention_init != "target":
+            raise LLMAccelError(f"attention_init must be target or random, got "
+                                f"{attention_init!r}")
     return head
+
+
+# The initializer range of HF Llama configs (their q/k init, what EAGLE's fresh layer has).
+ATTENTION_INIT_STD = 0.02
+
+
+@torch.no_grad()
+def init_attention_scores(head: DraftHead) -> None:
+    """q_proj and k_proj drawn afresh (normal, std ATTENTION_INIT_STD; the global RNG, which
+    distill_draft seeds), the rest of the copied layer kept. Why: the target's last layer
+    attends almost wholly to one sink row, and a head started from it kept doing so (session
+    36, benchmarks/diag_head_copy.py: every query put ~100% of its weight on one row of the
+    system prompt), so its layer never looks at the context it would copy from. Small random
+    q/k start the scores near zero: attention near uniform, free to learn where to look."""
+    attn = head.layers[0].self_attn
+    for proj in (attn.q_proj, attn.k_proj):
+        proj.weight.normal_(0.0, ATTENTION_INIT_STD)
+        if proj.bias is not None:
+            proj.bias.zero_()
 
 
 @torch.no_grad()

@@ -24,7 +24,8 @@ from llmaccel.models.draft_head import DRAFT_VOCAB_FILE
 from llmaccel.train.distill_common import (DistillConfig, Meter, Target, autocast_for,
                                            dtype_name, kl_terms, mean_kl_loss)
 from llmaccel.train.draft_head import (DraftHead, build_draft_head, draft_vocabulary,
-                                       init_prev_token_part, load_draft_head, save_draft_head,
+                                       init_attention_scores, init_prev_token_part,
+                                       load_draft_head, save_draft_head,
                                        target_features)
 from llmaccel.train.feature_cache import FeatureCache
 
@@ -153,10 +154,13 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
     head = build_draft_head(model, target.config, cfg.target, cfg.fc_bias,
                             save_dtype=target.save_dtype, init=cfg.init_head is None,
                             aux_layers=aux, prev_token=cfg.prev_token,
-                            prev_token_init=cfg.prev_token_init)
+                            prev_token_init=cfg.prev_token_init,
+                            attention_init=cfg.attention_init)
     if cfg.init_head is not None:  # go on from a saved head (e.g. unrolled after plain)
         init_from_head(head, load_draft_head(cfg.init_head, model), cfg.init_head, model,
                        cfg.prev_token_init)
+        if cfg.attention_init == "random":  # the saved head's layer, its q/k afresh
+            init_attention_scores(head)
     params = list(head.parameters())
     vocab, vocab_info = None, None
     if cfg.draft_vocab_size:
