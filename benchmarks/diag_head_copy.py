@@ -45,8 +45,8 @@ def attention_rows(head, ids: torch.Tensor, features: torch.Tensor, row: int) ->
     cos, sin = head.rotary_emb(h, torch.arange(n)[None])
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    scores = (q[:, :, row] @ k[:, :, :row + 1].transpose(-1, -2)) / d ** 0.5
-    return scores.softmax(-1).mean(1)[0, 0]
+    scores = (q[:, :, row:row + 1] @ k[:, :, :row + 1].transpose(-1, -2)) / d ** 0.5
+    return scores.softmax(-1).mean(1)[0, 0]  # [1, heads, 1, row + 1] -> [row + 1]
 
 
 def main() -> int:
