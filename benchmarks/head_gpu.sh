@@ -23,7 +23,10 @@
 #        session's head, staged), at peak lr LR; the target's features computed once per
 #        block first (--cache-features, train/feature_cache.py) unless CACHE is empty; AUX:
 #        EAGLE-3's multi-layer features (--aux-layers, e.g. 2,14; empty: the final hidden
-#        state only)
+#        state only); PREV=1: the previous token's embedding too (--prev-token, its part
+#        starting at PREV_INIT); ATTN_INIT=random: the layer's q/k drawn afresh; on a fresh
+#        machine (no `data` part run) the data is the carried .headstate/*.txt.gz, after
+#        COPY doubled WikiText-2 paragraphs where COPY is set
 #        The head comes back in pieces of 15 MiB (a call returns at most 8 files, 64 MiB
 #        together): `warm` returns its config, draft vocabulary and pieces 0-3, and `w5head`
 #        the rest, so no call is spent on them alone (a separate call came too late once: the
