@@ -72,8 +72,8 @@ def main() -> int:
     ap.add_argument("--prev-token-init", type=float, default=0.1,
                     help="warm: the scale the previous token's part of fc starts at")
     ap.add_argument("--attention-init", default="target", choices=["target", "random"],
-                    help="warm (without --init-head): the layer's q/k from the target's last "
-                         "layer or drawn afresh")
+                    help="warm: the layer's q/k from the target's last layer (or from "
+                         "--init-head) or drawn afresh")
     ap.add_argument("--warm-variant", default="plain", choices=list(VARIANTS),
                     help="warm: train with this variant's settings (e.g. kl1)")
     ap.add_argument("--cache-features", action="store_true",

@@ -55,7 +55,7 @@ CACHE=${CACHE-1}  # warm: --cache-features (CACHE= turns it off)
 AUX=${AUX-}  # warm: --aux-layers
 PREV=${PREV-}  # warm/cont: --prev-token (the token at each feature's position) when set
 PREV_INIT=${PREV_INIT:-0.1}  # warm: --prev-token-init
-ATTN_INIT=${ATTN_INIT:-target}  # warm (no INIT_HEAD): --attention-init (random: fresh q/k)
+ATTN_INIT=${ATTN_INIT:-target}  # warm: --attention-init (random: fresh q/k, INIT_HEAD's too)
 COPY=${COPY:-0}  # warm, on a fresh machine: WikiText paragraphs written twice, first in the data
 WARM_VARIANT=${WARM_VARIANT:-plain}  # warm: exp_head_unroll.py's variant settings
 CONT_SECONDS=${CONT_SECONDS:-300}
