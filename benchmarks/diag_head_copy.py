@@ -52,11 +52,16 @@ def attention_rows(head, ids: torch.Tensor, features: torch.Tensor, row: int) ->
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
-    ap.add_argument("--heads", required=True, help="comma-separated head directories")
+    ap.add_argument("--heads", required=True,
+                    help="comma-separated head directories; 'fresh' (or 'fresh-random': "
+                         "attention_init random) for an untrained head from the target")
     ap.add_argument("--device", default=None)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--out", default=None, help="a JSON file for the numbers")
+    ap.add_argument("--target-attention", action="store_true",
+                    help="with --show-misses: also where the target's last layer looks at "
+                         "each missed position (the layer the heads start from)")
     ap.add_argument("--show-misses", type=int, default=0,
                     help="print up to N copy positions (lookup right) where step 1 missed: "
                          "the context's last tokens, the right token and the head's")
@@ -64,7 +69,7 @@ def main() -> int:
 
     from llmaccel.bench.spec_prompts import PROMPTS
     from llmaccel.train.distill_common import DistillConfig, load_target
-    from llmaccel.train.draft_head import load_draft_head, target_features
+    from llmaccel.train.draft_head import build_draft_head, load_draft_head, target_features
 
     target, device = load_target(DistillConfig(target=args.target, out="-", kind="head",
                                                device=args.device))
@@ -80,8 +85,19 @@ def main() -> int:
         seq = out[0].tolist()
         p = ids.shape[1]
         f = target_features(model, out)
+        last_attn = None
+        if args.target_attention:  # eager attention returns its weights
+            model.set_attn_implementation("eager")
+            with torch.no_grad():
+                att = model(out, output_attentions=True).attentions[-1]
+            last_attn = att[0].mean(0)  # [rows, rows], mean over the last layer's heads
+            model.set_attn_implementation("sdpa")
         for head_dir in args.heads.split(","):
-            head = load_draft_head(head_dir, model).eval()
+            if head_dir in ("fresh", "fresh-random"):  # untrained, as training starts one
+                head = build_draft_head(model, target.config, attention_init="random"
+                                        if head_dir == "fresh-random" else "target").eval()
+            else:
+                head = load_draft_head(head_dir, model).eval()
             with torch.no_grad():
                 outs = head.unroll(out, f[:, :-1], 4)
             n = len(seq)
@@ -127,6 +143,12 @@ def main() -> int:
                     print("    attends " + ", ".join(
                         f"row {r - t:+d} {tok.decode(seq[r:r + 2])!r} {v:.2f}"
                         for v, r in zip(top.values.tolist(), top.indices.tolist())), flush=True)
+                    if last_attn is not None:  # the target at the same position (t + 1)
+                        top = last_attn[t + 1, :t + 2].topk(min(5, t + 2))
+                        print("    target's last layer attends " + ", ".join(
+                            f"row {r - t - 1:+d} {tok.decode(seq[r:r + 1])!r} {v:.2f}"
+                            for v, r in zip(top.values.tolist(), top.indices.tolist())),
+                            flush=True)
         print(repr(tok.decode(seq[p:]))[:600], flush=True)
     if args.out:
         with open(args.out, "w") as fh:

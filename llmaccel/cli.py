@@ -291,8 +291,7 @@ def distill_draft(
                                           "features; the next token's part: 0.71)."),
     attention_init: str = typer.Option("target", help="head: its layer's q/k copied from the "
                                        "target's last layer (target) or drawn afresh "
-                                       "(random: the copied attention looks at a sink row "
-                                       "only)."),
+                                       "(random, as EAGLE's layer starts)."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),

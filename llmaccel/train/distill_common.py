@@ -66,7 +66,7 @@ class DistillConfig:
     # head: the scale that part of fc starts at (train/draft_head.init_prev_token_part)
     prev_token_init: float = 0.1
     # head: q/k of its layer copied from the target's last layer ("target") or drawn afresh
-    # ("random": the copied attention is stuck on a sink row, train/draft_head.py)
+    # ("random", as EAGLE's layer starts: train/draft_head.init_attention_scores)
     attention_init: str = "target"
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the

@@ -312,13 +312,13 @@ ATTENTION_INIT_STD = 0.02
 @torch.no_grad()
 def init_attention_scores(head: DraftHead) -> None:
     """q_proj and k_proj drawn afresh (normal, std ATTENTION_INIT_STD; the global RNG, which
-    distill_draft seeds), the rest of the copied layer kept. Why: heads started from the
-    target's last layer attend almost wholly to one sink row (session 36,
-    benchmarks/diag_head_copy.py: 0.92 of each query's weight, mean over heads, on one row of
-    the system prompt and the rest on its own row, after thousands of training steps; late
-    layers attend to sinks), so the layer never looks at the context it would copy from.
-    Small random q/k start the scores near zero: attention near uniform, free to learn where
-    to look."""
+    distill_draft seeds), the rest of the copied layer kept: EAGLE's layer starts fresh, and
+    the copied q/k were fitted to the target's residual stream, not to fc's output. A knob
+    for the training dynamics: session 36's trained heads put 0.92 of each query's attention
+    (mean over heads) on one sink row and the rest on its own row, so the layer read no
+    context, although the untrained copied head and the target's last layer both looked at
+    the copy source (benchmarks/diag_head_copy.py). Small random q/k start the scores near
+    zero: attention near uniform."""
     attn = head.layers[0].self_attn
     for proj in (attn.q_proj, attn.k_proj):
         proj.weight.normal_(0.0, ATTENTION_INIT_STD)
