@@ -328,7 +328,8 @@ def distill_draft(
         unroll_detach=unroll_detach, cache_features=cache_features,
         aux_layers=o.parse_int_list(aux_layers, "--aux-layers") if aux_layers else (),
         prev_token=prev_token, prev_token_init=prev_token_init,
-        attention_init=attention_init, draft_vocab_size=draft_vocab_size, loss_vocab=loss_vocab, eval_blocks=eval_blocks,
+        attention_init=attention_init, draft_vocab_size=draft_vocab_size,
+        loss_vocab=loss_vocab, eval_blocks=eval_blocks,
         schedule=schedule, warmup=warmup, max_seconds=max_seconds, seed=seed, device=device,
         dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""

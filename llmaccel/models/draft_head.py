@@ -135,9 +135,7 @@ class DraftHeadModel(nn.Module):
         return out
 
     def set_prev_ids(self, ids: torch.Tensor) -> None:
-        """The next step's ids at its features' positions (prev_token heads; else a no-op)."""
-        if not self.prev_token:
-            return
+        """The next step's ids at its features' positions (prev_token heads only)."""
         if ids.shape[0] <= self.static_prev_ids.shape[0]:
             self.static_prev_ids[:ids.shape[0]].copy_(ids)
         else:

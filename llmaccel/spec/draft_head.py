@@ -115,7 +115,8 @@ class HeadProposer(DraftModelProposer):
         # later steps take the previous step's outputs inside the graph
         # (DraftHeadForCausalLM.prepare_chained_step)
         self.model.model.static_features[:len(views)].copy_(self._last_outputs(len(views)))
-        self.model.model.set_prev_ids(self._last_ids(len(views)))
+        if self.model.model.prev_token:
+            self.model.model.set_prev_ids(self._last_ids(len(views)))
         return super()._chain(views, counts, first_ids, steps)
 
     def _last_outputs(self, n: int) -> torch.Tensor:
@@ -124,11 +125,9 @@ class HeadProposer(DraftModelProposer):
         out = head.static_out if self.runner.ran_graph else head.last_out
         return out.index_select(0, self._last_rows[:n])
 
-    def _last_ids(self, n: int) -> torch.Tensor | None:
-        """The previous head step's input ids at those rows (prev_token heads; else None)."""
+    def _last_ids(self, n: int) -> torch.Tensor:
+        """The previous head step's input ids at those rows (prev_token heads)."""
         head = self.model.model
-        if not head.prev_token:
-            return None
         ids = head.static_ids if self.runner.ran_graph else head.last_ids
         return ids.index_select(0, self._last_rows[:n])
 

@@ -288,8 +288,8 @@ def build_draft_head(target_model, target_config: dict[str, Any] | None = None,
     dtype = save_dtype or target_model.dtype
     embed = target_model.get_input_embeddings().weight
     lm_head = target_model.get_output_embeddings().weight  # the embedding itself when tied
-    head = DraftHead(head_config_dict(target_config, target_name, dtype, fc_bias, aux_layers,
-                                      prev_token), embed, lm_head).to(device=embed.device, dtype=torch.float32)
+    config = head_config_dict(target_config, target_name, dtype, fc_bias, aux_layers, prev_token)
+    head = DraftHead(config, embed, lm_head).to(device=embed.device, dtype=torch.float32)
     if aux_layers:
         with torch.no_grad():
             hidden = head.fc.out_features
