@@ -19,34 +19,12 @@ import json
 
 import torch
 
+from llmaccel.train.head_metrics import attention_weights, lookup_proposals
+
 
 def lookup_right(ids: list[int], t: int, n: int) -> bool:
     """Does the most recent earlier occurrence of ids[t-n+1..t] continue with ids[t+1]?"""
-    key = ids[t - n + 1:t + 1]
-    for s in range(t - n, -1, -1):
-        if ids[s:s + n] == key:
-            return ids[s + n] == ids[t + 1]
-    return False
-
-
-@torch.no_grad()
-def attention_rows(head, ids: torch.Tensor, features: torch.Tensor, row: int) -> torch.Tensor:
-    """The head's attention weights of `row` over rows 0..row at step 1 (mean over heads):
-    its layer's q and k of fc's output rows, rotated as the layer rotates them."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    n = ids.shape[1] - 1
-    prev = ids[:, :-1] if head.prev_token else None
-    h = head._inputs(ids[:, 1:], head.fuse_features(features), prev)
-    attn = head.layers[0].self_attn
-    d = attn.head_dim
-    q = attn.q_proj(h).view(1, n, -1, d).transpose(1, 2)
-    k = attn.k_proj(h).view(1, n, -1, d).transpose(1, 2)
-    cos, sin = head.rotary_emb(h, torch.arange(n)[None])
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    scores = (q[:, :, row:row + 1] @ k[:, :, :row + 1].transpose(-1, -2)) / d ** 0.5
-    return scores.softmax(-1).mean(1)[0, 0]  # [1, heads, 1, row + 1] -> [row + 1]
+    return lookup_proposals(ids[:t + 1], n)[t] == ids[t + 1]
 
 
 def main() -> int:
@@ -133,12 +111,13 @@ def main() -> int:
             if args.show_misses:
                 pred1 = head.compute_logits(outs[0][0]).argmax(-1).tolist()
                 misses = [t for t in copy if not right[0][t]][:args.show_misses]
+                weights = attention_weights(head, out, f[:, :-1])[0]
                 for t in misses:  # row t: context x_0..x_{t+1}, drafts x_{t+2}
                     print(f"  miss at answer token {t + 2 - p}: ...{tok.decode(seq[t - 6:t + 2])!r}"
                           f" -> want {tok.decode([seq[t + 2]])!r}, head {tok.decode([pred1[t]])!r}",
                           flush=True)
                     # where the layer looked: its top rows, each with its tokens (x_r, x_{r+1})
-                    w = attention_rows(head, out, f[:, :-1], t)
+                    w = weights[t, :t + 1]
                     top = w.topk(min(5, t + 1))
                     print("    attends " + ", ".join(
                         f"row {r - t:+d} {tok.decode(seq[r:r + 2])!r} {v:.2f}"

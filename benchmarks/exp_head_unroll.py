@@ -86,14 +86,19 @@ def main() -> int:
                     help="held-out blocks scored while training (DistillConfig.eval_blocks; "
                          "all of them at the end)")
     ap.add_argument("--loss-vocab", default="draft", choices=["draft", "full"])
+    ap.add_argument("--record-start", default=None,
+                    help="blocks start at records beginning with this string "
+                         "(DistillConfig.record_start, e.g. '<|im_start|>system')")
+    ap.add_argument("--warm-lr", type=float, default=None,
+                    help="warm without --init-head: its peak lr (default the head's 5e-4)")
     args = ap.parse_args()
     common = dict(batch_size=args.batch_size, eval_blocks=args.eval_blocks,
-                  loss_vocab=args.loss_vocab)
+                  loss_vocab=args.loss_vocab, record_start=args.record_start)
     out = Path(args.out)
     aux = tuple(int(i) for i in args.aux_layers.split(",") if i.strip())
     if args.stage == "warm":
         rec = _train(args.target, args.data, out / "warm", args.warm_steps, args.warm_seconds,
-                     args.lr if args.init_head else None, args.eval_every,
+                     args.lr if args.init_head else args.warm_lr, args.eval_every,
                      init_head=args.init_head, cache_features=args.cache_features,
                      aux_layers=aux, prev_token=args.prev_token,
                      prev_token_init=args.prev_token_init,

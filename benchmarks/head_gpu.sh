@@ -32,6 +32,11 @@
 #        the rest, so no call is spent on them alone (a separate call came too late once: the
 #        machine is released after 30 s idle). `cat` them into model.safetensors to stage the
 #        head again next session (INIT_HEAD)
+#        RECORDS=1: blocks start at chat records (--record-start '<|im_start|>system'), so an
+#        answer's prompt is in its block; WARM_LR: a fresh head's peak lr (default 5e-4)
+# sweep  several fresh heads side by side on one feature cache (exp_head_sweep.py), SWEEP
+#        (';'-separated DistillConfig settings), SWEEP_SECONDS each, into $H/sweep/v<i>;
+#        PREV and RECORDS as for warm; a table with copy top-1 and attention sink share
 # savehead N  the same pieces on their own: N=0 config, draft vocabulary, distill.json and
 #        pieces 0-3; N=1 the rest
 # cont   continue it in each of VARIANTS (exp_head_unroll.py's; default unrolled and
@@ -57,6 +62,8 @@ PREV=${PREV-}  # warm/cont: --prev-token (the token at each feature's position) 
 PREV_INIT=${PREV_INIT:-0.1}  # warm: --prev-token-init
 ATTN_INIT=${ATTN_INIT:-target}  # warm: --attention-init (random: fresh q/k, INIT_HEAD's too)
 COPY=${COPY:-0}  # warm, on a fresh machine: WikiText paragraphs written twice, first in the data
+RECORDS=${RECORDS:-0}  # warm/sweep: blocks start at chat records
+RECORD_START="<|im_start|>system"
 WARM_VARIANT=${WARM_VARIANT:-plain}  # warm: exp_head_unroll.py's variant settings
 CONT_SECONDS=${CONT_SECONDS:-300}
 # warm: batch, steps between evaluations, held-out blocks each scores (all at the end). An
@@ -129,7 +136,7 @@ case $part in
       > "$H/data.txt"
     ls -l "$H"/*.txt
     ;;
-  warm)
+  warm|sweep)
     if [[ ! -f $H/data.txt ]]; then  # a fresh machine: the carried text of earlier sessions
       mkdir -p "$H"
       { [[ $COPY != 0 ]] && python -c "import sys
@@ -138,11 +145,22 @@ print(copy_text(int(sys.argv[1])))" "$COPY"
         for f in .headstate/*.txt.gz; do [[ -f $f ]] && gzip -dc "$f"; done; } > "$H/data.txt"
       ls -l "$H/data.txt"
     fi
+    records=()
+    if [[ $RECORDS != 0 ]]; then records=(--record-start "$RECORD_START"); fi
+    if [[ $part == sweep ]]; then
+      python benchmarks/exp_head_sweep.py --target "$T15" --data "$H/data.txt" --out "$H/sweep" \
+        --variants "$SWEEP" --seconds "${SWEEP_SECONDS:-80}" --eval-every "${SWEEP_EVAL_EVERY:-1000}" \
+        ${PREV:+--prev-token} "${records[@]}" 2>&1 | quiet | tee "$out/$tag-sweep.txt" | tail -12
+      for d in "$H"/sweep/v*; do cp "$d/distill.json" "$out/$tag-sweep-$(basename "$d").json"; done
+      rm -f "$out/distill.json"
+      echo "$part end $(date +%T)"; exit 0
+    fi
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage warm \
       --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" --batch-size "$BATCH" \
       --eval-every "$EVAL_EVERY" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} \
       ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} ${PREV:+--prev-token --prev-token-init "$PREV_INIT"} \
-      --warm-variant "$WARM_VARIANT" --attention-init "$ATTN_INIT" ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} 2>&1 | quiet | tail -3
+      --warm-variant "$WARM_VARIANT" --attention-init "$ATTN_INIT" ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} \
+      ${WARM_LR:+--warm-lr "$WARM_LR"} "${records[@]}" 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
     pieces 0
     ;;

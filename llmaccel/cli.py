@@ -261,6 +261,10 @@ def distill_draft(
                                  "before stopping."),
     max_blocks: Optional[int] = typer.Option(None, min=2, help="Use at most this many blocks "
                                              "of the data."),
+    record_start: Optional[str] = typer.Option(None, help="Start every block at a record: "
+                                               "the text splits before each occurrence of "
+                                               "this string, e.g. '<|im_start|>system' (so "
+                                               "an answer's prompt stays in its block)."),
     kl_weight: float = typer.Option(0.1, min=0.0, help="head: weight of the KL term beside "
                                     "the feature regression."),
     feature_noise: float = typer.Option(0.1, min=0.0, help="head: uniform noise on the input "
@@ -323,7 +327,8 @@ def distill_draft(
     res = run_distill(DistillConfig(
         target=target, out=out, kind=kind, data=data, layers=layers, lr=lr, steps=steps,
         batch_size=batch_size, seq_len=seq_len, eval_every=eval_every, patience=patience,
-        max_blocks=max_blocks, kl_weight=kl_weight, feature_noise=feature_noise,
+        max_blocks=max_blocks, record_start=record_start, kl_weight=kl_weight,
+        feature_noise=feature_noise,
         unroll_steps=unroll_steps, unroll_decay=unroll_decay, init_head=init_head,
         unroll_detach=unroll_detach, cache_features=cache_features,
         aux_layers=o.parse_int_list(aux_layers, "--aux-layers") if aux_layers else (),

@@ -43,6 +43,9 @@ class DistillConfig:
     heldout: float = 0.1            # the last fraction of the token blocks, never trained on
     patience: int = 2               # evaluations without a new best before stopping
     max_blocks: int | None = None
+    # blocks start at records, each beginning with this string (train/data.record_blocks;
+    # None: the text as one stream)
+    record_start: str | None = None
     kl_weight: float = 0.1          # head: KL term beside the feature regression (EAGLE's 0.1)
     feature_noise: float = 0.1      # head: uniform input-feature noise, relative to their RMS
     # head: drafting steps trained on the head's own outputs (EAGLE-3's training-time test;
@@ -210,14 +213,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 def training_blocks(cfg: DistillConfig, tokenizer, text: str | None,
                     blocks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, held out) token blocks of `text`, or of `blocks` when given."""
-    from llmaccel.train.data import split_heldout, token_blocks
+    from llmaccel.train.data import record_blocks, split_heldout, token_blocks
 
     if blocks is None:
         assert text is not None
         if tokenizer is None:
             raise LLMAccelError(f"no tokenizer found for {cfg.target!r}: cannot tokenize the "
                                 "training text")
-        blocks = token_blocks(tokenizer, text, cfg.seq_len, cfg.max_blocks)
+        if cfg.record_start:
+            blocks = record_blocks(tokenizer, text, cfg.seq_len, cfg.record_start,
+                                   cfg.max_blocks)
+        else:
+            blocks = token_blocks(tokenizer, text, cfg.seq_len, cfg.max_blocks)
     return split_heldout(blocks, cfg.heldout)
 
 

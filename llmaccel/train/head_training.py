@@ -28,6 +28,7 @@ from llmaccel.train.draft_head import (DraftHead, build_draft_head, draft_vocabu
                                        load_draft_head, save_draft_head,
                                        target_features)
 from llmaccel.train.feature_cache import FeatureCache
+from llmaccel.train.head_metrics import attention_shares, attention_weights, copy_positions
 
 # held-out agreement is reported for the head's first EVAL_STEPS drafts (k = 4 drafts in W5)
 EVAL_STEPS = 4
@@ -85,9 +86,13 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
     head drafting on its own outputs (DraftHead.unroll, the tokens before it right):
     heldout_kl_step{j} and heldout_top1_step{j}, the latter the chance that its j-th draft is
     accepted given the earlier ones were, which is what speculative decoding's acceptance
-    falls with. `features`: the blocks' target features, cached (train/feature_cache.py)."""
+    falls with. `features`: the blocks' target features, cached (train/feature_cache.py).
+    Whether it copies (train/head_metrics.py): step 1's top-1 where an n-gram lookup in the
+    block is right (heldout_top1_copy, their share heldout_copy_share) and elsewhere
+    (heldout_top1_nocopy), and its attention's sink and self shares on the first batch."""
     head.eval()
     meter = Meter()
+    shares: dict[str, float] = {}
     later = {step: Meter() for step in range(2, steps + 1)}  # fewer rows than step 1's
     device = head.fc.weight.device
     ids = draft_vocab.to(device) if draft_vocab is not None else None
@@ -106,13 +111,24 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
                 later[step].add(kl.numel(), kl=kl.sum(), top1=agree.sum())
                 continue
             reg = F.smooth_l1_loss(o.float(), f[:, 1:].float(), reduction="none").mean(-1)
-            sums = {"kl": kl.sum(), "top1": agree.sum(), "reg": reg.sum()}
+            copy = copy_positions(batch, p_logits.argmax(-1))
+            sums = {"kl": kl.sum(), "top1": agree.sum(), "reg": reg.sum(),
+                    "copy": copy.sum(), "top1_copy": (agree & copy).sum()}
             if ids is not None:
                 restricted = ids[q_logits[..., ids].argmax(-1)]
                 sums["top1_vocab"] = (restricted == p_logits.argmax(-1)).sum()
             meter.add(kl.numel(), **sums)
+            if not shares:
+                shares = attention_shares(attention_weights(head, batch, wide[:, :-1]))
     m = meter.means()
     out = {"heldout_kl": m["kl"], "heldout_top1": m["top1"], "heldout_reg": m["reg"]}
+    copy_share = m["copy"]
+    out["heldout_copy_share"] = copy_share
+    if copy_share > 0:
+        out["heldout_top1_copy"] = m["top1_copy"] / copy_share
+    if copy_share < 1:
+        out["heldout_top1_nocopy"] = (m["top1"] - m["top1_copy"]) / (1 - copy_share)
+    out.update(shares)
     if draft_vocab is not None:
         out["heldout_top1_draft_vocab"] = m["top1_vocab"]
     for step, step_meter in later.items():
@@ -145,8 +161,11 @@ def init_from_head(head: DraftHead, start: DraftHead, name: str, target_model,
 
 
 def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: torch.Tensor,
-               device: torch.device, progress: bool):
-    """Train a head on the target's features, keep the best evaluation, save it in cfg.out."""
+               device: torch.device, progress: bool,
+               caches: tuple[FeatureCache, FeatureCache] | None = None):
+    """Train a head on the target's features, keep the best evaluation, save it in cfg.out.
+    `caches`: the (train, held) blocks' feature caches, already built (several heads trained
+    on one set of blocks build them once: benchmarks/exp_head_sweep.py)."""
     from llmaccel.train.distill_common import finish, train_loop
 
     model = target.model
@@ -171,7 +190,15 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
 
     train_cache = held_cache = None
     batches = train  # what the loop draws random rows of
-    if cfg.cache_features:  # the target runs once per block, not once per step
+    cache_seconds = 0.0
+    if caches is not None:
+        train_cache, held_cache = caches
+        if (len(train_cache), len(held_cache)) != (len(train), len(held)):
+            raise LLMAccelError(f"feature caches of {len(train_cache)} + {len(held_cache)} "
+                                f"blocks given for {len(train)} + {len(held)} blocks")
+        train_on_device = train.to(device)
+        batches = torch.arange(len(train))[:, None]
+    elif cfg.cache_features:  # the target runs once per block, not once per step
         start = time.perf_counter()
         def compute(m, ids):
             return target_features(m, ids, aux)

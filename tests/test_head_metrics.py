@@ -1,0 +1,99 @@
+"""train/head_metrics.py: the n-gram lookup's proposals, copy positions, attention shares,
+and evaluate_head's copy and attention measures; train/data.record_blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmaccel.errors import LLMAccelError
+from llmaccel.train.data import record_blocks
+from llmaccel.train.head_metrics import (attention_shares, copy_positions,
+                                         lookup_proposals)
+
+
+def test_lookup_proposes_what_followed_the_latest_earlier_match():
+    ids = [1, 2, 3, 9, 1, 2, 4, 1, 2]
+    props = lookup_proposals(ids, 2)
+    assert props[:5] == [-1] * 5      # (1, 2) at 0-1 has no earlier occurrence
+    assert props[5] == 3              # ..1 2 -> 3 (what followed it at 0-1)
+    assert props[8] == 4              # the latest match (4-5) wins over the first
+    assert props[6] == -1             # (2, 4) never seen before
+    assert lookup_proposals([5, 5, 5, 5], 2) == [-1, -1, 5, 5]
+
+
+def test_copy_positions_compare_the_proposal_with_the_wanted_token():
+    blocks = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 7]])
+    # row t drafts the token at t + 2; the lookup at t + 1 proposes it
+    want = blocks[:, 2:].clone()
+    got = copy_positions(blocks, want)
+    assert got.shape == (1, 6)
+    assert got[0].tolist() == [False, False, False, False, True, False]  # row 4: 1 2 -> 3
+    want[0, 4] = 8  # the target wanted something else there: not a copy position
+    assert not copy_positions(blocks, want).any()
+
+
+def test_attention_shares_tell_a_sink_from_a_lookup():
+    n = 64
+    sink = torch.zeros(1, n, n)
+    sink[:, :, 0] = 0.9
+    sink[:, torch.arange(n), torch.arange(n)] += 0.1
+    sink[:, 0, 0] = 1.0
+    moving = torch.zeros(1, n, n)
+    moving[:, torch.arange(n), torch.arange(n) // 2] = 1.0  # each query its own key
+    s, m = attention_shares(sink), attention_shares(moving)
+    assert s["heldout_attn_sink"] == pytest.approx(0.9)
+    assert s["heldout_attn_self"] == pytest.approx(0.1)
+    assert m["heldout_attn_sink"] < 0.1 and m["heldout_attn_self"] == 0.0
+
+
+class _Chars:
+    """A tokenizer of one id per character."""
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[ord(c) for c in t] for t in texts]}
+
+
+def test_record_blocks_start_at_records():
+    text = "#abc" + "#defgh" + "#ij" + "#" + "k" * 11 + "#lm" + "#nopq"
+    blocks = record_blocks(_Chars(), text, 8, "#")
+    rows = ["".join(map(chr, b)) for b in blocks.tolist()]
+    # #abc and the start of #defgh; #defgh#ij fits whole; the 12-char record in two blocks,
+    # the second ending where it ends; #lm#nopq ends the text
+    assert rows == ["#abc#def", "#defgh#i", "#ij#kkkk", "#kkkkkkk", "kkkkkkkk", "#lm#nopq"]
+    assert all(len(r) == 8 for r in rows)
+    with pytest.raises(LLMAccelError, match="no record"):
+        record_blocks(_Chars(), "", 8, "#")
+    with pytest.raises(LLMAccelError, match="fewer than two"):
+        record_blocks(_Chars(), "#ab#cd", 8, "#")
+
+
+def test_evaluate_head_reports_copy_and_attention_measures(tmp_path):
+    from distill_case import make_distill_target
+    from tiny_models import periodic_blocks
+    from transformers import AutoModelForCausalLM
+
+    from llmaccel.train.draft_head import build_draft_head
+    from llmaccel.train.head_training import evaluate_head
+
+    target = AutoModelForCausalLM.from_pretrained(make_distill_target(tmp_path / "t"),
+                                                  dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    head = build_draft_head(target, prev_token=True)
+    # the target's own greedy text: a tiny random model soon loops, so its next token is
+    # often what a lookup proposes (copy positions), and not everywhere
+    starts = periodic_blocks(n=6, seq_len=4, period=3)
+    blocks = target.generate(starts, attention_mask=torch.ones_like(starts), do_sample=False,
+                             max_new_tokens=36, min_new_tokens=36, pad_token_id=0)
+    score = evaluate_head(head, target, blocks, batch_size=4)
+    # the share of copy positions, computed here from the target's own argmax: row t of
+    # block b is one where the lookup at position t + 1 proposes the target's token there
+    with torch.no_grad():
+        argmax = target(input_ids=blocks).logits.argmax(-1)[:, 1:]
+    props = torch.tensor([lookup_proposals(b)[1:] for b in blocks.tolist()])
+    assert score["heldout_copy_share"] == pytest.approx(float((props == argmax).float().mean()))
+    assert 0 < score["heldout_copy_share"] < 1
+    parts = (score["heldout_copy_share"] * score["heldout_top1_copy"]
+             + (1 - score["heldout_copy_share"]) * score["heldout_top1_nocopy"])
+    assert parts == pytest.approx(score["heldout_top1"])
+    assert 0 < score["heldout_attn_sink"] <= 1 and 0 < score["heldout_attn_self"] <= 1
