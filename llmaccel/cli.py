@@ -296,6 +296,12 @@ def distill_draft(
     attention_init: str = typer.Option("target", help="head: its layer's q/k copied from the "
                                        "target's last layer (target) or drawn afresh "
                                        "(random, as EAGLE's layer starts)."),
+    copy_attention_weight: float = typer.Option(0.0, min=0.0, help="head: weight of a loss "
+                                                "teaching some of its attention heads to look "
+                                                "at the n-gram lookup's source where the text "
+                                                "copies (0: off)."),
+    copy_attention_heads: int = typer.Option(2, min=1, help="head: how many of its query "
+                                             "heads --copy-attention-weight teaches."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),
@@ -333,6 +339,7 @@ def distill_draft(
         unroll_detach=unroll_detach, cache_features=cache_features,
         aux_layers=o.parse_int_list(aux_layers, "--aux-layers") if aux_layers else (),
         prev_token=prev_token, prev_token_init=prev_token_init,
+        copy_attention_weight=copy_attention_weight, copy_attention_heads=copy_attention_heads,
         attention_init=attention_init, draft_vocab_size=draft_vocab_size,
         loss_vocab=loss_vocab, eval_blocks=eval_blocks,
         schedule=schedule, warmup=warmup, max_seconds=max_seconds, seed=seed, device=device,

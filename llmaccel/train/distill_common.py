@@ -71,6 +71,11 @@ class DistillConfig:
     # head: q/k of its layer copied from the target's last layer ("target") or drawn afresh
     # ("random", as EAGLE's layer starts: train/draft_head.init_attention_scores)
     attention_init: str = "target"
+    # head: weight of the copy-attention loss (train/head_metrics.copy_attention_loss): the
+    # layer's first `copy_attention_heads` query heads taught to attend to the n-gram lookup's
+    # source at copy positions (0: off), against the attention's collapse onto a sink
+    copy_attention_weight: float = 0.0
+    copy_attention_heads: int = 2
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
     # whole vocabulary); FR-Spec / EAGLE-3 cut the draft's LM-head cost this way.
@@ -133,6 +138,10 @@ class DistillConfig:
                    f"attention_init must be target or random, got {self.attention_init!r}"),
                   (self.attention_init == "target" or self.kind == "head",
                    "attention_init starts a head's (kind 'head') attention"),
+                  (self.copy_attention_weight >= 0,
+                   f"copy_attention_weight must be >= 0, got {self.copy_attention_weight}"),
+                  (self.copy_attention_heads >= 1,
+                   f"copy_attention_heads must be >= 1, got {self.copy_attention_heads}"),
                   (self.prev_token_init >= 0,
                    f"prev_token_init must be >= 0, got {self.prev_token_init}"),
                   (self.draft_vocab_size >= 0,

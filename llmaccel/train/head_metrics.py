@@ -13,7 +13,15 @@ that visible during training rather than after a W5 run:
   `heldout_attn_sink`, the largest mean weight any single key row gets from all the block's
   queries (a collapsed layer puts most weight on one fixed row: near 1; a layer that looks
   up its context moves its weight with the query: small), and `heldout_attn_self`, the mean
-  weight of a query on its own row.
+  weight of a query on its own row, and `heldout_attn_copy`, the mean weight a copy position's
+  query puts on its lookup source (the row whose previous token is the query's next token and
+  whose next token is the copy): an induction lookup done by the layer itself.
+
+`copy_attention_loss` turns the last one into a training signal (DistillConfig.
+copy_attention_weight): some of the layer's heads are taught to attend to the lookup source
+at copy positions. Session 37 measured the collapse within the first 1,000 steps for every
+learning rate and q/k init tried (benchmarks/results/2026-11-29-s37-head-sweep-h200.txt):
+reading the context never pays off early enough to be found by the main loss alone.
 """
 
 from __future__ import annotations
@@ -45,18 +53,47 @@ def copy_positions(blocks: torch.Tensor, want: torch.Tensor, n: int = LOOKUP_MIN
     """[B, R] bool: where the lookup over each block's tokens proposes `want` [B, R], the
     target's next token after position t + 1 at row t (the head's step-1 row t reads tokens
     0..t+1 and drafts the token at t + 2)."""
-    rows = want.shape[1]
-    props = torch.tensor([lookup_proposals(b, n)[1:rows + 1] for b in blocks.tolist()],
-                         dtype=torch.long)
-    return props.to(want.device) == want
+    return copy_rows(blocks.to(want.device), want, n)[0]
 
 
-@torch.no_grad()
-def attention_weights(head, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """[B, R, R]: the head's attention weights at draft step 1 (mean over its heads), row q
-    over rows 0..q, for blocks `ids` [B, R + 1] and their features [B, R, H]: its layer's q
-    and k of fc's output rows, rotated as the layer rotates them (checked against
-    transformers' eager attention in tests/test_head_prev_token.py)."""
+def lookup_sources(blocks: torch.Tensor, n: int = LOOKUP_MIN) -> torch.Tensor:
+    """[B, T] long: per position t, where the most recent earlier occurrence of the n tokens
+    ending at t ends (so blocks[:, e + 1] is what `lookup_proposals` proposes); -1 where there
+    is none. Vectorized over a batch of blocks (training computes it every step)."""
+    b, t = blocks.shape
+    key = torch.zeros_like(blocks)
+    for i in range(n):  # the n-gram ending at each position, as one id tuple (exact compare)
+        key = key * (int(blocks.max()) + 1) + blocks.roll(n - 1 - i, dims=1)
+    pos = torch.arange(t, device=blocks.device)
+    valid = pos >= n - 1
+    same = (key[:, :, None] == key[:, None, :]) & (pos[None, :] < pos[:, None])[None]
+    same &= valid[None, :, None] & valid[None, None, :]
+    latest = torch.where(same, pos[None, None, :], -1).max(-1).values
+    return latest
+
+
+def copy_rows(blocks: torch.Tensor, want: torch.Tensor | None = None,
+              n: int = LOOKUP_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """(copy [B, R] bool, source [B, R] long) for the head's step-1 rows t = 0..R-1 (row t
+    reads tokens 0..t+1 and drafts t + 2): copy where the lookup at t + 1 proposes `want`
+    (default: the block's own token at t + 2, rows past the block never copy), source the row
+    whose next token the lookup proposes (e, the match's end: row e's next token is
+    x_{e+1}), 0 where there is none."""
+    rows = blocks.shape[1] - 1 if want is None else want.shape[1]
+    end = lookup_sources(blocks, n)[:, 1:rows + 1]
+    proposal = blocks.gather(1, (end + 1).clamp(min=0, max=blocks.shape[1] - 1))
+    if want is None:
+        want = torch.full_like(end, -1)
+        want[:, :blocks.shape[1] - 2] = blocks[:, 2:]
+    copy = (end >= 0) & (proposal == want)
+    return copy, end.clamp(min=0)
+
+
+def _scores(head, ids: torch.Tensor, features: torch.Tensor, heads: int | None = None
+            ) -> torch.Tensor:
+    """[B, heads, R, R] attention scores at draft step 1 of the layer's first `heads` query
+    heads (all by default), later rows masked to -inf: its q and k of fc's output rows,
+    rotated as the layer rotates them."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     b, n = ids.shape[0], ids.shape[1] - 1
@@ -66,21 +103,55 @@ def attention_weights(head, ids: torch.Tensor, features: torch.Tensor) -> torch.
     d = attn.head_dim
     q = attn.q_proj(h).view(b, n, -1, d).transpose(1, 2)
     k = attn.k_proj(h).view(b, n, -1, d).transpose(1, 2)
+    group = q.shape[1] // k.shape[1]  # query heads per key/value head (GQA)
+    if heads is not None:
+        q = q[:, :heads]
+        k = k[:, :-(-heads // group)]
     cos, sin = head.rotary_emb(h, torch.arange(n, device=h.device)[None].expand(b, n))
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    k = k.repeat_interleave(group, dim=1)[:, :q.shape[1]]
     scores = (q @ k.transpose(-1, -2)) / d ** 0.5
     later = torch.ones(n, n, dtype=torch.bool, device=h.device).triu(1)
-    return scores.masked_fill(later, float("-inf")).softmax(-1).mean(1)
+    return scores.masked_fill(later, float("-inf"))
 
 
-def attention_shares(weights: torch.Tensor, min_row: int = MIN_ROW) -> dict[str, float]:
+@torch.no_grad()
+def attention_weights(head, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """[B, R, R]: the head's attention weights at draft step 1 (mean over its heads), row q
+    over rows 0..q, for blocks `ids` [B, R + 1] and their features [B, R, H] (checked against
+    transformers' eager attention in tests/test_head_prev_token.py)."""
+    return _scores(head, ids, features).softmax(-1).mean(1)
+
+
+def copy_attention_loss(head, ids: torch.Tensor, features: torch.Tensor, heads: int
+                        ) -> torch.Tensor:
+    """Mean over copy positions (copy_rows) and the layer's first `heads` query heads of
+    -log(attention weight on the lookup source): teaches those heads the induction lookup.
+    0 (with a gradient path) where a batch has no copy position."""
+    copy, source = copy_rows(ids)
+    logw = _scores(head, ids, features, heads).log_softmax(-1)  # [B, heads, R, R]
+    picked = logw.gather(-1, source[:, None, :, None].expand(-1, logw.shape[1], -1, 1))[..., 0]
+    mask = copy[:, None, :].expand_as(picked)
+    if not bool(mask.any()):
+        return logw.new_zeros(()) + 0.0 * picked.sum().nan_to_num()
+    return -picked[mask].mean()
+
+
+def attention_shares(weights: torch.Tensor, min_row: int = MIN_ROW,
+                     blocks: torch.Tensor | None = None) -> dict[str, float]:
     """heldout_attn_sink and heldout_attn_self of weights [B, R, R] (the module docstring),
-    over queries min_row.. (all of them when the blocks are shorter)."""
+    over queries min_row.. (all of them when the blocks are shorter); with the `blocks`
+    [B, R + 1] they were computed on, heldout_attn_copy too (where there is a copy)."""
     rows = weights.shape[1]
     start = min_row if rows > min_row else 0
     w = weights[:, start:]
     column = w.mean(1)  # [B, R]: each key row's mean weight over the queries
     own = torch.diagonal(weights, dim1=1, dim2=2)[:, start:]
-    return {"heldout_attn_sink": float(column.max(-1).values.mean()),
-            "heldout_attn_self": float(own.mean())}
+    out = {"heldout_attn_sink": float(column.max(-1).values.mean()),
+           "heldout_attn_self": float(own.mean())}
+    if blocks is not None:
+        copy, source = copy_rows(blocks.to(weights.device))
+        if copy.any():
+            on_source = weights.gather(-1, source[..., None])[..., 0]
+            out["heldout_attn_copy"] = float(on_source[copy].mean())
+    return out

@@ -28,7 +28,8 @@ from llmaccel.train.draft_head import (DraftHead, build_draft_head, draft_vocabu
                                        load_draft_head, save_draft_head,
                                        target_features)
 from llmaccel.train.feature_cache import FeatureCache
-from llmaccel.train.head_metrics import attention_shares, attention_weights, copy_positions
+from llmaccel.train.head_metrics import (attention_shares, attention_weights,
+                                         copy_attention_loss, copy_positions)
 
 # held-out agreement is reported for the head's first EVAL_STEPS drafts (k = 4 drafts in W5)
 EVAL_STEPS = 4
@@ -36,7 +37,8 @@ EVAL_STEPS = 4
 
 def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: float,
                 feature_noise: float = 0.0, unroll_steps: int = 1, unroll_decay: float = 1.0,
-                unroll_detach: bool = False, features: torch.Tensor | None = None
+                unroll_detach: bool = False, features: torch.Tensor | None = None,
+                copy_attention: float = 0.0, copy_heads: int = 2
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss on token blocks [B, T]: smooth L1(o_i, f_{i+1}) + kl_weight *
     KL(p_{i+1} || q_i) over i = 0..T-2, with noise on the input features f_i. With
@@ -46,6 +48,8 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
     worth only as much as the chance the drafts before it were accepted). `features`: the
     batch's target features when already computed (train/feature_cache.py). The KL runs
     over the head's loss vocabulary where one is set (`DraftHead.restrict_loss_vocab`).
+    With `copy_attention` > 0, plus that times train/head_metrics.copy_attention_loss on the
+    layer's first `copy_heads` query heads (attending to the lookup source at copy positions).
     The parts come back as 0-d tensors: reading them is a host sync, left to the caller."""
     f = (target_features(target_model, batch, head.aux_layers) if features is None
          else features)
@@ -73,7 +77,13 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
         weights += weight
         suffix = "" if step == 1 else f"_step{step}"
         parts.update({f"reg{suffix}": reg.detach(), f"kl{suffix}": kl.detach()})
-    return total / weights, parts
+    total = total / weights
+    if copy_attention > 0:
+        with autocast_for(batch.device, target_model.dtype):
+            attn_loss = copy_attention_loss(head, batch, inputs, copy_heads)
+        total = total + copy_attention * attn_loss
+        parts["copy_attn"] = attn_loss.detach()
+    return total, parts
 
 
 @torch.no_grad()
@@ -119,7 +129,8 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
                 sums["top1_vocab"] = (restricted == p_logits.argmax(-1)).sum()
             meter.add(kl.numel(), **sums)
             if not shares:
-                shares = attention_shares(attention_weights(head, batch, wide[:, :-1]))
+                shares = attention_shares(attention_weights(head, batch, wide[:, :-1]),
+                                          blocks=batch)
     m = meter.means()
     out = {"heldout_kl": m["kl"], "heldout_top1": m["top1"], "heldout_reg": m["reg"]}
     copy_share = m["copy"]
@@ -219,7 +230,8 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
             idx = batch[:, 0]
             batch, features = train_on_device[idx.to(device)], train_cache[idx]
         return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise,
-                           cfg.unroll_steps, cfg.unroll_decay, cfg.unroll_detach, features)
+                           cfg.unroll_steps, cfg.unroll_decay, cfg.unroll_detach, features,
+                           cfg.copy_attention_weight, cfg.copy_attention_heads)
 
     # held-out blocks scored while training (the first eval_blocks: every evaluation of a
     # head runs EVAL_STEPS unrolled steps over the whole vocabulary); all of them at the end
