@@ -61,9 +61,11 @@ def lookup_sources(blocks: torch.Tensor, n: int = LOOKUP_MIN) -> torch.Tensor:
     ending at t ends (so blocks[:, e + 1] is what `lookup_proposals` proposes); -1 where there
     is none. Vectorized over a batch of blocks (training computes it every step)."""
     b, t = blocks.shape
+    if n > 3:  # token ids < 2^20 (every vocabulary we know): 3 of them fit one int64 key
+        raise ValueError(f"lookup_sources matches at most 3 tokens, got n={n}")
     key = torch.zeros_like(blocks)
-    for i in range(n):  # the n-gram ending at each position, as one id tuple (exact compare)
-        key = key * (int(blocks.max()) + 1) + blocks.roll(n - 1 - i, dims=1)
+    for i in range(n):  # the n-gram ending at each position as one exact key (no host sync)
+        key = key * (1 << 20) + blocks.roll(n - 1 - i, dims=1)
     pos = torch.arange(t, device=blocks.device)
     valid = pos >= n - 1
     same = (key[:, :, None] == key[:, None, :]) & (pos[None, :] < pos[:, None])[None]
@@ -127,14 +129,13 @@ def copy_attention_loss(head, ids: torch.Tensor, features: torch.Tensor, heads: 
                         ) -> torch.Tensor:
     """Mean over copy positions (copy_rows) and the layer's first `heads` query heads of
     -log(attention weight on the lookup source): teaches those heads the induction lookup.
-    0 (with a gradient path) where a batch has no copy position."""
+    0 where a batch has no copy position."""
     copy, source = copy_rows(ids)
     logw = _scores(head, ids, features, heads).log_softmax(-1)  # [B, heads, R, R]
     picked = logw.gather(-1, source[:, None, :, None].expand(-1, logw.shape[1], -1, 1))[..., 0]
-    mask = copy[:, None, :].expand_as(picked)
-    if not bool(mask.any()):
-        return logw.new_zeros(()) + 0.0 * picked.sum().nan_to_num()
-    return -picked[mask].mean()
+    mask = copy[:, None, :].expand_as(picked).to(picked.dtype)
+    # a source row is never later than its query (no -inf picked); no host sync here
+    return -(picked * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def attention_shares(weights: torch.Tensor, min_row: int = MIN_ROW,
