@@ -89,6 +89,9 @@ def main() -> int:
     ap.add_argument("--record-start", default=None,
                     help="blocks start at records beginning with this string "
                          "(DistillConfig.record_start, e.g. '<|im_start|>system')")
+    ap.add_argument("--copy-attention-weight", type=float, default=0.0,
+                    help="warm: DistillConfig.copy_attention_weight (the copy-attention loss)")
+    ap.add_argument("--copy-attention-heads", type=int, default=2)
     ap.add_argument("--warm-lr", type=float, default=None,
                     help="warm without --init-head: its peak lr (default the head's 5e-4)")
     args = ap.parse_args()
@@ -102,7 +105,10 @@ def main() -> int:
                      init_head=args.init_head, cache_features=args.cache_features,
                      aux_layers=aux, prev_token=args.prev_token,
                      prev_token_init=args.prev_token_init,
-                     attention_init=args.attention_init, **{**common, **VARIANTS[args.warm_variant]})
+                     attention_init=args.attention_init,
+                     copy_attention_weight=args.copy_attention_weight,
+                     copy_attention_heads=args.copy_attention_heads,
+                     **{**common, **VARIANTS[args.warm_variant]})
         print(json.dumps({k: rec[k] for k in ("best_kl", "best_top1", "best_step",
                                                "steps_run", "stopped")}))
         return 0
