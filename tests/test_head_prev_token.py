@@ -24,8 +24,8 @@ from tiny_models import make_tiny_model, periodic_blocks, tiny_configs
 from llmaccel.errors import CorruptCheckpointError, LLMAccelError
 from llmaccel.train.distill import distill_draft
 from llmaccel.train.distill_common import DistillConfig
-from llmaccel.train.draft_head import (PREV_TOKEN_INIT, build_draft_head, load_draft_head,
-                                       target_features)
+from llmaccel.train.draft_head import build_draft_head, load_draft_head, target_features
+from llmaccel.train.head_init import PREV_TOKEN_INIT
 
 H = 64  # tiny_models' hidden size (2 layers)
 

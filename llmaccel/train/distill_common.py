@@ -66,10 +66,10 @@ class DistillConfig:
     # head: fc also reads the embedding of the token at each feature's own position, so its
     # one layer can do the induction lookup copying needs (train/draft_head.py)
     prev_token: bool = False
-    # head: the scale that part of fc starts at (train/draft_head.init_prev_token_part)
+    # head: the scale that part of fc starts at (train/head_init.init_prev_token_part)
     prev_token_init: float = 0.1
     # head: q/k of its layer copied from the target's last layer ("target") or drawn afresh
-    # ("random", as EAGLE's layer starts: train/draft_head.init_attention_scores)
+    # ("random", as EAGLE's layer starts: train/head_init.init_attention_scores)
     attention_init: str = "target"
     # head: weight of the copy-attention loss (train/head_metrics.copy_attention_loss): the
     # layer's first `copy_attention_heads` query heads taught to attend to the n-gram lookup's

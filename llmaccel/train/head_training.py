@@ -24,10 +24,9 @@ from llmaccel.models.draft_head import DRAFT_VOCAB_FILE
 from llmaccel.train.distill_common import (DistillConfig, Meter, Target, autocast_for,
                                            dtype_name, kl_terms, mean_kl_loss)
 from llmaccel.train.draft_head import (DraftHead, build_draft_head, draft_vocabulary,
-                                       init_attention_scores, init_prev_token_part,
-                                       load_draft_head, save_draft_head,
-                                       target_features)
+                                       load_draft_head, save_draft_head, target_features)
 from llmaccel.train.feature_cache import FeatureCache
+from llmaccel.train.head_init import init_attention_scores, init_prev_token_part
 from llmaccel.train.head_metrics import (attention_shares, attention_weights,
                                          copy_attention_loss, copy_positions)
 
@@ -154,7 +153,7 @@ def init_from_head(head: DraftHead, start: DraftHead, name: str, target_model,
                    prev_token_init: float | None = None) -> None:
     """`head` takes the weights of `start` (a saved head). The same kind of head only, except
     that a head without prev_token may start one with it: fc's first two parts are the old
-    head's and the third starts as a fresh head's (train/draft_head.init_prev_token_part), so
+    head's and the third starts as a fresh head's (train/head_init.init_prev_token_part), so
     training begins from the old head's drafts."""
     if start.aux_layers != head.aux_layers:
         raise LLMAccelError(f"init_head {name!r} has aux layers {list(start.aux_layers)}, this "
