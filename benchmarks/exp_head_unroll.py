@@ -92,6 +92,8 @@ def main() -> int:
     ap.add_argument("--copy-attention-weight", type=float, default=0.0,
                     help="warm: DistillConfig.copy_attention_weight (the copy-attention loss)")
     ap.add_argument("--copy-attention-heads", type=int, default=2)
+    ap.add_argument("--copy-attention-spread", action="store_true",
+                    help="warm: the taught heads one per key/value group in turn")
     ap.add_argument("--warm-lr", type=float, default=None,
                     help="warm without --init-head: its peak lr (default the head's 5e-4)")
     args = ap.parse_args()
@@ -108,6 +110,7 @@ def main() -> int:
                      attention_init=args.attention_init,
                      copy_attention_weight=args.copy_attention_weight,
                      copy_attention_heads=args.copy_attention_heads,
+                     copy_attention_spread=args.copy_attention_spread,
                      **{**common, **VARIANTS[args.warm_variant]})
         print(json.dumps({k: rec[k] for k in ("best_kl", "best_top1", "best_step",
                                                "steps_run", "stopped")}))

@@ -35,7 +35,8 @@
 #        RECORDS=1: blocks start at chat records (--record-start '<|im_start|>system'), so an
 #        answer's prompt is in its block; WARM_LR: a fresh head's peak lr (default 5e-4);
 #        COPY_ATTN: the copy-attention loss's weight (--copy-attention-weight; session 37's
-#        best 0.1) on COPY_HEADS query heads (default 2)
+#        best 0.1) on COPY_HEADS query heads (default 2; COPY_SPREAD=1: one per key/value
+#        group in turn, not the first ones)
 # sweep  several fresh heads side by side on one feature cache (exp_head_sweep.py), SWEEP
 #        (';'-separated DistillConfig settings), SWEEP_SECONDS each, into $H/sweep/v<i>;
 #        PREV and RECORDS as for warm; a table with copy top-1 and attention sink share
@@ -163,7 +164,8 @@ print(copy_text(int(sys.argv[1])))" "$COPY"
       ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} ${PREV:+--prev-token --prev-token-init "$PREV_INIT"} \
       --warm-variant "$WARM_VARIANT" --attention-init "$ATTN_INIT" ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} \
       ${WARM_LR:+--warm-lr "$WARM_LR"} "${records[@]}" \
-      --copy-attention-weight "${COPY_ATTN:-0}" --copy-attention-heads "${COPY_HEADS:-2}" 2>&1 | quiet | tail -3
+      --copy-attention-weight "${COPY_ATTN:-0}" --copy-attention-heads "${COPY_HEADS:-2}" \
+      ${COPY_SPREAD:+--copy-attention-spread} 2>&1 | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
     pieces 0
     ;;

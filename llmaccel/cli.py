@@ -302,6 +302,8 @@ def distill_draft(
                                                 "copies (0: off)."),
     copy_attention_heads: int = typer.Option(2, min=1, help="head: how many of its query "
                                              "heads --copy-attention-weight teaches."),
+    copy_attention_spread: bool = typer.Option(False, help="head: teach one query head per "
+                                               "key/value group in turn, not the first ones."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),
@@ -340,6 +342,7 @@ def distill_draft(
         aux_layers=o.parse_int_list(aux_layers, "--aux-layers") if aux_layers else (),
         prev_token=prev_token, prev_token_init=prev_token_init,
         copy_attention_weight=copy_attention_weight, copy_attention_heads=copy_attention_heads,
+        copy_attention_spread=copy_attention_spread,
         attention_init=attention_init, draft_vocab_size=draft_vocab_size,
         loss_vocab=loss_vocab, eval_blocks=eval_blocks,
         schedule=schedule, warmup=warmup, max_seconds=max_seconds, seed=seed, device=device,

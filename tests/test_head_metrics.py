@@ -123,6 +123,17 @@ def _tiny_head(tmp_path):
     return target, build_draft_head(target, prev_token=True, attention_init="random")
 
 
+def test_taught_heads_first_or_one_per_key_value_group():
+    from llmaccel.train.head_metrics import taught_heads
+
+    assert taught_heads(12, 2, 2, spread=False) == [0, 1]
+    assert taught_heads(12, 2, 2, spread=True) == [0, 6]
+    assert taught_heads(12, 2, 3, spread=True) == [0, 6, 1]
+    assert taught_heads(4, 4, 4, spread=True) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="cannot teach 5 of 4"):
+        taught_heads(4, 2, 5, spread=False)
+
+
 def test_scores_of_some_heads_are_those_of_all(tmp_path):
     from llmaccel.train.draft_head import target_features
     from llmaccel.train.head_metrics import _scores
@@ -132,11 +143,12 @@ def test_scores_of_some_heads_are_those_of_all(tmp_path):
     f = target_features(target, ids)[:, :-1]
     with torch.no_grad():
         full = _scores(head, ids, f)
-        for n in range(1, full.shape[1] + 1):
-            torch.testing.assert_close(_scores(head, ids, f, n), full[:, :n])
+        for heads in ([0], [1, 0], list(range(full.shape[1]))[::-1]):
+            torch.testing.assert_close(_scores(head, ids, f, heads), full[:, heads])
 
 
-def test_copy_attention_loss_teaches_heads_to_look_at_the_lookup_source(tmp_path):
+@pytest.mark.parametrize("spread", [False, True])
+def test_copy_attention_loss_teaches_heads_to_look_at_the_lookup_source(tmp_path, spread):
     """Trained on that loss alone, the layer's attention moves onto the lookup source at copy
     positions of held-out text (heldout_attn_copy), and only q/k learn (the loss reads no
     values)."""
@@ -168,7 +180,8 @@ def test_copy_attention_loss_teaches_heads_to_look_at_the_lookup_source(tmp_path
     v_before = head.layers[0].self_attn.v_proj.weight.detach().clone()
     for _ in range(60):
         ids = blocks(8)
-        loss = copy_attention_loss(head, ids, target_features(target, ids)[:, :-1], heads=4)
+        loss = copy_attention_loss(head, ids, target_features(target, ids)[:, :-1], heads=2,
+                                   spread=spread)
         opt.zero_grad()
         loss.backward()
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)

@@ -76,6 +76,9 @@ class DistillConfig:
     # source at copy positions (0: off), against the attention's collapse onto a sink
     copy_attention_weight: float = 0.0
     copy_attention_heads: int = 2
+    # head: the taught heads one per key/value group in turn (their own keys and values),
+    # not the first ones (which share one group's)
+    copy_attention_spread: bool = False
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
     # frequent target tokens, the only ones its LM head scores when drafting (0: none, the
     # whole vocabulary); FR-Spec / EAGLE-3 cut the draft's LM-head cost this way.

@@ -91,10 +91,23 @@ def copy_rows(blocks: torch.Tensor, want: torch.Tensor | None = None,
     return copy, end.clamp(min=0)
 
 
-def _scores(head, ids: torch.Tensor, features: torch.Tensor, heads: int | None = None
+def taught_heads(num_heads: int, num_kv_heads: int, n: int, spread: bool) -> list[int]:
+    """The query heads the copy loss teaches: the first n, or with `spread` one per key/value
+    group in turn (0, group, 2 group, ..., then 1, group + 1, ...), so that the taught heads
+    read different keys and values (GQA: the heads of one group share them)."""
+    if not 1 <= n <= num_heads:
+        raise ValueError(f"cannot teach {n} of {num_heads} attention heads")
+    if not spread:
+        return list(range(n))
+    group = num_heads // num_kv_heads
+    order = [kv * group + j for j in range(group) for kv in range(num_kv_heads)]
+    return order[:n]
+
+
+def _scores(head, ids: torch.Tensor, features: torch.Tensor, heads: list[int] | None = None
             ) -> torch.Tensor:
-    """[B, heads, R, R] attention scores at draft step 1 of the layer's first `heads` query
-    heads (all by default), later rows masked to -inf: its q and k of fc's output rows,
+    """[B, len(heads), R, R] attention scores at draft step 1 of the layer's query heads
+    `heads` (all by default), later rows masked to -inf: its q and k of fc's output rows,
     rotated as the layer rotates them."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -106,12 +119,11 @@ def _scores(head, ids: torch.Tensor, features: torch.Tensor, heads: int | None =
     q = attn.q_proj(h).view(b, n, -1, d).transpose(1, 2)
     k = attn.k_proj(h).view(b, n, -1, d).transpose(1, 2)
     group = q.shape[1] // k.shape[1]  # query heads per key/value head (GQA)
-    if heads is not None:
-        q = q[:, :heads]
-        k = k[:, :-(-heads // group)]
+    heads = list(range(q.shape[1])) if heads is None else heads
+    q = q[:, heads]
+    k = k[:, [i // group for i in heads]]  # each query head's own key/value head
     cos, sin = head.rotary_emb(h, torch.arange(n, device=h.device)[None].expand(b, n))
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    k = k.repeat_interleave(group, dim=1)[:, :q.shape[1]]
     scores = (q @ k.transpose(-1, -2)) / d ** 0.5
     later = torch.ones(n, n, dtype=torch.bool, device=h.device).triu(1)
     return scores.masked_fill(later, float("-inf"))
@@ -125,13 +137,16 @@ def attention_weights(head, ids: torch.Tensor, features: torch.Tensor) -> torch.
     return _scores(head, ids, features).softmax(-1).mean(1)
 
 
-def copy_attention_loss(head, ids: torch.Tensor, features: torch.Tensor, heads: int
-                        ) -> torch.Tensor:
-    """Mean over copy positions (copy_rows) and the layer's first `heads` query heads of
+def copy_attention_loss(head, ids: torch.Tensor, features: torch.Tensor, heads: int,
+                        spread: bool = False) -> torch.Tensor:
+    """Mean over copy positions (copy_rows) and `heads` of the layer's query heads
+    (taught_heads: the first ones, or with `spread` one per key/value group in turn) of
     -log(attention weight on the lookup source): teaches those heads the induction lookup.
     0 where a batch has no copy position."""
     copy, source = copy_rows(ids)
-    logw = _scores(head, ids, features, heads).log_softmax(-1)  # [B, heads, R, R]
+    config = head.layers[0].self_attn.config
+    chosen = taught_heads(config.num_attention_heads, config.num_key_value_heads, heads, spread)
+    logw = _scores(head, ids, features, chosen).log_softmax(-1)  # [B, heads, R, R]
     picked = logw.gather(-1, source[:, None, :, None].expand(-1, logw.shape[1], -1, 1))[..., 0]
     mask = copy[:, None, :].expand_as(picked).to(picked.dtype)
     # a source row is never later than its query (no -inf picked); no host sync here

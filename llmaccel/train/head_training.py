@@ -37,7 +37,7 @@ EVAL_STEPS = 4
 def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: float,
                 feature_noise: float = 0.0, unroll_steps: int = 1, unroll_decay: float = 1.0,
                 unroll_detach: bool = False, features: torch.Tensor | None = None,
-                copy_attention: float = 0.0, copy_heads: int = 2
+                copy_attention: float = 0.0, copy_heads: int = 2, copy_spread: bool = False
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss on token blocks [B, T]: smooth L1(o_i, f_{i+1}) + kl_weight *
     KL(p_{i+1} || q_i) over i = 0..T-2, with noise on the input features f_i. With
@@ -48,7 +48,8 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
     batch's target features when already computed (train/feature_cache.py). The KL runs
     over the head's loss vocabulary where one is set (`DraftHead.restrict_loss_vocab`).
     With `copy_attention` > 0, plus that times train/head_metrics.copy_attention_loss on the
-    layer's first `copy_heads` query heads (attending to the lookup source at copy positions).
+    layer's `copy_heads` query heads (attending to the lookup source at copy positions; the
+    first ones, or with `copy_spread` one per key/value group in turn).
     The parts come back as 0-d tensors: reading them is a host sync, left to the caller."""
     f = (target_features(target_model, batch, head.aux_layers) if features is None
          else features)
@@ -79,7 +80,7 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
     total = total / weights
     if copy_attention > 0:
         with autocast_for(batch.device, target_model.dtype):
-            attn_loss = copy_attention_loss(head, batch, inputs, copy_heads)
+            attn_loss = copy_attention_loss(head, batch, inputs, copy_heads, copy_spread)
         total = total + copy_attention * attn_loss
         parts["copy_attn"] = attn_loss.detach()
     return total, parts
@@ -190,6 +191,10 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
                        cfg.prev_token_init)
         if cfg.attention_init == "random":  # the saved head's layer, its q/k afresh
             init_attention_scores(head)
+    heads = head.layers[0].self_attn.config.num_attention_heads
+    if cfg.copy_attention_weight > 0 and cfg.copy_attention_heads > heads:
+        raise LLMAccelError(f"copy_attention_heads {cfg.copy_attention_heads} is more than the "
+                            f"head's {heads} attention heads")
     params = list(head.parameters())
     vocab, vocab_info = None, None
     if cfg.draft_vocab_size:
@@ -230,7 +235,8 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
             batch, features = train_on_device[idx.to(device)], train_cache[idx]
         return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise,
                            cfg.unroll_steps, cfg.unroll_decay, cfg.unroll_detach, features,
-                           cfg.copy_attention_weight, cfg.copy_attention_heads)
+                           cfg.copy_attention_weight, cfg.copy_attention_heads,
+                           cfg.copy_attention_spread)
 
     # held-out blocks scored while training (the first eval_blocks: every evaluation of a
     # head runs EVAL_STEPS unrolled steps over the whole vocabulary); all of them at the end
