@@ -218,3 +218,16 @@ def test_distill_draft_with_the_copy_loss_trains_heads_that_attend_to_the_source
                       progress=False, blocks=blocks)
         runs[weight] = json.loads((out / "distill.json").read_text())["history"][-1]
     assert runs[1.0]["heldout_attn_copy"] > runs[0.0]["heldout_attn_copy"] + 0.1, runs
+
+
+def test_more_taught_heads_than_the_layer_has_is_a_clear_error(tmp_path):
+    from distill_case import distill_cfg, make_distill_target
+    from tiny_models import periodic_blocks
+
+    from llmaccel.train.distill import distill_draft
+
+    target = make_distill_target(tmp_path / "t")
+    with pytest.raises(LLMAccelError, match="copy_attention_heads 5 is more than the head's 4"):
+        distill_draft(distill_cfg(target, tmp_path / "o", kind="head", copy_attention_weight=0.1,
+                                  copy_attention_heads=5), progress=False,
+                      blocks=periodic_blocks())
