@@ -22,11 +22,6 @@ import torch
 from llmaccel.train.head_metrics import attention_weights, lookup_proposals
 
 
-def lookup_right(ids: list[int], t: int, n: int) -> bool:
-    """Does the most recent earlier occurrence of ids[t-n+1..t] continue with ids[t+1]?"""
-    return lookup_proposals(ids[:t + 1], n)[t] == ids[t + 1]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
@@ -86,7 +81,9 @@ def main() -> int:
                 right.append([pred[t] == seq[t + step + 1] if t + step + 1 < n else None
                               for t in range(n - 1)])
             ts = [t for t in range(p - 2, n - 2)]
-            look = {t: lookup_right(seq, t + 1, args.lookup_min) for t in ts}
+            # the lookup at t + 1 (what followed the latest earlier match) against x_{t+2}
+            props = lookup_proposals(seq, args.lookup_min)
+            look = {t: props[t + 1] == seq[t + 2] for t in ts}
             cond = []
             for step in range(4):
                 ok = [t for t in ts if all(right[j][t] for j in range(step))

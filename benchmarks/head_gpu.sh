@@ -155,7 +155,6 @@ print(copy_text(int(sys.argv[1])))" "$COPY"
         --variants "$SWEEP" --seconds "${SWEEP_SECONDS:-80}" --eval-every "${SWEEP_EVAL_EVERY:-1000}" \
         ${PREV:+--prev-token} "${records[@]}" 2>&1 | quiet | tee "$out/$tag-sweep.txt" | tail -12
       for d in "$H"/sweep/v*; do cp "$d/distill.json" "$out/$tag-sweep-$(basename "$d").json"; done
-      rm -f "$out/distill.json"
       echo "$part end $(date +%T)"; exit 0
     fi
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage warm \
