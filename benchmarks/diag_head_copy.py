@@ -9,7 +9,9 @@ right next token there.
     python benchmarks/diag_head_copy.py --target GGUF --heads DIR[,DIR] [--device cpu]
 
 Prints, per prompt and head: the answer's length, top-1 at steps 1-4, the tokens per round at
-k = 4 they imply, and step 1's top-1 split by whether the lookup was right ("copy positions").
+k = 4 they imply, and step 1's top-1 split by whether the lookup was right ("copy positions"),
+then steps 1-4 split the same way (each step's lookup over the context and the drafts before
+it, which were right).
 """
 
 from __future__ import annotations
@@ -95,6 +97,17 @@ def main() -> int:
                 tok_round += run
             copy = [t for t in ts if look[t]]
             other = [t for t in ts if not look[t]]
+            # steps 2-4 split the same way: step s at row t drafts x_{t+s+1} after drafts
+            # x_{t+2}..x_{t+s} that were right, so its lookup is the one at position t + s
+            split: dict[str, list[float]] = {"lookup_right": [], "elsewhere": []}
+            for step in range(4):
+                ok = [t for t in ts if all(right[j][t] for j in range(step))
+                      and right[step][t] is not None]
+                hit = {t: props[t + step + 1] == seq[t + step + 2] for t in ok}
+                for name, want in (("lookup_right", True), ("elsewhere", False)):
+                    rows_s = [t for t in ok if hit[t] == want]
+                    split[name].append(round(sum(right[step][t] for t in rows_s)
+                                             / max(len(rows_s), 1), 3))
             row = {"kind": kind, "head": head_dir, "answer_tokens": n - p,
                    "top1_steps": [round(c, 3) for c in cond],
                    "tokens_per_round_k4": round(tok_round, 3),
@@ -102,7 +115,9 @@ def main() -> int:
                    "step1_at_lookup_right": round(sum(right[0][t] for t in copy)
                                                   / max(len(copy), 1), 3),
                    "step1_elsewhere": round(sum(right[0][t] for t in other)
-                                            / max(len(other), 1), 3)}
+                                            / max(len(other), 1), 3),
+                   "top1_steps_at_lookup_right": split["lookup_right"],
+                   "top1_steps_elsewhere": split["elsewhere"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.show_misses:

@@ -115,8 +115,8 @@ def main() -> int:
                              if isinstance(x, float) and k.startswith("heldout")}}),
               flush=True)
     print("| # | variant | steps | top-1 s1 | s2 | s3 | s4 | tok/round | top-1 copy | "
-          "top-1 other | attn sink | attn self |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "top-1 other | copy s2/s3/s4 | attn sink | attn self |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i, v, rec, b in rows:
         pct = [100 * (b.get(k) or 0) for k in ("heldout_top1", "heldout_top1_step2",
                                                "heldout_top1_step3", "heldout_top1_step4",
@@ -124,7 +124,9 @@ def main() -> int:
         name = ",".join(f"{k}={x}" for k, x in v.items()) or "base"
         print(f"| {i} | {name} | {rec['steps_run']} | " + " | ".join(f"{p:.1f}" for p in pct[:4])
               + f" | {tokens_per_round(b):.2f} | {pct[4]:.1f} | {pct[5]:.1f} | "
-              f"{b.get('heldout_attn_sink', 0):.2f} | {b.get('heldout_attn_self', 0):.2f} |")
+              + "/".join(f"{100 * (b.get(f'heldout_top1_copy_step{j}') or 0):.1f}"
+                         for j in (2, 3, 4))
+              + f" | {b.get('heldout_attn_sink', 0):.2f} | {b.get('heldout_attn_self', 0):.2f} |")
     return 0
 
 

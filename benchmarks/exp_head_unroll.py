@@ -94,6 +94,9 @@ def main() -> int:
     ap.add_argument("--copy-attention-heads", type=int, default=2)
     ap.add_argument("--copy-attention-spread", action="store_true",
                     help="warm: the taught heads one per key/value group in turn")
+    ap.add_argument("--copy-attention-all-steps", action="store_true",
+                    help="warm: with an unrolled --warm-variant, the copy-attention loss at "
+                         "every unrolled step (DistillConfig.copy_attention_all_steps)")
     ap.add_argument("--warm-lr", type=float, default=None,
                     help="warm without --init-head: its peak lr (default the head's 5e-4)")
     args = ap.parse_args()
@@ -111,6 +114,7 @@ def main() -> int:
                      copy_attention_weight=args.copy_attention_weight,
                      copy_attention_heads=args.copy_attention_heads,
                      copy_attention_spread=args.copy_attention_spread,
+                     copy_attention_all_steps=args.copy_attention_all_steps,
                      **{**common, **VARIANTS[args.warm_variant]})
         print(json.dumps({k: rec[k] for k in ("best_kl", "best_top1", "best_step",
                                                "steps_run", "stopped")}))

@@ -10,7 +10,10 @@
 #        HF directory (/tmp/stage/q15, q05): transformers parses a GGUF's 151,936-token
 #        vocabulary three times per load (config, tokenizer, weights; ~28 s each on a slow
 #        CPU), and every later load reads safetensors instead; the 0.5B only where its chunks
-#        were staged (the draft model of `w5`: parts without it need not stage it)
+#        were staged (the draft model of `w5`: parts without it need not stage it); an
+#        earlier session's head staged in pieces under /tmp/stage/<name>-head/ (its config,
+#        draft vocabulary and model.safetensors.partNN, 15 MiB each) is joined there too, so
+#        INIT_HEAD or a sweep's init_head can start from it
 # data   self-distillation text (benchmarks/head_data.py), DATA_SECONDS of generation
 #        (DATA_SEQS: the engine's max_num_seqs, default 256), from
 #        requests drawn with SEED; returned gzipped ($tag-head-data.txt.gz) and joined to the
@@ -36,7 +39,8 @@
 #        answer's prompt is in its block; WARM_LR: a fresh head's peak lr (default 5e-4);
 #        COPY_ATTN: the copy-attention loss's weight (--copy-attention-weight; session 37's
 #        best 0.1) on COPY_HEADS query heads (default 2; COPY_SPREAD=1: one per key/value
-#        group in turn, not the first ones)
+#        group in turn, not the first ones); COPY_ALL=1: with an unrolled WARM_VARIANT (e.g.
+#        unroll3-decay0.5-detach), that loss at every unrolled step (--copy-attention-all-steps)
 # sweep  several fresh heads side by side on one feature cache (exp_head_sweep.py), SWEEP
 #        (';'-separated DistillConfig settings), SWEEP_SECONDS each, into $H/sweep/v<i>;
 #        PREV and RECORDS as for warm; a table with copy top-1 and attention sink share
@@ -120,6 +124,12 @@ case $part in
     join qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
       cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
     convert /tmp/stage/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf "$T15"
+    for d in /tmp/stage/*-head; do  # a staged head's pieces
+      if compgen -G "$d/model.safetensors.part*" > /dev/null; then
+        cat "$d"/model.safetensors.part* > "$d/model.safetensors" && rm "$d"/model.safetensors.part*
+        sha256sum "$d/model.safetensors"
+      fi
+    done
     # the 0.5B (the draft model, `w5` only) where it was staged
     if compgen -G "/tmp/stage/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf*" > /dev/null; then
       join qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
@@ -164,7 +174,8 @@ print(copy_text(int(sys.argv[1])))" "$COPY"
       --warm-variant "$WARM_VARIANT" --attention-init "$ATTN_INIT" ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} \
       ${WARM_LR:+--warm-lr "$WARM_LR"} "${records[@]}" \
       --copy-attention-weight "${COPY_ATTN:-0}" --copy-attention-heads "${COPY_HEADS:-2}" \
-      ${COPY_SPREAD:+--copy-attention-spread} 2>&1 | quiet | tail -3
+      ${COPY_SPREAD:+--copy-attention-spread} ${COPY_ALL:+--copy-attention-all-steps} 2>&1 \
+      | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
     pieces 0
     ;;

@@ -81,6 +81,9 @@ def distill_draft(
                                              "heads --copy-attention-weight teaches."),
     copy_attention_spread: bool = typer.Option(False, help="head: teach one query head per "
                                                "key/value group in turn, not the first ones."),
+    copy_attention_all_steps: bool = typer.Option(False, help="head: with --unroll-steps > 1, "
+                                                  "the copy-attention loss at every unrolled "
+                                                  "draft step, not only the first."),
     draft_vocab_size: int = typer.Option(32768, min=0, help="head: save the training text's N "
                                          "most frequent tokens as its draft vocabulary, the "
                                          "only ones it scores when drafting (0: none)."),
@@ -120,6 +123,7 @@ def distill_draft(
         prev_token=prev_token, prev_token_init=prev_token_init,
         copy_attention_weight=copy_attention_weight, copy_attention_heads=copy_attention_heads,
         copy_attention_spread=copy_attention_spread,
+        copy_attention_all_steps=copy_attention_all_steps,
         attention_init=attention_init, draft_vocab_size=draft_vocab_size,
         loss_vocab=loss_vocab, eval_blocks=eval_blocks,
         schedule=schedule, warmup=warmup, max_seconds=max_seconds, seed=seed, device=device,

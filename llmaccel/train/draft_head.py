@@ -228,11 +228,22 @@ class DraftHead(nn.Module):
         row blocks for s <= a few. With `detach`, no gradient flows through an output fed
         back as the next step's feature: each step's loss trains the layer on its own
         inputs only."""
+        return self.unroll_with_inputs(ids, features, steps, detach)[0]
+
+    def unroll_with_inputs(self, ids: torch.Tensor, features: torch.Tensor, steps: int,
+                           detach: bool = False
+                           ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor,
+                                      torch.Tensor]:
+        """`unroll`'s outputs and what its last layer call read: the rows [B, steps (T - 1),
+        H] (step a's block of T - 1 rows after step a - 1's), their positions [B, steps
+        (T - 1)] and the mask [rows, rows] (train/head_metrics.py teaches the attention on
+        them at every step)."""
         b, n = ids.shape[0], ids.shape[1] - 1
         rows = torch.arange(n, device=ids.device)
         hs: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         feats = self.fuse_features(features)
+        h = positions = allowed = torch.zeros(0)
         for step in range(1, steps + 1):
             # the token after row t's feature at this step: x_{t+step}, clamped into the block
             # (with prev_token also x_{t+step-1}: the token at that feature's position)
@@ -246,10 +257,10 @@ class DraftHead(nn.Module):
             first = blocks[None, :] == 0
             earlier = blocks[None, :] <= blocks[:, None]
             allowed = (first & causal) | (same_row & earlier)
-            feats = self._layer(torch.cat(hs, dim=1), (t + blocks).expand(b, -1),
-                                allowed)[:, -n:]
+            h, positions = torch.cat(hs, dim=1), (t + blocks).expand(b, -1)
+            feats = self._layer(h, positions, allowed)[:, -n:]
             outs.append(feats)
-        return outs
+        return outs, h, positions, allowed
 
     def compute_logits(self, hidden: torch.Tensor, restricted: bool = False) -> torch.Tensor:
         """The target's lm_head (in its dtype) on head outputs or target features, as fp32;

@@ -109,11 +109,21 @@ def _scores(head, ids: torch.Tensor, features: torch.Tensor, heads: list[int] | 
     """[B, len(heads), R, R] attention scores at draft step 1 of the layer's query heads
     `heads` (all by default), later rows masked to -inf: its q and k of fc's output rows,
     rotated as the layer rotates them."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     b, n = ids.shape[0], ids.shape[1] - 1
     prev = ids[:, :-1] if head.prev_token else None
-    h = head._inputs(ids[:, 1:], head.fuse_features(features), prev).float()
+    h = head._inputs(ids[:, 1:], head.fuse_features(features), prev)
+    rows = torch.arange(n, device=h.device)
+    return _scores_of(head, h, rows[None].expand(b, n), rows[None, :] <= rows[:, None], heads)
+
+
+def _scores_of(head, h: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+               heads: list[int] | None = None) -> torch.Tensor:
+    """[B, len(heads), R, R]: the scores of the layer's query heads `heads` over its input
+    rows h [B, R, H] at `positions` [B, R], -inf where allowed [R, R] is False."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    b, n = h.shape[0], h.shape[1]
+    h = h.float()
     attn = head.layers[0].self_attn
     d = attn.head_dim
     q = attn.q_proj(h).view(b, n, -1, d).transpose(1, 2)
@@ -122,11 +132,10 @@ def _scores(head, ids: torch.Tensor, features: torch.Tensor, heads: list[int] | 
     heads = list(range(q.shape[1])) if heads is None else heads
     q = q[:, heads]
     k = k[:, [i // group for i in heads]]  # each query head's own key/value head
-    cos, sin = head.rotary_emb(h, torch.arange(n, device=h.device)[None].expand(b, n))
+    cos, sin = head.rotary_emb(h, positions)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     scores = (q @ k.transpose(-1, -2)) / d ** 0.5
-    later = torch.ones(n, n, dtype=torch.bool, device=h.device).triu(1)
-    return scores.masked_fill(later, float("-inf"))
+    return scores.masked_fill(~allowed, float("-inf"))
 
 
 @torch.no_grad()
@@ -146,11 +155,69 @@ def copy_attention_loss(head, ids: torch.Tensor, features: torch.Tensor, heads: 
     copy, source = copy_rows(ids)
     config = head.layers[0].self_attn.config
     chosen = taught_heads(config.num_attention_heads, config.num_key_value_heads, heads, spread)
-    logw = _scores(head, ids, features, chosen).log_softmax(-1)  # [B, heads, R, R]
+    return _source_nll(_scores(head, ids, features, chosen), copy, source)
+
+
+def _source_nll(scores: torch.Tensor, copy: torch.Tensor, source: torch.Tensor
+                ) -> torch.Tensor:
+    """Mean of -log softmax(scores)[source] over the copy rows and the heads of scores
+    [B, heads, R, R]; copy and source [B, R]."""
+    logw = scores.log_softmax(-1)
     picked = logw.gather(-1, source[:, None, :, None].expand(-1, logw.shape[1], -1, 1))[..., 0]
     mask = copy[:, None, :].expand_as(picked).to(picked.dtype)
     # a source row is never later than its query (no -inf picked); no host sync here
     return -(picked * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def unrolled_copy_rows(blocks: torch.Tensor, steps: int, n: int = LOOKUP_MIN
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """copy_rows for every row of DraftHead.unroll_with_inputs' last layer call: (copy, source)
+    [B, steps (T - 1)], row a (T - 1) + t being step a + 1's row t. That row drafts
+    x_{t+a+2} after the context x_0..x_{t+1} and the drafts x_{t+2}..x_{t+a+1} (taken as
+    right, as training feeds them): the lookup at position t + a + 1 over the block. Its
+    source is the row whose next token is what the lookup proposes, the row at the match's
+    end e: the context's row e where e <= t, else the same row t's step e - t block (the
+    layer's mask lets row t see exactly those)."""
+    b, length = blocks.shape
+    rows = length - 1
+    end = lookup_sources(blocks, n)  # [B, T]
+    t = torch.arange(rows, device=blocks.device)
+    copies, sources = [], []
+    for a in range(steps):
+        pos = t + a + 1  # the lookup's position; its token x_{pos+1} is the draft
+        inside = pos + 1 < length
+        e = end[:, pos.clamp(max=length - 1)]
+        proposal = blocks.gather(1, (e + 1).clamp(min=0, max=length - 1))
+        want = blocks[:, (pos + 1).clamp(max=length - 1)]
+        copy = (e >= 0) & (proposal == want) & inside
+        e = e.clamp(min=0)
+        # 0 where there is no copy: a clamped position's match may lie past this row's blocks
+        sources.append(torch.where(copy, torch.where(e <= t, e, (e - t) * rows + t), 0))
+        copies.append(copy)
+    return torch.cat(copies, dim=1), torch.cat(sources, dim=1)
+
+
+def unrolled_copy_attention_loss(head, ids: torch.Tensor, h: torch.Tensor,
+                                 positions: torch.Tensor, allowed: torch.Tensor, heads: int,
+                                 spread: bool = False, decay: float = 1.0) -> torch.Tensor:
+    """copy_attention_loss at every draft step of an unrolled pass (its last layer call's
+    rows h, positions and mask: DraftHead.unroll_with_inputs), so the taught heads also find
+    the source when the query row is the head's own output (steps 2..), not only the
+    target's feature. Each step's mean, weighted by decay ** (step - 1) as head_losses
+    weights the steps. Step 1's part equals copy_attention_loss (its rows see only step 1's)."""
+    rows = ids.shape[1] - 1
+    steps = h.shape[1] // rows
+    copy, source = unrolled_copy_rows(ids, steps)
+    config = head.layers[0].self_attn.config
+    chosen = taught_heads(config.num_attention_heads, config.num_key_value_heads, heads, spread)
+    scores = _scores_of(head, h, positions, allowed, chosen)
+    total, weights = 0.0, 0.0
+    for a in range(steps):
+        part = slice(a * rows, (a + 1) * rows)
+        weight = decay ** a
+        total = total + weight * _source_nll(scores[:, :, part], copy[:, part], source[:, part])
+        weights += weight
+    return total / weights
 
 
 def attention_shares(weights: torch.Tensor, min_row: int = MIN_ROW,

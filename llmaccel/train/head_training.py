@@ -28,7 +28,8 @@ from llmaccel.train.draft_head import (DraftHead, build_draft_head, draft_vocabu
 from llmaccel.train.feature_cache import FeatureCache
 from llmaccel.train.head_init import init_attention_scores, init_prev_token_part
 from llmaccel.train.head_metrics import (attention_shares, attention_weights,
-                                         copy_attention_loss, copy_positions)
+                                         copy_attention_loss, copy_positions,
+                                         unrolled_copy_attention_loss)
 
 # held-out agreement is reported for the head's first EVAL_STEPS drafts (k = 4 drafts in W5)
 EVAL_STEPS = 4
@@ -37,8 +38,8 @@ EVAL_STEPS = 4
 def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: float,
                 feature_noise: float = 0.0, unroll_steps: int = 1, unroll_decay: float = 1.0,
                 unroll_detach: bool = False, features: torch.Tensor | None = None,
-                copy_attention: float = 0.0, copy_heads: int = 2, copy_spread: bool = False
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                copy_attention: float = 0.0, copy_heads: int = 2, copy_spread: bool = False,
+                copy_all_steps: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss on token blocks [B, T]: smooth L1(o_i, f_{i+1}) + kl_weight *
     KL(p_{i+1} || q_i) over i = 0..T-2, with noise on the input features f_i. With
     `unroll_steps` s > 1 the head also drafts s tokens ahead on its own outputs
@@ -49,7 +50,8 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
     over the head's loss vocabulary where one is set (`DraftHead.restrict_loss_vocab`).
     With `copy_attention` > 0, plus that times train/head_metrics.copy_attention_loss on the
     layer's `copy_heads` query heads (attending to the lookup source at copy positions; the
-    first ones, or with `copy_spread` one per key/value group in turn).
+    first ones, or with `copy_spread` one per key/value group in turn); with `copy_all_steps`
+    at every unrolled step (head_metrics.unrolled_copy_attention_loss, weighted as the steps).
     The parts come back as 0-d tensors: reading them is a host sync, left to the caller."""
     f = (target_features(target_model, batch, head.aux_layers) if features is None
          else features)
@@ -62,7 +64,8 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
         noise = (torch.rand_like(parts_view) * 2 - 1) * feature_noise * rms
         inputs = (parts_view + noise).flatten(-2)
     with autocast_for(batch.device, target_model.dtype):
-        outs = head.unroll(batch, inputs, unroll_steps, unroll_detach)
+        outs, h, positions, allowed = head.unroll_with_inputs(batch, inputs, unroll_steps,
+                                                              unroll_detach)
     total, parts, weights = 0.0, {}, 0.0
     restricted = head.loss_lm_head is not None
     for step, o in enumerate(outs, start=1):
@@ -80,7 +83,11 @@ def head_losses(head: DraftHead, target_model, batch: torch.Tensor, kl_weight: f
     total = total / weights
     if copy_attention > 0:
         with autocast_for(batch.device, target_model.dtype):
-            attn_loss = copy_attention_loss(head, batch, inputs, copy_heads, copy_spread)
+            if copy_all_steps and unroll_steps > 1:
+                attn_loss = unrolled_copy_attention_loss(head, batch, h, positions, allowed,
+                                                         copy_heads, copy_spread, unroll_decay)
+            else:
+                attn_loss = copy_attention_loss(head, batch, inputs, copy_heads, copy_spread)
         total = total + copy_attention * attn_loss
         parts["copy_attn"] = attn_loss.detach()
     return total, parts
@@ -99,7 +106,8 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
     falls with. `features`: the blocks' target features, cached (train/feature_cache.py).
     Whether it copies (train/head_metrics.py): step 1's top-1 where an n-gram lookup in the
     block is right (heldout_top1_copy, their share heldout_copy_share) and elsewhere
-    (heldout_top1_nocopy), and its attention's sink and self shares on the first batch."""
+    (heldout_top1_nocopy), the same split for steps 2.. (heldout_top1_copy_step{j},
+    heldout_top1_nocopy_step{j}), and its attention's sink and self shares on the first batch."""
     head.eval()
     meter = Meter()
     shares: dict[str, float] = {}
@@ -113,12 +121,17 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
         f = wide[..., :head.fc.out_features]
         with autocast_for(device, target_model.dtype):
             outs = head.unroll(batch, wide[:, :-1], max(1, min(steps, f.shape[1] - 1)))
+        copy = torch.zeros(0)
         for step, o in enumerate(outs, start=1):
             p_logits = head.compute_logits(f[:, step:])
             q_logits = head.compute_logits(o[:, :f.shape[1] - step])
             kl, agree = kl_terms(p_logits, q_logits)
             if step > 1:
-                later[step].add(kl.numel(), kl=kl.sum(), top1=agree.sum())
+                # step j's row t drafts what step 1's row t + j - 1 does, after drafts that
+                # were right: the same lookup, so the same copy positions
+                later_copy = copy[:, step - 1:]
+                later[step].add(kl.numel(), kl=kl.sum(), top1=agree.sum(),
+                                copy=later_copy.sum(), top1_copy=(agree & later_copy).sum())
                 continue
             reg = F.smooth_l1_loss(o.float(), f[:, 1:].float(), reduction="none").mean(-1)
             copy = copy_positions(batch, p_logits.argmax(-1))
@@ -147,6 +160,10 @@ def evaluate_head(head: DraftHead, target_model, blocks: torch.Tensor, batch_siz
             means = step_meter.means()
             out[f"heldout_kl_step{step}"] = means["kl"]
             out[f"heldout_top1_step{step}"] = means["top1"]
+            if 0 < means["copy"] < 1:
+                out[f"heldout_top1_copy_step{step}"] = means["top1_copy"] / means["copy"]
+                out[f"heldout_top1_nocopy_step{step}"] = ((means["top1"] - means["top1_copy"])
+                                                          / (1 - means["copy"]))
     return out
 
 
@@ -236,7 +253,7 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
         return head_losses(head, model, batch, cfg.kl_weight, cfg.feature_noise,
                            cfg.unroll_steps, cfg.unroll_decay, cfg.unroll_detach, features,
                            cfg.copy_attention_weight, cfg.copy_attention_heads,
-                           cfg.copy_attention_spread)
+                           cfg.copy_attention_spread, cfg.copy_attention_all_steps)
 
     # held-out blocks scored while training (the first eval_blocks: every evaluation of a
     # head runs EVAL_STEPS unrolled steps over the whole vocabulary); all of them at the end
