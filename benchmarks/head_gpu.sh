@@ -49,7 +49,8 @@
 # cont   continue it in each of VARIANTS (exp_head_unroll.py's; default unrolled and
 #        detached, session 24's best), CONT_SECONDS each, from the warm head
 # w5head W5 at batch 1 with HEAD (default the warm head): OVERLAP (off,on), FIRST (lookup
-#        first: off), LOOKUP (its most drafts), TOPK (tree verification, spec/tree.py)
+#        first: off), LOOKUP (its most drafts), TOPK (tree verification, spec/tree.py), VOCABS
+#        (--draft-vocab-sizes, e.g. auto,16384: a smaller LM head per draft step)
 # w5hybrid  W5 at batch 1 with HEAD, n-gram lookup first (SpeculativeConfig.ngram_first;
 #        LOOKUP_MIN: its shortest match, default 2)
 # w5     W5 at batch 1: n-gram and the 0.5B draft model, same settings
@@ -198,7 +199,8 @@ print(copy_text(int(sys.argv[1])))" "$COPY"
   w5head)
     $W5 --methods head --head "$HEAD" --draft-overlap "$OVERLAP" --ngram-first "$FIRST" \
       --prompt-lookup-num-tokens "$LOOKUP" --prompt-lookup-min "${LOOKUP_MIN:-2}" \
-      --draft-topk "$TOPK" --name "$tag-W5-head" 2>&1 | quiet | tail -12
+      --draft-topk "$TOPK" ${VOCABS:+--draft-vocab-sizes "$VOCABS"} --name "$tag-W5-head" 2>&1 \
+      | quiet | tail -12
     [[ $HEAD == "$H/warm" ]] && pieces 1
     ;;
   w5hybrid)
