@@ -11,7 +11,8 @@ right next token there.
 Prints, per prompt and head: the answer's length, top-1 at steps 1-4, the tokens per round at
 k = 4 they imply, and step 1's top-1 split by whether the lookup was right ("copy positions"),
 then steps 1-4 split the same way (each step's lookup over the context and the drafts before
-it, which were right).
+it, which were right), and at those copy positions the attention weight on the lookup's
+source per step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,28 @@ import json
 import torch
 
 from llmaccel.train.head_metrics import attention_weights, lookup_proposals
+
+
+def _source_attention(head, seq: torch.Tensor, feats: torch.Tensor, ts: list[int],
+                      steps: int = 4) -> dict[str, list[float]]:
+    """At the answer's copy positions of each draft step (head_metrics.unrolled_copy_rows over
+    the unrolled pass, the drafts before it right): the attention weight on the lookup's
+    source, mean over all the layer's heads and over the first two (the ones the copy loss
+    teaches by default)."""
+    from llmaccel.train.head_metrics import _scores_of, unrolled_copy_rows
+
+    with torch.no_grad():
+        _, h, positions, allowed = head.unroll_with_inputs(seq, feats, steps)
+        w = _scores_of(head, h, positions, allowed).softmax(-1)[0]  # [heads, rows, rows]
+        copy, source = unrolled_copy_rows(seq, steps)
+    on = w.gather(-1, source[0][None, :, None].expand(w.shape[0], -1, 1))[..., 0]
+    n = seq.shape[1] - 1
+    every, taught = [], []
+    for a in range(steps):
+        rows = [a * n + t for t in ts if copy[0, a * n + t]]
+        every.append(round(float(on[:, rows].mean()), 3) if rows else None)
+        taught.append(round(float(on[:2, rows].mean()), 3) if rows else None)
+    return {"attn_source_steps_all_heads": every, "attn_source_steps_first_two": taught}
 
 
 def main() -> int:
@@ -108,7 +131,8 @@ def main() -> int:
                     rows_s = [t for t in ok if hit[t] == want]
                     split[name].append(round(sum(right[step][t] for t in rows_s)
                                              / max(len(rows_s), 1), 3))
-            row = {"kind": kind, "head": head_dir, "answer_tokens": n - p,
+            attn = _source_attention(head, out, f[:, :-1], ts)
+            row = {"kind": kind, "head": head_dir, "answer_tokens": n - p, **attn,
                    "top1_steps": [round(c, 3) for c in cond],
                    "tokens_per_round_k4": round(tok_round, 3),
                    "lookup_right": round(len(copy) / max(len(ts), 1), 3),
