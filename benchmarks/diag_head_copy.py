@@ -25,6 +25,26 @@ import torch
 from llmaccel.train.head_metrics import attention_weights, lookup_proposals
 
 
+def simulate_rounds(right: list[list[bool | None]], start: int, n: int, k: int = 4
+                    ) -> float:
+    """Tokens per round of greedy speculation at k drafts, round by round as the engine runs
+    it: the first round after the context x_0..x_{start+1} (row `start`), each next one at
+    the row after what it accepted. `tokens_per_round_k4` scores every position alike; a
+    round here starts only where the last one stopped, right after a rejected draft, which
+    are harder positions. `right[j][t]`: draft j + 1 at row t was right."""
+    t, tokens, rounds = start, 0, 0
+    while t + 2 < n:
+        accepted = 0
+        while (accepted < k and t + accepted + 2 < n
+               and right[accepted][t]):
+            accepted += 1
+        step = min(accepted + 1, n - 1 - (t + 1))  # the bonus token unless the answer ended
+        tokens += step
+        rounds += 1
+        t += step
+    return round(tokens / max(rounds, 1), 3)
+
+
 def _source_attention(head, seq: torch.Tensor, feats: torch.Tensor, ts: list[int],
                       steps: int = 4) -> dict[str, list[float]]:
     """At the answer's copy positions of each draft step (head_metrics.unrolled_copy_rows over
@@ -118,6 +138,7 @@ def main() -> int:
             for c in cond:
                 run *= c
                 tok_round += run
+            sim = simulate_rounds(right, p - 1, n)
             copy = [t for t in ts if look[t]]
             other = [t for t in ts if not look[t]]
             # steps 2-4 split the same way: step s at row t drafts x_{t+s+1} after drafts
@@ -135,6 +156,7 @@ def main() -> int:
             row = {"kind": kind, "head": head_dir, "answer_tokens": n - p, **attn,
                    "top1_steps": [round(c, 3) for c in cond],
                    "tokens_per_round_k4": round(tok_round, 3),
+                   "tokens_per_round_k4_rounds": sim,
                    "lookup_right": round(len(copy) / max(len(ts), 1), 3),
                    "step1_at_lookup_right": round(sum(right[0][t] for t in copy)
                                                   / max(len(copy), 1), 3),
