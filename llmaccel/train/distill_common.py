@@ -79,8 +79,8 @@ class DistillConfig:
     # head: the taught heads one per key/value group in turn (their own keys and values),
     # not the first ones (which share one group's)
     copy_attention_spread: bool = False
-    # head: with unroll_steps > 1, the copy-attention loss at every unrolled draft step (the
-    # query row the head's own output), not only at step 1
+    # head: with unroll_steps > 1, the copy-attention loss at every unrolled draft step (where
+    # the query row is built from the head's own output), not only at step 1
     # (train/head_metrics.unrolled_copy_attention_loss)
     copy_attention_all_steps: bool = False
     # head: the draft vocabulary saved beside it (draft_vocab.json): the training text's most
