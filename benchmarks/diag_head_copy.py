@@ -45,20 +45,21 @@ def simulate_rounds(right: list[list[bool | None]], start: int, n: int, k: int =
     return round(tokens / max(rounds, 1), 3)
 
 
-def _source_attention(head, seq: torch.Tensor, feats: torch.Tensor, ts: list[int],
-                      steps: int = 4) -> dict[str, list[float]]:
+def _source_attention(head, seq: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
+                      allowed: torch.Tensor, ts: list[int]) -> dict[str, list[float]]:
     """At the answer's copy positions of each draft step (head_metrics.unrolled_copy_rows over
-    the unrolled pass, the drafts before it right): the attention weight on the lookup's
-    source, mean over all the layer's heads and over the first two (the ones the copy loss
-    teaches by default)."""
+    the unrolled pass whose layer rows, positions and mask are h, positions and allowed:
+    DraftHead.unroll_with_inputs; the drafts before each step right): the attention weight
+    on the lookup's source, mean over all the layer's heads and over the first two (the ones
+    the copy loss teaches by default)."""
     from llmaccel.train.head_metrics import _scores_of, unrolled_copy_rows
 
+    n = seq.shape[1] - 1
+    steps = h.shape[1] // n
     with torch.no_grad():
-        _, h, positions, allowed = head.unroll_with_inputs(seq, feats, steps)
         w = _scores_of(head, h, positions, allowed).softmax(-1)[0]  # [heads, rows, rows]
         copy, source = unrolled_copy_rows(seq, steps)
     on = w.gather(-1, source[0][None, :, None].expand(w.shape[0], -1, 1))[..., 0]
-    n = seq.shape[1] - 1
     every, taught = [], []
     for a in range(steps):
         rows = [a * n + t for t in ts if copy[0, a * n + t]]
@@ -117,7 +118,7 @@ def main() -> int:
             else:
                 head = load_draft_head(head_dir, model).eval()
             with torch.no_grad():
-                outs = head.unroll(out, f[:, :-1], 4)
+                outs, h, positions, allowed = head.unroll_with_inputs(out, f[:, :-1], 4)
             n = len(seq)
             # row t drafts x_{t+2}.. after the context x_0..x_{t+1}; answer rows: t + 1 >= p - 1
             right = []
@@ -129,11 +130,20 @@ def main() -> int:
             # the lookup at t + 1 (what followed the latest earlier match) against x_{t+2}
             props = lookup_proposals(seq, args.lookup_min)
             look = {t: props[t + 1] == seq[t + 2] for t in ts}
+            # per step: its top-1 given the drafts before it were right, and that split by
+            # whether the step's lookup is right: step s at row t drafts x_{t+s+1} after
+            # drafts x_{t+2}..x_{t+s} that were right, so its lookup is the one at t + s
             cond = []
+            split: dict[str, list[float]] = {"lookup_right": [], "elsewhere": []}
             for step in range(4):
                 ok = [t for t in ts if all(right[j][t] for j in range(step))
                       and right[step][t] is not None]
                 cond.append(sum(right[step][t] for t in ok) / max(len(ok), 1))
+                hit = {t: props[t + step + 1] == seq[t + step + 2] for t in ok}
+                for name, want in (("lookup_right", True), ("elsewhere", False)):
+                    rows_s = [t for t in ok if hit[t] == want]
+                    split[name].append(round(sum(right[step][t] for t in rows_s)
+                                             / max(len(rows_s), 1), 3))
             tok_round, run = 1.0, 1.0
             for c in cond:
                 run *= c
@@ -141,18 +151,7 @@ def main() -> int:
             sim = simulate_rounds(right, p - 1, n)
             copy = [t for t in ts if look[t]]
             other = [t for t in ts if not look[t]]
-            # steps 2-4 split the same way: step s at row t drafts x_{t+s+1} after drafts
-            # x_{t+2}..x_{t+s} that were right, so its lookup is the one at position t + s
-            split: dict[str, list[float]] = {"lookup_right": [], "elsewhere": []}
-            for step in range(4):
-                ok = [t for t in ts if all(right[j][t] for j in range(step))
-                      and right[step][t] is not None]
-                hit = {t: props[t + step + 1] == seq[t + step + 2] for t in ok}
-                for name, want in (("lookup_right", True), ("elsewhere", False)):
-                    rows_s = [t for t in ok if hit[t] == want]
-                    split[name].append(round(sum(right[step][t] for t in rows_s)
-                                             / max(len(rows_s), 1), 3))
-            attn = _source_attention(head, out, f[:, :-1], ts)
+            attn = _source_attention(head, out, h, positions, allowed, ts)
             row = {"kind": kind, "head": head_dir, "answer_tokens": n - p, **attn,
                    "top1_steps": [round(c, 3) for c in cond],
                    "tokens_per_round_k4": round(tok_round, 3),

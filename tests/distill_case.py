@@ -26,6 +26,26 @@ def make_distill_target(directory: Path) -> Path:
     return directory
 
 
+def tiny_head_pair(tmp_path: Path):
+    """The tiny target (HF, fp32) and a fresh prev-token head for it, its q/k drawn afresh."""
+    from llmaccel.train.draft_head import build_draft_head
+
+    target = hf_target(make_distill_target(tmp_path / "t"))
+    torch.manual_seed(0)
+    return target, build_draft_head(target, prev_token=True, attention_init="random")
+
+
+def copy_blocks(g: torch.Generator, n: int) -> torch.Tensor:
+    """n blocks of random tokens with copies: a random 12-token stretch, 8 others, the
+    stretch again and the first 4 others again."""
+    out = []
+    for _ in range(n):
+        a = torch.randint(3, 150, (12,), generator=g)
+        b = torch.randint(3, 150, (8,), generator=g)
+        out.append(torch.cat([a, b, a, b[:4]]))
+    return torch.stack(out)
+
+
 def hf_target(path):
     from transformers import AutoModelForCausalLM
 

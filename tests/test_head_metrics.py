@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distill_case import copy_blocks, tiny_head_pair
 
 from llmaccel.errors import LLMAccelError
 from llmaccel.train.data import record_blocks
@@ -111,18 +112,6 @@ def test_lookup_sources_match_the_reference_lookup():
         assert got == want
 
 
-def _tiny_head(tmp_path):
-    from distill_case import make_distill_target
-    from transformers import AutoModelForCausalLM
-
-    from llmaccel.train.draft_head import build_draft_head
-
-    target = AutoModelForCausalLM.from_pretrained(make_distill_target(tmp_path / "t"),
-                                                  dtype=torch.float32).eval()
-    torch.manual_seed(0)
-    return target, build_draft_head(target, prev_token=True, attention_init="random")
-
-
 def test_taught_heads_first_or_one_per_key_value_group():
     from llmaccel.train.head_metrics import taught_heads
 
@@ -138,7 +127,7 @@ def test_scores_of_some_heads_are_those_of_all(tmp_path):
     from llmaccel.train.draft_head import target_features
     from llmaccel.train.head_metrics import _scores
 
-    target, head = _tiny_head(tmp_path)
+    target, head = tiny_head_pair(tmp_path)
     ids = torch.randint(3, 100, (2, 17))
     f = target_features(target, ids)[:, :-1]
     with torch.no_grad():
@@ -156,18 +145,9 @@ def test_copy_attention_loss_teaches_heads_to_look_at_the_lookup_source(tmp_path
     from llmaccel.train.head_metrics import (attention_shares, attention_weights,
                                              copy_attention_loss)
 
-    target, head = _tiny_head(tmp_path)
+    target, head = tiny_head_pair(tmp_path)
     g = torch.Generator().manual_seed(0)
-
-    def blocks(n):  # random tokens with copies: a random 12-token stretch repeated
-        out = []
-        for _ in range(n):
-            a = torch.randint(3, 150, (12,), generator=g)
-            b = torch.randint(3, 150, (8,), generator=g)
-            out.append(torch.cat([a, b, a, b[:4]]))
-        return torch.stack(out)
-
-    held = blocks(4)
+    held = copy_blocks(g, 4)
     f_held = target_features(target, held)[:, :-1]
 
     def copy_share():
@@ -179,7 +159,7 @@ def test_copy_attention_loss_teaches_heads_to_look_at_the_lookup_source(tmp_path
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     v_before = head.layers[0].self_attn.v_proj.weight.detach().clone()
     for _ in range(60):
-        ids = blocks(8)
+        ids = copy_blocks(g, 8)
         loss = copy_attention_loss(head, ids, target_features(target, ids)[:, :-1], heads=2,
                                    spread=spread)
         opt.zero_grad()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distill_case import copy_blocks, tiny_head_pair
 
 from llmaccel.train.head_metrics import lookup_proposals
 
@@ -43,35 +44,13 @@ def test_unrolled_copy_rows_match_the_reference_lookup():
     assert seen > 0
 
 
-def _tiny(tmp_path):
-    from distill_case import make_distill_target
-    from transformers import AutoModelForCausalLM
-
-    from llmaccel.train.draft_head import build_draft_head
-
-    target = AutoModelForCausalLM.from_pretrained(make_distill_target(tmp_path / "t"),
-                                                  dtype=torch.float32).eval()
-    torch.manual_seed(0)
-    return target, build_draft_head(target, prev_token=True, attention_init="random")
-
-
-def _copy_blocks(g: torch.Generator, n: int) -> torch.Tensor:
-    """Random tokens with copies: a random 12-token stretch, 8 others, the stretch again."""
-    out = []
-    for _ in range(n):
-        a = torch.randint(3, 150, (12,), generator=g)
-        b = torch.randint(3, 150, (8,), generator=g)
-        out.append(torch.cat([a, b, a, b[:4]]))
-    return torch.stack(out)
-
-
 def test_unrolled_sources_are_rows_the_layer_may_see_and_step_one_is_the_copy_loss(tmp_path):
     from llmaccel.train.draft_head import target_features
     from llmaccel.train.head_metrics import (copy_attention_loss, unrolled_copy_attention_loss,
                                              unrolled_copy_rows)
 
-    target, head = _tiny(tmp_path)
-    ids = _copy_blocks(torch.Generator().manual_seed(0), 3)
+    target, head = tiny_head_pair(tmp_path)
+    ids = copy_blocks(torch.Generator().manual_seed(0), 3)
     f = target_features(target, ids)[:, :-1]
     with torch.no_grad():
         outs, h, positions, allowed = head.unroll_with_inputs(ids, f, 3)
@@ -114,14 +93,14 @@ def test_the_loss_at_every_step_teaches_later_steps_to_find_the_source(tmp_path)
     from llmaccel.train.draft_head import target_features
     from llmaccel.train.head_metrics import unrolled_copy_attention_loss
 
-    target, head = _tiny(tmp_path)
+    target, head = tiny_head_pair(tmp_path)
     g = torch.Generator().manual_seed(0)
-    held = _copy_blocks(g, 4)
+    held = copy_blocks(g, 4)
     f_held = target_features(target, held)[:, :-1]
     before = _source_weight_later_steps(head, held, f_held)
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     for _ in range(20):
-        ids = _copy_blocks(g, 4)
+        ids = copy_blocks(g, 4)
         _, h, positions, allowed = head.unroll_with_inputs(
             ids, target_features(target, ids)[:, :-1], 3)
         loss = unrolled_copy_attention_loss(head, ids, h, positions, allowed, 2)
@@ -135,8 +114,8 @@ def test_the_loss_at_every_step_teaches_later_steps_to_find_the_source(tmp_path)
 def test_head_losses_take_the_unrolled_copy_loss(tmp_path):
     from llmaccel.train.head_training import head_losses
 
-    target, head = _tiny(tmp_path)
-    ids = _copy_blocks(torch.Generator().manual_seed(1), 4)
+    target, head = tiny_head_pair(tmp_path)
+    ids = copy_blocks(torch.Generator().manual_seed(1), 4)
     kw = dict(kl_weight=0.1, unroll_steps=3, copy_attention=0.5, copy_heads=2)
     torch.manual_seed(0)
     total_first, parts_first = head_losses(head, target, ids, **kw)
@@ -153,7 +132,7 @@ def test_evaluate_head_splits_later_steps_at_copy_positions(tmp_path):
 
     from llmaccel.train.head_training import evaluate_head
 
-    target, head = _tiny(tmp_path)
+    target, head = tiny_head_pair(tmp_path)
     starts = periodic_blocks(n=6, seq_len=4, period=3)
     blocks = target.generate(starts, attention_mask=torch.ones_like(starts), do_sample=False,
                              max_new_tokens=36, min_new_tokens=36, pad_token_id=0)

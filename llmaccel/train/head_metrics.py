@@ -104,6 +104,12 @@ def taught_heads(num_heads: int, num_kv_heads: int, n: int, spread: bool) -> lis
     return order[:n]
 
 
+def _taught(head, heads: int, spread: bool) -> list[int]:
+    """taught_heads for this head's attention layer."""
+    config = head.layers[0].self_attn.config
+    return taught_heads(config.num_attention_heads, config.num_key_value_heads, heads, spread)
+
+
 def _scores(head, ids: torch.Tensor, features: torch.Tensor, heads: list[int] | None = None
             ) -> torch.Tensor:
     """[B, len(heads), R, R] attention scores at draft step 1 of the layer's query heads
@@ -153,8 +159,7 @@ def copy_attention_loss(head, ids: torch.Tensor, features: torch.Tensor, heads: 
     -log(attention weight on the lookup source): teaches those heads the induction lookup.
     0 where a batch has no copy position."""
     copy, source = copy_rows(ids)
-    config = head.layers[0].self_attn.config
-    chosen = taught_heads(config.num_attention_heads, config.num_key_value_heads, heads, spread)
+    chosen = _taught(head, heads, spread)
     return _source_nll(_scores(head, ids, features, chosen), copy, source)
 
 
@@ -208,8 +213,7 @@ def unrolled_copy_attention_loss(head, ids: torch.Tensor, h: torch.Tensor,
     rows = ids.shape[1] - 1
     steps = h.shape[1] // rows
     copy, source = unrolled_copy_rows(ids, steps)
-    config = head.layers[0].self_attn.config
-    chosen = taught_heads(config.num_attention_heads, config.num_key_value_heads, heads, spread)
+    chosen = _taught(head, heads, spread)
     scores = _scores_of(head, h, positions, allowed, chosen)
     total, weights = 0.0, 0.0
     for a in range(steps):
