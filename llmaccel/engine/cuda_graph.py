@@ -198,11 +198,20 @@ class CUDAGraphRunner:
         # over its draft vocabulary); LLMACCEL_GREEDY_DRAFT=0: over the whole vocabulary's
         # logits, as before session 35 (the A/B of benchmarks/profile_spec.py)
         self.greedy_draft = os.environ.get("LLMACCEL_GREEDY_DRAFT", "1") == "1"
+        # A chain's positions, lengths and slots computed once for all its steps
+        # (`_chain_rows`); LLMACCEL_CHAIN_ROWS_ONCE=0: placed step by step, as before session
+        # 39 (the A/B)
+        self.chain_rows_once = os.environ.get("LLMACCEL_CHAIN_ROWS_ONCE", "1") == "1"
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _meta(self, bs: int, seq_lens: torch.Tensor | None = None,
+              slots: torch.Tensor | None = None) -> AttentionMetadata:
+        """The static buffers' metadata of a bs-row decode step (or a chained step's own
+        context lengths and slots: `_chain_rows`)."""
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
-            slot_mapping=self.inputs[2, :bs], block_tables=self.block_tables[:bs],
+            query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs] if seq_lens is None else seq_lens,
+            slot_mapping=self.inputs[2, :bs] if slots is None else slots,
+            block_tables=self.block_tables[:bs],
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
             max_query_len=1, max_seq_len=None, kv_fresh_from=self.inputs[KV_FRESH_ROW, :bs],
             newest_key_from_slot=self.tree_rows)
@@ -226,11 +235,17 @@ class CUDAGraphRunner:
         start, count = self.inputs[6, :bs], self.inputs[7, :bs]
         w = self.chain_topk - 1
         out = torch.empty(steps * (1 + w), bs, dtype=torch.float64, device=self.device)
+        rows = self._chain_rows(bs, steps) if self.chain_rows_once else None
         for s in range(steps):
-            # a row past its count stays on its last written position (valid KV to attend)
-            pos = start - 1 + count.clamp(max=s + 1)
-            self._place_rows(bs, pos, count > s)
-            hidden = self.model(self.inputs[0, :bs], self.inputs[1, :bs], self._meta(bs))
+            if rows is None:  # the A/B's old path: each step places its rows itself
+                # a row past its count stays on its last written position (valid KV to attend)
+                pos = start - 1 + count.clamp(max=s + 1)
+                self._place_rows(bs, pos, count > s)
+                positions, meta = self.inputs[1, :bs], self._meta(bs)
+            else:
+                positions, lens, slots = rows[0][s], rows[1][s], rows[2][s]
+                meta = self._meta(bs, lens, slots)
+            hidden = self.model(self.inputs[0, :bs], positions, meta)
             # tokens only, a head's over its draft vocabulary alone; the A/B's old path is
             # the base class's pick over the whole vocabulary's logits
             pick = (self.model.greedy_draft if self.greedy_draft
@@ -242,6 +257,21 @@ class CUDAGraphRunner:
             self.inputs[0, :bs].copy_(tokens)  # float64 ids -> int64, exact
             self.model.prepare_chained_step(bs)
         return out
+
+    def _chain_rows(self, bs: int, steps: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every chained step's positions, context lengths and KV slots at once, [steps, bs]
+        each, as `_place_rows` gives them step by step: one set of small kernels per chain
+        instead of one per step (on an H200 a chained head step of the 1.5B spent ~25 of its
+        ~120 us in such kernels: benchmarks/results/2026-12-01-s39-head-kernels-h200.txt)."""
+        start, count = self.inputs[6, :bs], self.inputs[7, :bs]
+        done = torch.arange(1, steps + 1, device=self.device)[:, None]  # steps taken, s + 1
+        # a row past its count stays on its last written position (valid KV to attend)
+        pos = start - 1 + torch.minimum(count, done)
+        block = self.block_size
+        blocks = self.block_tables[self._row_index[:bs], pos // block].long()
+        slots = torch.where(count > done - 1, blocks * block + pos % block, -1)
+        return pos, (pos + 1).to(self.seq_lens.dtype), slots
 
     def _place_rows(self, n: int, pos: torch.Tensor, write: torch.Tensor) -> None:
         """Rows 0..n-1 at positions `pos` (on the device): their positions, context lengths
@@ -403,10 +433,9 @@ class CUDAGraphRunner:
         inp[6, n:bs], inp[7, n:bs], inp[0, n:bs] = 1, 0, 0  # padding rows write nothing
         inp[KV_FRESH_ROW, :bs] = 0  # every step of the chain writes: read K/V after the wait
         self._stage_tables(st, tables)
-        self._copy_in(st, bs)
+        self._stage_in(st, bs, tables, first_ids)
         if on_device:
             self.inputs[6, :n].copy_(starts)
-        self.inputs[0, :n].copy_(first_ids)
         graph = self.chain_graphs.get((bs, steps))
         if graph is None:  # CPU: the same steps, eagerly
             out = self._chain_forward(bs, steps)
@@ -443,6 +472,43 @@ class CUDAGraphRunner:
             self.last_rows_siblings = self.model.runners_up(
                 self.outputs[bs][0].index_select(0, rows), self.chain_topk - 1)
         return self.outputs[bs][1].index_select(1, rows)
+
+    def run_prepared(self, tables: list[list[int]], prepare):
+        """One decode step over len(tables) rows whose ids, positions, slots and context
+        lengths `prepare(inputs, seq_lens, block_tables)` writes on the device, after the
+        tables are staged (a draft head's overlapped catch-up: kernels/overlap_inputs.py)
+        -> (prepare's result, the step's greedy [2, bs] of all rows, a view)."""
+        self.flush_copy_out()
+        n = len(tables)
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        st = self._next_staging()
+        inp = st.np_inputs
+        inp[0, n:bs], inp[1, n:bs], inp[2, n:bs] = 0, 0, -1  # padding rows: no cache writes
+        inp[KV_FRESH_ROW, :bs] = 0  # positions the host does not know: K/V after the wait
+        st.np_seq_lens[n:bs] = 1
+        self._stage_tables(st, tables)
+        self._stage_in(st, bs, tables)
+        result = prepare(self.inputs, self.seq_lens, self.block_tables)
+        graph = self.graphs.get(bs)
+        if graph is None:  # CPU (tests): the captured step's work, eagerly
+            self.outputs[bs] = self._forward(bs)
+        else:
+            graph.replay()
+        return result, self.outputs[bs][1]
+
+    def _stage_in(self, st: _HostStaging, bs: int, tables: list[list[int]],
+                  ids: torch.Tensor | None = None) -> None:
+        """The staged inputs to the device in one kernel where it can run (and `ids`, on the
+        device, into inputs[0, :len(ids)]), else with torch's copies."""
+        if st.staged is not None and (ids is None or (
+                ids.dim() == 1 and ids.is_contiguous()
+                and ids.dtype in (torch.int64, torch.float64, torch.int32))):
+            st.staged(bs, max(1, max(map(len, tables), default=1)), ids)
+            self._record_copied(st)
+        else:
+            self._copy_in(st, bs)
+            if ids is not None:
+                self.inputs[0, :ids.shape[0]].copy_(ids)  # float64 ids -> int64, exact
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             seq_lens: list[int], tables: list[list[int]],

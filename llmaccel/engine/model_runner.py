@@ -150,6 +150,14 @@ class ModelRunner:
         return self.graphs.run_on_device(ids, positions, write,
                                          [s.block_table for s in seqs], rows)
 
+    @torch.inference_mode()
+    def execute_prepared(self, seqs: list, prepare):
+        """A decode-rows step (one row per entry of `seqs`, a sequence may repeat) whose
+        inputs `prepare(inputs, seq_lens, block_tables)` writes on the device into the graph
+        runner's static buffers -> (prepare's result, greedy [2, rows] of every row)."""
+        self.ran_graph = True
+        return self.graphs.run_prepared([s.block_table for s in seqs], prepare)
+
     def _small_step_as_rows(self, step: SchedulerOutput) -> bool:
         """Whether a step with a longer run (a prefill chunk) still runs as decode rows in a
         CUDA graph: it fits one, and its rows' K/V reads stay within the budget."""

@@ -22,10 +22,13 @@ first 1 + accepted write KV (`overlap_catch_up`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.engine.sequence import Sequence
+from llmaccel.kernels.overlap_inputs import catch_up_inputs, chain_inputs
 from llmaccel.models.draft_head import (
     DEFAULT_STATIC_ROWS,
     DraftHeadForCausalLM,
@@ -178,6 +181,35 @@ class HeadProposer(DraftModelProposer):
         if head.prev_token:  # the chain's first step: row a's input id
             head.set_prev_ids(ids.index_select(0, rows).long())
         return first, acc.p + acc.a + 1
+
+    def fused_catch_up_ok(self) -> bool:
+        """Whether `fused_catch_up` serves this head: no aux layers (their features go
+        through `fuse` first); LLMACCEL_FUSED_CATCH_UP=0 turns it off (the A/B)."""
+        return (self.model.model.fuse is None
+                and os.environ.get("LLMACCEL_FUSED_CATCH_UP", "1") == "1")
+
+    def fused_catch_up(self, views: list[HeadView], meta: torch.Tensor, greedy: torch.Tensor,
+                       drafts: torch.Tensor, kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`launch_lookahead`'s acceptance and `overlap_catch_up` in two kernels
+        (kernels/overlap_inputs.py) around the catch-up's graph: `meta` its per-sequence
+        rows on the device, `greedy` the verify's argmax ids, `drafts` this round's draft
+        ids (flat) -> as `overlap_catch_up`."""
+        head = self.model.model
+        graphs = self.runner.graphs
+        prev = head.static_prev_ids if head.prev_token else None
+        kernel = meta.device.type == "cuda"
+
+        def prepare(inputs, lens, tables):
+            return catch_up_inputs(greedy, drafts, meta, kmax, inputs, lens, tables,
+                                   graphs.block_size, prev, self.target.feature_cache,
+                                   head.static_features, use_kernel=kernel)
+
+        width = kmax + 1
+        (rows, starts), out = self.runner.execute_prepared(
+            [v for v in views for _ in range(width)], prepare)
+        first = chain_inputs(out[0], rows, head.static_out, head.static_features,
+                             graphs.inputs[0], prev, use_kernel=kernel)
+        return first, starts
 
     def rollback(self, seq: Sequence, real_tokens_before: int, num_drafts: int,
                  num_accepted: int, ahead: int = 0) -> int | None:

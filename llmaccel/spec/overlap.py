@@ -188,6 +188,12 @@ def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: lis
     if device.type == "cuda":  # pinned: the copy is queued, the host does not wait for it
         meta = meta.pin_memory()
     meta = meta.to(device, non_blocking=True)
+    if (not w and getattr(proposer, "fused_catch_up_ok", None) is not None
+            and proposer.fused_catch_up_ok()):
+        # the acceptance and the catch-up's inputs in two kernels (a draft head)
+        first, starts = proposer.fused_catch_up(views, meta, greedy[0],
+                                                drafts.ids.reshape(-1), kmax)
+        return _chain_rest(proposer, seqs, views, next_ks, first, starts, kn, w)
     trow, drow = meta[:, :kmax + 1], meta[:, kmax + 1:2 * kmax + 1]
     valid = meta[:, 2 * kmax + 1:3 * kmax + 1].bool()
     target = greedy[0].index_select(0, trow.flatten()).view(n, kmax + 1).long()
@@ -210,6 +216,15 @@ def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: lis
                                     sib[:, 2 * m:3 * m].bool().view(n, kmax, w),
                                     sib[:, 3 * m:].view(n, kmax, w))
     first, starts = proposer.overlap_catch_up(views, accepted)
+    return _chain_rest(proposer, seqs, views, next_ks, first, starts, kn, w)
+
+
+def _chain_rest(proposer, seqs: list[Sequence], views: list, next_ks: list[int],
+                first: torch.Tensor, starts: torch.Tensor, kn: int, w: int) -> object:
+    """After the catch-up (its argmax `first` per sequence, the chain's start positions):
+    the chain of the next round's k' - 1 steps, all of it queued to the host."""
+    runner = proposer.runner
+    n = len(seqs)
     out = first.new_empty(kn * (1 + w), n)
     out[0] = first
     if w:  # the catch-up row's runners-up: the next round's siblings of depth 1
