@@ -32,7 +32,7 @@
 #        COPY doubled WikiText-2 paragraphs where COPY is set
 #        The head comes back in pieces of 15 MiB (a call returns at most 8 files, 64 MiB
 #        together): `warm` returns its config, draft vocabulary and pieces 0-3, and `w5head`
-#        the rest, so no call is spent on them alone (a separate call came too late once: the
+#        the rest, so no call is spent on them alone (PIECES=0: not at all) (a separate call came too late once: the
 #        machine is released after 30 s idle). `cat` them into model.safetensors to stage the
 #        head again next session (INIT_HEAD)
 #        RECORDS=1: blocks start at chat records (--record-start '<|im_start|>system'), so an
@@ -48,7 +48,8 @@
 #        pieces 0-3; N=1 the rest
 # cont   continue it in each of VARIANTS (exp_head_unroll.py's; default unrolled and
 #        detached, session 24's best), CONT_SECONDS each, from the warm head
-# w5head W5 at batch 1 with HEAD (default the warm head): OVERLAP (off,on), FIRST (lookup
+# w5head W5 at batch 1 with HEAD (default the warm head; K its most drafts, default 4;
+#        REPEATS timed runs, default 5): OVERLAP (off,on), FIRST (lookup
 #        first: off), LOOKUP (its most drafts), TOPK (tree verification, spec/tree.py), VOCABS
 #        (--draft-vocab-sizes, e.g. auto,16384: a smaller LM head per draft step)
 # w5hybrid  W5 at batch 1 with HEAD, n-gram lookup first (SpeculativeConfig.ngram_first;
@@ -87,8 +88,8 @@ OVERLAP=${OVERLAP:-off,on}  # w5head: --draft-overlap
 FIRST=${FIRST:-off}  # w5head: --ngram-first (off, on, or off,on)
 LOOKUP=${LOOKUP:-k}  # w5head/w5hybrid: --prompt-lookup-num-tokens (k: the head's k), e.g. k,7
 TOPK=${TOPK:-1}  # w5head: --draft-topk (tree verification: candidates per depth), e.g. 1,3
-W5="python benchmarks/spec_bench.py --target $T15 --batches 1 --kinds code,prose --k 4
-    --max-tokens 192 --repeats 5 --dtype bfloat16 --switch $SWITCH --out $out"
+W5="python benchmarks/spec_bench.py --target $T15 --batches 1 --kinds code,prose --k ${K:-4}
+    --max-tokens 192 --repeats ${REPEATS:-5} --dtype bfloat16 --switch $SWITCH --out $out"
 quiet() { grep -v "Converting and de-quantizing\|Loading weights" || true; }
 echo "$part start $(date +%T)"
 
@@ -101,7 +102,7 @@ join() {  # a staged file's chunks -> the file, checked (../shared/tools/device-
 }
 
 pieces() {  # the warm head's pieces into $out: 0 -> config, vocabulary, pieces 0-3; 1 -> the rest
-  [[ -f $H/warm/model.safetensors ]] || return 0
+  [[ -f $H/warm/model.safetensors && ${PIECES:-1} != 0 ]] || return 0
   mkdir -p "$H/pieces"
   [[ -f $H/pieces/model.safetensors.part00 ]] \
     || split -b 15M -d "$H/warm/model.safetensors" "$H/pieces/model.safetensors.part"
