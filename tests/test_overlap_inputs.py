@@ -108,6 +108,14 @@ def test_chain_kernel_writes_what_the_reference_writes(prev):
         assert torch.equal(p1, p2) and p1[:3].tolist() == ids[rows].tolist()
 
 
+@pytest.mark.parametrize("prev", [False, True])
+def test_the_warm_up_runs_both_kernels_for_every_k(prev):
+    """HeadProposer's warm-up on the GPU (compiling before the first request's rounds): its
+    scratch runs work for every k, here through the interpreter."""
+    oi.run_every_k(4, 24, prev, torch.float32, torch.device(DEV))
+    oi.warm_up(2, 24, prev, torch.float32, torch.device("cpu"))  # the CPU: nothing to compile
+
+
 def test_catch_up_reference_against_a_hand_computation():
     """Two sequences: k = 3 accepting 1 (bonus 99) and k = 2 accepting both (bonus 77), as in
     test_head_catch_up_inputs_follow_each_rows_acceptance; block size 4."""

@@ -48,11 +48,12 @@ if triton is not None:
     @triton.jit
     def _catch_up_kernel(greedy, drafts, meta, meta_stride, inputs, in_stride, lens, tables,
                          tab_stride, block_size, prev, feat_src, src_stride, feat_dst,
-                         dst_stride, rows_out, starts_out, H,
-                         KMAX: tl.constexpr, WP2: tl.constexpr, HAS_PREV: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         dst_stride, rows_out, starts_out, H, KMAX,
+                         WP2: tl.constexpr, HAS_PREV: tl.constexpr, BLOCK: tl.constexpr):
+        # KMAX is a runtime argument (one compile per power of two WP2 >= KMAX + 1, not one
+        # per k: adaptive k changes it from round to round)
         i = tl.program_id(0).to(tl.int64)
-        W: tl.constexpr = KMAX + 1
+        W = KMAX + 1
         j = tl.arange(0, WP2)
         m = meta + i * meta_stride
         in_w = j < W
@@ -87,7 +88,7 @@ if triton is not None:
         tl.store(rows_out + i, i * W + a)
         tl.store(starts_out + i, p + a + 1)
         cols = tl.arange(0, BLOCK)
-        for jj in tl.static_range(W):  # the target's features of the catch-up's rows
+        for jj in range(W):  # the target's features of the catch-up's rows
             src = tl.load(m + W + 2 * KMAX + jj)
             for h0 in range(0, H, BLOCK):
                 c = h0 + cols
@@ -162,10 +163,36 @@ def catch_up_inputs(greedy: torch.Tensor, drafts: torch.Tensor, meta: torch.Tens
     _catch_up_kernel[(n,)](
         greedy, drafts, meta, meta.stride(0), inputs, inputs.stride(0), lens, tables,
         tables.stride(0), block_size, inputs if prev is None else prev, feat_src,
-        feat_src.stride(0), feat_dst, feat_dst.stride(0), rows, starts, h,
-        KMAX=kmax, WP2=triton.next_power_of_2(kmax + 1), HAS_PREV=prev is not None,
+        feat_src.stride(0), feat_dst, feat_dst.stride(0), rows, starts, h, kmax,
+        WP2=triton.next_power_of_2(kmax + 1), HAS_PREV=prev is not None,
         BLOCK=min(BLOCK_H, triton.next_power_of_2(h)))
     return rows, starts
+
+
+def warm_up(kmax: int, hidden: int, prev: bool, feat_dtype: torch.dtype,
+            device: torch.device) -> None:
+    """Compile both kernels for every k up to `kmax` on scratch buffers (they run outside the
+    CUDA graphs, so nothing else compiles them before a request's first overlapped round:
+    ~2 s of Triton compilation on that round, seen in session 39's first timed W5 run)."""
+    if triton is not None and device.type == "cuda":
+        run_every_k(kmax, hidden, prev, feat_dtype, device)
+
+
+def run_every_k(kmax: int, hidden: int, prev: bool, feat_dtype: torch.dtype,
+                device: torch.device) -> None:
+    """Both kernels once for each k up to `kmax`, on scratch buffers (`warm_up`)."""
+    for k in range(1, kmax + 1):
+        w = k + 1
+        meta = torch.zeros(1, meta_columns(k), dtype=torch.long, device=device)
+        inputs = torch.zeros(3, w, dtype=torch.long, device=device)
+        lens = torch.zeros(w, dtype=torch.int32, device=device)
+        tables = torch.zeros(w, 1, dtype=torch.int32, device=device)
+        ids = torch.zeros(w, dtype=torch.long, device=device)
+        feats = torch.zeros(w, hidden, dtype=feat_dtype, device=device)
+        greedy = torch.zeros(w, dtype=torch.float64, device=device)
+        rows, _ = catch_up_inputs(greedy, greedy, meta, k, inputs, lens, tables, 16,
+                                  ids if prev else None, feats, feats.clone())
+        chain_inputs(greedy, rows, feats, feats.clone(), ids, ids.clone() if prev else None)
 
 
 def chain_inputs_ref(greedy: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,

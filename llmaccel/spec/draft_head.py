@@ -28,7 +28,7 @@ import torch
 
 from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.engine.sequence import Sequence
-from llmaccel.kernels.overlap_inputs import catch_up_inputs, chain_inputs
+from llmaccel.kernels.overlap_inputs import catch_up_inputs, chain_inputs, warm_up
 from llmaccel.models.draft_head import (
     DEFAULT_STATIC_ROWS,
     DraftHeadForCausalLM,
@@ -69,6 +69,9 @@ class HeadProposer(DraftModelProposer):
         super().__init__(head, num_blocks, block_size, max_model_len, kv_cache_dtype, device,
                          cudagraph_capture_sizes, num_speculative_tokens, draft_topk)
         self.target = target
+        if self.runner.graphs is not None and head.model.fuse is None:
+            warm_up(max(1, num_speculative_tokens), head.model.hidden_size,
+                    head.model.prev_token, target.feature_cache.dtype, device)
         self._last_rows: torch.Tensor | None = None  # the previous step's row of each view
         self._arange: torch.Tensor | None = None
 
