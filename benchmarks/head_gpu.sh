@@ -32,9 +32,9 @@
 #        COPY doubled WikiText-2 paragraphs where COPY is set
 #        The head comes back in pieces of 15 MiB (a call returns at most 8 files, 64 MiB
 #        together): `warm` returns its config, draft vocabulary and pieces 0-3, and `w5head`
-#        the rest, so no call is spent on them alone (PIECES=0: not at all) (a separate call came too late once: the
-#        machine is released after 30 s idle). `cat` them into model.safetensors to stage the
-#        head again next session (INIT_HEAD)
+#        the rest, so no call is spent on them alone (a separate call came too late once:
+#        the machine is released after 30 s idle); PIECES=0: neither returns them. `cat`
+#        them into model.safetensors to stage the head again next session (INIT_HEAD)
 #        RECORDS=1: blocks start at chat records (--record-start '<|im_start|>system'), so an
 #        answer's prompt is in its block; WARM_LR: a fresh head's peak lr (default 5e-4);
 #        COPY_ATTN: the copy-attention loss's weight (--copy-attention-weight; session 37's
@@ -57,6 +57,12 @@
 # w5     W5 at batch 1: n-gram and the 0.5B draft model, same settings
 # tests  the GPU tests of the head and of overlapped drafting
 # Every part prints the time at its start and end (start-up costs are most of a call).
+# The device machine has no gguf package (join's conversion needs it) and its copy of the tree
+# no git: carry a gguf wheel in .whl (README of the device tool), install it to /tmp/site and
+# put that and the repo on PYTHONPATH in every call, and pass LLMACCEL_COMMIT=<sha> for the
+# results' commit field, e.g.
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl;
+#   export PYTHONPATH=$PWD:/tmp/site LLMACCEL_COMMIT=<sha>; bash benchmarks/head_gpu.sh ...
 set -euo pipefail
 out=$1; tag=$2; part=$3  # (savehead takes a 4th: which half)
 mkdir -p "$out"
