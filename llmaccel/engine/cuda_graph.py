@@ -451,27 +451,18 @@ class CUDAGraphRunner:
         (computed from a step the host has not seen: spec/overlap.py) -> greedy [2, m] of the
         m `rows` asked for. A row writes its KV only where `write` is true; its slot and
         context length follow from its position and block table, on the device."""
-        self.flush_copy_out()
         n = len(tables)
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        st = self._next_staging()
-        inp = st.np_inputs
-        inp[0, n:bs], inp[1, n:bs], inp[2, n:bs] = 0, 0, -1  # padding rows: no cache writes
-        inp[KV_FRESH_ROW, :bs] = 0  # positions the host does not know: K/V after the wait
-        st.np_seq_lens[n:bs] = 1
-        self._stage_tables(st, tables)
-        self._copy_in(st, bs)
-        self.inputs[0, :n].copy_(ids)  # float64 ids -> int64, exact
-        self._place_rows(n, positions.long(), write)
-        graph = self.graphs.get(bs)
-        if graph is None:  # CPU (tests): the captured step's work, eagerly
-            self.outputs[bs] = self._forward(bs)
-        else:
-            graph.replay()
+
+        def prepare(inputs, seq_lens, block_tables):
+            inputs[0, :n].copy_(ids)  # float64 ids -> int64, exact
+            self._place_rows(n, positions.long(), write)
+
+        _, greedy = self.run_prepared(tables, prepare)
         if self.chain_topk > 1:  # tree drafts: the asked rows' runners-up too
+            bs = self.sizes[bisect.bisect_left(self.sizes, n)]
             self.last_rows_siblings = self.model.runners_up(
                 self.outputs[bs][0].index_select(0, rows), self.chain_topk - 1)
-        return self.outputs[bs][1].index_select(1, rows)
+        return greedy.index_select(1, rows)
 
     def run_prepared(self, tables: list[list[int]], prepare):
         """One decode step over len(tables) rows whose ids, positions, slots and context
