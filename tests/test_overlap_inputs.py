@@ -186,15 +186,19 @@ def test_fused_catch_up_drafts_the_rounds_of_the_torch_path(pair, monkeypatch):
 
 def test_chain_positions_once_or_per_step_draft_the_same(pair, monkeypatch):
     """CUDAGraphRunner._chain_rows (every chained step's positions, lengths and slots at once)
-    against placing them step by step (LLMACCEL_CHAIN_ROWS_ONCE=0): the same rounds."""
+    and the step's tokens written by one call (write_greedy_ids) against placing them step
+    by step and copying the tokens (LLMACCEL_CHAIN_ROWS_ONCE=0,
+    LLMACCEL_CHAIN_TOKEN_KERNEL=0): the same rounds."""
     d, hf, tensors = pair
     prompts = [[11, 12, 13, 14, 15] * 6 + [3, 4], list(range(30, 52))]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     runs = []
     for value in ("0", "1"):
         monkeypatch.setenv("LLMACCEL_CHAIN_ROWS_ONCE", value)
+        monkeypatch.setenv("LLMACCEL_CHAIN_TOKEN_KERNEL", value)
         llm = _engine(d, True, monkeypatch)
-        assert llm.engine.spec.draft.runner.graphs.chain_rows_once == (value == "1")
+        graphs = llm.engine.spec.draft.runner.graphs
+        assert graphs.chain_rows_once == graphs.chain_token_kernel == (value == "1")
         rounds = _record_rounds(llm)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runs.append((sorted(rounds), outs))

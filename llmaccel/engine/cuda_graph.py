@@ -202,6 +202,10 @@ class CUDAGraphRunner:
         # (`_chain_rows`); LLMACCEL_CHAIN_ROWS_ONCE=0: placed step by step, as before session
         # 39 (the A/B)
         self.chain_rows_once = os.environ.get("LLMACCEL_CHAIN_ROWS_ONCE", "1") == "1"
+        # A chained step's tokens written by the argmax's merge kernel into the chain's output
+        # and the next input ids (models/transformer.write_greedy_ids);
+        # LLMACCEL_CHAIN_TOKEN_KERNEL=0: picked, then copied twice (the A/B)
+        self.chain_token_kernel = os.environ.get("LLMACCEL_CHAIN_TOKEN_KERNEL", "1") == "1"
 
     def _meta(self, bs: int, seq_lens: torch.Tensor | None = None,
               slots: torch.Tensor | None = None) -> AttentionMetadata:
@@ -246,6 +250,11 @@ class CUDAGraphRunner:
                 positions, lens, slots = rows[0][s], rows[1][s], rows[2][s]
                 meta = self._meta(bs, lens, slots)
             hidden = self.model(self.inputs[0, :bs], positions, meta)
+            if not w and self.greedy_draft and self.chain_token_kernel:
+                # the step's tokens straight into its output row and the next input ids
+                self.model.greedy_draft_into(hidden, out[s], self.inputs[0, :bs])
+                self.model.prepare_chained_step(bs)
+                continue
             # tokens only, a head's over its draft vocabulary alone; the A/B's old path is
             # the base class's pick over the whole vocabulary's logits
             pick = (self.model.greedy_draft if self.greedy_draft

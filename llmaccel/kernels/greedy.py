@@ -1,5 +1,6 @@
 """Triton greedy sampling: argmax and its logprob (logit - logsumexp) over the vocabulary in
-two small launches, for the decode graph.
+two small launches, for the decode graph; and a chained draft step's pick (`greedy_ids_into`):
+the argmax mapped through a draft vocabulary's ids and written where the chain wants it.
 
 torch's one-row reductions over a 128k vocabulary run in one thread block each (~25 us for
 argmax or logsumexp at batch 1). Here each program reduces one chunk of one row (max, first
@@ -52,6 +53,45 @@ def _merge_kernel(Max, Arg, Sum, Out, num_chunks, num_rows, CHUNKS_PAD: tl.const
     token = tl.load(Arg + row * num_chunks + best)
     tl.store(Out + row, token.to(tl.float64))
     tl.store(Out + num_rows + row, (big - lse).to(tl.float64))
+
+
+@triton.jit
+def _merge_ids_kernel(Max, Arg, Ids, OutF, OutI, num_chunks, CHUNKS_PAD: tl.constexpr,
+                      HAS_IDS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS_PAD)
+    m = tl.load(Max + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    token = tl.load(Arg + row * num_chunks + tl.argmax(m, 0, tie_break_left=True))
+    if HAS_IDS:  # a draft vocabulary's column -> its token id
+        token = tl.load(Ids + token)
+    tl.store(OutF + row, token.to(tl.float64))
+    tl.store(OutI + row, token.to(tl.int64))
+
+
+def greedy_ids_into(logits: torch.Tensor, ids: torch.Tensor | None, out_f64: torch.Tensor,
+                    out_i64: torch.Tensor, chunk: int = 4096) -> None:
+    """A chained draft step's tokens in two launches: each row's argmax over `logits` [B, V]
+    (first occurrence), mapped through `ids` [V] (a draft vocabulary's token ids) where given,
+    into out_f64 [B] (float64: the chain's output) and out_i64 [B] (int64: the next step's
+    input ids). Replaces the merge, the id lookup, two conversions and two copies."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1 and out_f64.is_contiguous() and out_i64.is_contiguous()
+    chunk = min(chunk, triton.next_power_of_2(vocab))
+    num_chunks = triton.cdiv(vocab, chunk)
+    dev = logits.device
+    maxes = torch.empty(rows, num_chunks, dtype=torch.float32, device=dev)
+    args = torch.empty(rows, num_chunks, dtype=torch.int64, device=dev)
+    sums = torch.empty(rows, num_chunks, dtype=torch.float32, device=dev)
+    if rows == 0:
+        return
+    _chunk_kernel[(rows, num_chunks)](logits, maxes, args, sums, logits.stride(0), vocab,
+                                      num_chunks, CHUNK=chunk, USE_PDL=pdl.enabled(),
+                                      num_warps=8, **pdl.launch_kwargs())
+    _merge_ids_kernel[(rows,)](maxes, args, args if ids is None else ids, out_f64, out_i64,
+                               num_chunks, CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
+                               HAS_IDS=ids is not None, USE_PDL=pdl.enabled(),
+                               **pdl.launch_kwargs())
 
 
 def greedy_sample(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:

@@ -44,6 +44,7 @@ eagerly), `feature_input`. Outputs go to `static_out` (what a graph replay leave
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -54,7 +55,8 @@ from llmaccel.models.attention import get_attention_backend
 from llmaccel.models.layers.linear import Linear
 from llmaccel.models.layers.quantization import dense_linear
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
-from llmaccel.models.transformer import DecoderLayer, TransformerForCausalLM, greedy_ids
+from llmaccel.models.transformer import (DecoderLayer, TransformerForCausalLM, greedy_ids,
+                                         write_greedy_ids)
 
 HEAD_MARKER = "llmaccel_draft_head"
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -205,6 +207,12 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
             return super().runners_up(logits, width)
         return self._ranked(logits.index_select(1, self.draft_ids), width)
 
+    def greedy_draft_into(self, hidden_states: torch.Tensor, out_f64: torch.Tensor,
+                          out_i64: torch.Tensor) -> None:
+        if self.draft_ids is None:
+            return super().greedy_draft_into(hidden_states, out_f64, out_i64)
+        write_greedy_ids(self._draft_logits(hidden_states), self.draft_ids, out_f64, out_i64)
+
     def prepare_chained_step(self, rows: int) -> None:
         # the next head step's features: this step's outputs (o_i stands in for f_{i+1})
         self.model.static_features[:rows].copy_(self.model.static_out[:rows])
@@ -214,6 +222,14 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
     def set_fused_kernels(self, enabled: bool, fuse_decode: bool | None = None) -> None:
         # The fused decode layer folds the input norm into the qkv GEMV; the head has none.
         super().set_fused_kernels(enabled, fuse_decode=False)
+        # Rope folded into the K/V cache write needs no norm: on as in the target (one kernel
+        # per head step instead of rotary, then reshape_and_cache; LLMACCEL_FUSED_DECODE=0
+        # turns it off with the target's decode fusions)
+        if fuse_decode is None:
+            fuse_decode = os.environ.get("LLMACCEL_FUSED_DECODE", "1") == "1"
+        backend = self.attention_backend
+        if hasattr(backend, "fuse_rope_cache"):
+            backend.fuse_rope_cache = enabled and fuse_decode
 
     def load_weights(self, weights):
         own = ((name if name.startswith("lm_head") else f"model.{name}", t)

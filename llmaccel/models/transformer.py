@@ -246,6 +246,27 @@ class TransformerModel(nn.Module):
         return x
 
 
+def write_greedy_ids(logits: torch.Tensor, ids: torch.Tensor | None, out_f64: torch.Tensor,
+                     out_i64: torch.Tensor) -> None:
+    """Each row's argmax over `logits` [rows, V], mapped through `ids` [V] where given (a
+    draft vocabulary's token ids), into out_f64 and out_i64 [rows]: a chained draft step's
+    tokens, as its output and as the next step's input ids. On a GPU one kernel pair
+    (kernels/greedy.greedy_ids_into); this torch code is its reference."""
+    from llmaccel.engine.sampler import USE_GREEDY_KERNEL
+    from llmaccel.kernels import triton_available
+
+    if USE_GREEDY_KERNEL and logits.is_cuda and triton_available():
+        from llmaccel.kernels.greedy import greedy_ids_into
+
+        greedy_ids_into(logits, ids, out_f64, out_i64)
+        return
+    tokens = greedy_ids(logits).long()
+    if ids is not None:
+        tokens = ids[tokens]
+    out_f64.copy_(tokens)
+    out_i64.copy_(tokens)
+
+
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] -> argmax ids [rows], float64: the sampler's greedy, through the chunked
     Triton kernel where the decode graphs use it (torch's argmax reduces a row in one
@@ -314,6 +335,12 @@ class TransformerForCausalLM(nn.Module):
         logits = self.compute_logits(hidden_states)
         ups = self.runners_up(logits, width) if width else None
         return greedy_ids(logits), ups
+
+    def greedy_draft_into(self, hidden_states: torch.Tensor, out_f64: torch.Tensor,
+                          out_i64: torch.Tensor) -> None:
+        """greedy_draft's tokens (no runners-up) written into out_f64 and out_i64 [rows]
+        (`write_greedy_ids`): a chained step's output row and the next step's input ids."""
+        write_greedy_ids(self.compute_logits(hidden_states), None, out_f64, out_i64)
 
     def runners_up(self, logits: torch.Tensor, width: int) -> torch.Tensor:
         """[rows, vocab] logits -> each row's 2nd..(width + 1)-th best token ids [rows,
