@@ -498,14 +498,23 @@ class CUDAGraphRunner:
 
     def _stage_in(self, st: _HostStaging, bs: int, tables: list[list[int]],
                   ids: torch.Tensor | None = None) -> None:
-        """The staged inputs to the device in one kernel where it can run (and `ids`, on the
-        device, into inputs[0, :len(ids)]), else with torch's copies."""
+        """The staged inputs to the device, `ids` (on the device) into inputs[0, :len(ids)]
+        and a pending `copy_out_next` copy, in one launch where the kernel can take them:
+        the previous step's tokens out to the host (the engine's greedy [2, m] into its
+        pinned buffer: StagedCopy checks them), inputs, seq lens, the tables' used columns
+        and the ids in. Else the copy first, then torch's copies."""
+        out = self._copy_out
         if st.staged is not None and (ids is None or (
                 ids.dim() == 1 and ids.is_contiguous()
                 and ids.dtype in (torch.int64, torch.float64, torch.int32))):
-            st.staged(bs, max(1, max(map(len, tables), default=1)), ids)
+            self._copy_out = None
+            st.staged(bs, max(1, max(map(len, tables), default=1)), ids,
+                      None if out is None else out[:2])
             self._record_copied(st)
+            if out is not None:
+                out[2].record()
         else:
+            self.flush_copy_out()
             self._copy_in(st, bs)
             if ids is not None:
                 self.inputs[0, :ids.shape[0]].copy_(ids)  # float64 ids -> int64, exact
@@ -543,24 +552,7 @@ class CUDAGraphRunner:
         st.np_seq_lens[:n] = seq_lens
         st.np_seq_lens[n:bs] = 1
         self._stage_tables(st, tables)
-        out = self._copy_out
-        if st.staged is not None and (device_ids is None or (
-                device_ids.dim() == 1 and device_ids.is_contiguous()
-                and device_ids.dtype in (torch.int64, torch.float64, torch.int32))):
-            # one launch: the previous step's tokens out to the host (the engine's greedy
-            # [2, m] into its pinned buffer: StagedCopy checks them), inputs, seq lens, the
-            # tables' used columns and the device ids in
-            self._copy_out = None
-            st.staged(bs, max(1, max(map(len, tables), default=1)), device_ids,
-                      None if out is None else out[:2])
-            self._record_copied(st)
-            if out is not None:
-                out[2].record()
-        else:
-            self.flush_copy_out()
-            self._copy_in(st, bs)
-            if device_ids is not None:
-                self.inputs[0, :n].copy_(device_ids)  # float64 argmax ids -> int64, exact
+        self._stage_in(st, bs, tables, device_ids)
         if patch is not None:
             values = patch[2].reshape(-1).index_select(0, self.inputs[4, :d]).long()
             self.inputs[0].index_copy_(0, self.inputs[5, :d], values)

@@ -69,25 +69,35 @@ def _merge_ids_kernel(Max, Arg, Ids, OutF, OutI, num_chunks, CHUNKS_PAD: tl.cons
     tl.store(OutI + row, token.to(tl.int64))
 
 
-def greedy_ids_into(logits: torch.Tensor, ids: torch.Tensor | None, out_f64: torch.Tensor,
-                    out_i64: torch.Tensor, chunk: int = 4096) -> None:
-    """A chained draft step's tokens in two launches: each row's argmax over `logits` [B, V]
-    (first occurrence), mapped through `ids` [V] (a draft vocabulary's token ids) where given,
-    into out_f64 [B] (float64: the chain's output) and out_i64 [B] (int64: the next step's
-    input ids). Replaces the merge, the id lookup, two conversions and two copies."""
+def _chunk_pass(logits: torch.Tensor, chunk: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The first launch of both pairs: per row and chunk, the max, its first argmax and the
+    sum of exp against it -> (maxes, args, sums [rows, chunks], chunks). rows > 0."""
     rows, vocab = logits.shape
-    assert logits.stride(1) == 1 and out_f64.is_contiguous() and out_i64.is_contiguous()
+    assert logits.stride(1) == 1
     chunk = min(chunk, triton.next_power_of_2(vocab))
     num_chunks = triton.cdiv(vocab, chunk)
     dev = logits.device
     maxes = torch.empty(rows, num_chunks, dtype=torch.float32, device=dev)
     args = torch.empty(rows, num_chunks, dtype=torch.int64, device=dev)
     sums = torch.empty(rows, num_chunks, dtype=torch.float32, device=dev)
-    if rows == 0:
-        return
     _chunk_kernel[(rows, num_chunks)](logits, maxes, args, sums, logits.stride(0), vocab,
                                       num_chunks, CHUNK=chunk, USE_PDL=pdl.enabled(),
                                       num_warps=8, **pdl.launch_kwargs())
+    return maxes, args, sums, num_chunks
+
+
+def greedy_ids_into(logits: torch.Tensor, ids: torch.Tensor | None, out_f64: torch.Tensor,
+                    out_i64: torch.Tensor, chunk: int = 4096) -> None:
+    """A chained draft step's tokens in two launches: each row's argmax over `logits` [B, V]
+    (first occurrence), mapped through `ids` [V] (a draft vocabulary's token ids) where given,
+    into out_f64 [B] (float64: the chain's output) and out_i64 [B] (int64: the next step's
+    input ids). Replaces the merge, the id lookup, two conversions and two copies."""
+    assert out_f64.is_contiguous() and out_i64.is_contiguous()
+    rows = logits.shape[0]
+    if rows == 0:
+        return
+    maxes, args, _, num_chunks = _chunk_pass(logits, chunk)
     _merge_ids_kernel[(rows,)](maxes, args, args if ids is None else ids, out_f64, out_i64,
                                num_chunks, CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
                                HAS_IDS=ids is not None, USE_PDL=pdl.enabled(),
@@ -97,20 +107,11 @@ def greedy_ids_into(logits: torch.Tensor, ids: torch.Tensor | None, out_f64: tor
 def greedy_sample(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """logits [B, vocab] (any float dtype, last dim contiguous) -> [2, B] float64: argmax ids
     and their logprobs, as `greedy_with_logprobs`."""
-    rows, vocab = logits.shape
-    assert logits.stride(1) == 1
-    chunk = min(chunk, triton.next_power_of_2(vocab))
-    num_chunks = triton.cdiv(vocab, chunk)
-    dev = logits.device
-    maxes = torch.empty(rows, num_chunks, dtype=torch.float32, device=dev)
-    args = torch.empty(rows, num_chunks, dtype=torch.int64, device=dev)
-    sums = torch.empty(rows, num_chunks, dtype=torch.float32, device=dev)
-    out = torch.empty(2, rows, dtype=torch.float64, device=dev)
+    rows = logits.shape[0]
+    out = torch.empty(2, rows, dtype=torch.float64, device=logits.device)
     if rows == 0:
         return out
-    _chunk_kernel[(rows, num_chunks)](logits, maxes, args, sums, logits.stride(0), vocab,
-                                      num_chunks, CHUNK=chunk, USE_PDL=pdl.enabled(),
-                                      num_warps=8, **pdl.launch_kwargs())
+    maxes, args, sums, num_chunks = _chunk_pass(logits, chunk)
     _merge_kernel[(rows,)](maxes, args, sums, out, num_chunks, rows,
                            CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
                            USE_PDL=pdl.enabled(), **pdl.launch_kwargs())

@@ -44,7 +44,6 @@ eagerly), `feature_input`. Outputs go to `static_out` (what a graph replay leave
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -149,6 +148,10 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
     """The head with the engine's model interface (ModelRunner, CUDA graphs, KV sizing);
     logits through the target's LM head."""
 
+    # The fused decode layer folds the input norm into the qkv GEMV; the head's layer has
+    # none. Rope still goes into the K/V cache write, as in the target.
+    fused_decode_layers = False
+
     def __init__(self, config, target: TransformerForCausalLM, max_positions: int,
                  fc_bias: bool = False, aux_layers: tuple[int, ...] = (),
                  prev_token: bool = False) -> None:
@@ -219,18 +222,6 @@ class DraftHeadForCausalLM(TransformerForCausalLM):
         self.model.static_features[:rows].copy_(self.model.static_out[:rows])
         if self.model.prev_token:  # and the token at that position: this step's input
             self.model.static_prev_ids[:rows].copy_(self.model.static_ids[:rows])
-
-    def set_fused_kernels(self, enabled: bool, fuse_decode: bool | None = None) -> None:
-        # The fused decode layer folds the input norm into the qkv GEMV; the head has none.
-        super().set_fused_kernels(enabled, fuse_decode=False)
-        # Rope folded into the K/V cache write needs no norm: on as in the target (one kernel
-        # per head step instead of rotary, then reshape_and_cache; LLMACCEL_FUSED_DECODE=0
-        # turns it off with the target's decode fusions)
-        if fuse_decode is None:
-            fuse_decode = os.environ.get("LLMACCEL_FUSED_DECODE", "1") == "1"
-        backend = self.attention_backend
-        if hasattr(backend, "fuse_rope_cache"):
-            backend.fuse_rope_cache = enabled and fuse_decode
 
     def load_weights(self, weights):
         own = ((name if name.startswith("lm_head") else f"model.{name}", t)

@@ -352,6 +352,10 @@ class TransformerForCausalLM(nn.Module):
     def attention_backend(self) -> AttentionBackend:
         return self.model.layers[0].self_attn.backend
 
+    # whether decode-size steps may run DecoderLayer.forward_fused (it folds each layer's
+    # input norm into its qkv GEMV); rope into the K/V cache write does not depend on it
+    fused_decode_layers = True
+
     def set_fused_kernels(self, enabled: bool, fuse_decode: bool | None = None) -> None:
         """Route RMSNorm, rotary, SiLU-and-mul and the linear layers (where tuned faster, see
         kernels/gemm_tuning.py) through Triton kernels (CUDA) or the PyTorch code (CPU,
@@ -365,7 +369,7 @@ class TransformerForCausalLM(nn.Module):
             if hasattr(module, "use_triton"):
                 module.use_triton = enabled
             if isinstance(module, DecoderLayer):
-                module.fuse_decode = fuse_decode
+                module.fuse_decode = fuse_decode and self.fused_decode_layers
                 module._fused_by_rows.clear()
         backend = self.attention_backend
         if hasattr(backend, "fuse_rope_cache"):

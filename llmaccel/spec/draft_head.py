@@ -69,7 +69,11 @@ class HeadProposer(DraftModelProposer):
         super().__init__(head, num_blocks, block_size, max_model_len, kv_cache_dtype, device,
                          cudagraph_capture_sizes, num_speculative_tokens, draft_topk)
         self.target = target
-        if self.runner.graphs is not None and head.model.fuse is None:
+        # heads without aux layers (their features go through `fuse` first);
+        # LLMACCEL_FUSED_CATCH_UP=0 keeps the torch path (the A/B)
+        self.fused_catch_up_enabled = (head.model.fuse is None and os.environ.get(
+            "LLMACCEL_FUSED_CATCH_UP", "1") == "1")
+        if self.runner.graphs is not None and self.fused_catch_up_enabled:
             warm_up(max(1, num_speculative_tokens), head.model.hidden_size,
                     head.model.prev_token, target.feature_cache.dtype, device)
         self._last_rows: torch.Tensor | None = None  # the previous step's row of each view
@@ -184,12 +188,6 @@ class HeadProposer(DraftModelProposer):
         if head.prev_token:  # the chain's first step: row a's input id
             head.set_prev_ids(ids.index_select(0, rows).long())
         return first, acc.p + acc.a + 1
-
-    def fused_catch_up_ok(self) -> bool:
-        """Whether `fused_catch_up` serves this head: no aux layers (their features go
-        through `fuse` first); LLMACCEL_FUSED_CATCH_UP=0 turns it off (the A/B)."""
-        return (self.model.model.fuse is None
-                and os.environ.get("LLMACCEL_FUSED_CATCH_UP", "1") == "1")
 
     def fused_catch_up(self, views: list[HeadView], meta: torch.Tensor, greedy: torch.Tensor,
                        drafts: torch.Tensor, kmax: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -142,6 +142,8 @@ class DraftModelProposer:
     view_class = DraftView  # how a sequence looks to the proposer's model
     # whether the next round's drafts may be launched before verification (spec/overlap.py)
     supports_overlap = True
+    # whether `fused_catch_up` replaces the acceptance and `overlap_catch_up` (a draft head's)
+    fused_catch_up_enabled = False
 
     def _view(self, seq: Sequence) -> DraftView:
         if seq.draft_view is None:

@@ -188,8 +188,7 @@ def launch_lookahead(proposer, seqs: list[Sequence], ks: list[int], next_ks: lis
     if device.type == "cuda":  # pinned: the copy is queued, the host does not wait for it
         meta = meta.pin_memory()
     meta = meta.to(device, non_blocking=True)
-    if (not w and getattr(proposer, "fused_catch_up_ok", None) is not None
-            and proposer.fused_catch_up_ok()):
+    if not w and proposer.fused_catch_up_enabled:
         # the acceptance and the catch-up's inputs in two kernels (a draft head)
         first, starts = proposer.fused_catch_up(views, meta, greedy[0],
                                                 drafts.ids.reshape(-1), kmax)
