@@ -446,7 +446,10 @@ class LLMEngine:
         seqs, self._deferred = self._deferred, []
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        defers = self.stop_checker.defers_text
         for seq in seqs:
+            if not seq.is_finished and defers(seq):
+                continue  # no text yet, no output yet: nothing to do until it finishes
             req = self.requests.get(seq.request_id)
             if req is None:
                 continue  # aborted meanwhile (abort_request reported it)
@@ -468,6 +471,9 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         first = req.seqs[0]
+        if req.finished:  # an aborted sequence's text (one that defers it has none yet)
+            for s in req.seqs:
+                self.stop_checker.finish_text(s)
         completions = [CompletionOutput(
             s.index, s.text, list(s.output_token_ids), s.cumulative_logprob,
             list(s.output_logprobs) if s.params.logprobs is not None else None,
