@@ -17,8 +17,11 @@
 # data   self-distillation text (benchmarks/head_data.py), DATA_SECONDS of generation
 #        (DATA_SEQS: the engine's max_num_seqs, default 256), from
 #        requests drawn with SEED; returned gzipped ($tag-head-data.txt.gz) and joined to the
-#        text of earlier sessions found in .headstate/*.txt.gz (carried), so the head's data
-#        grows from session to session (each has only ~30 device minutes)
+#        text of earlier sessions: benchmarks/head_text/*.txt.gz (committed: copy the returned
+#        file there, so the head's data grows from session to session, each having only ~30
+#        device minutes; a checkout's ignored .headstate/ did not survive into the next
+#        session's fresh checkout, and session 38's 14M tokens were lost that way), and any
+#        .headstate/*.txt.gz
 # trainspeed  the head's training step, variants side by side (exp_head_train_speed.py) on
 #        the 1.5B's shape with random weights (no staged files needed)
 # warm   a plain head on it (exp_head_unroll.py --stage warm), TRAIN_SECONDS (the cosine
@@ -28,7 +31,7 @@
 #        EAGLE-3's multi-layer features (--aux-layers, e.g. 2,14; empty: the final hidden
 #        state only); PREV=1: the previous token's embedding too (--prev-token, its part
 #        starting at PREV_INIT); ATTN_INIT=random: the layer's q/k drawn afresh; on a fresh
-#        machine (no `data` part run) the data is the carried .headstate/*.txt.gz, after
+#        machine (no `data` part run) the data is the earlier sessions' text (above), after
 #        COPY doubled WikiText-2 paragraphs where COPY is set
 #        The head comes back in pieces of 15 MiB (a call returns at most 8 files, 64 MiB
 #        together): `warm` returns its config, draft vocabulary and pieces 0-3, and `w5head`
@@ -121,6 +124,13 @@ pieces() {  # the warm head's pieces into $out: 0 -> config, vocabulary, pieces 
   fi
 }
 
+earlier() {  # earlier sessions' self-distillation text, oldest first (names sort by date)
+  for f in benchmarks/head_text/*.txt.gz .headstate/*.txt.gz; do
+    [[ -f $f ]] && gzip -dc "$f"
+  done
+  return 0
+}
+
 convert() {  # GGUF -> bf16 HF directory, once
   [[ -f $2/config.json ]] || python -c "import sys, torch
 from llmaccel.models.convert import gguf_to_hf_dir
@@ -151,10 +161,9 @@ case $part in
       --seed "${SEED:-0}" --max-seconds "$DATA_SECONDS" --out "$H/new.txt" \
       ${DATA_SEQS:+--max-num-seqs "$DATA_SEQS"} 2>&1 | quiet \
       | tee "$out/$tag-data.log"
-    gzip -c "$H/new.txt" > "$out/$tag-head-data.txt.gz"
+    gzip -9 -c "$H/new.txt" > "$out/$tag-head-data.txt.gz"
     # earlier sessions' text first: the held-out set is the last 10%, this session's
-    { for f in .headstate/*.txt.gz; do [[ -f $f ]] && gzip -dc "$f"; done; cat "$H/new.txt"; } \
-      > "$H/data.txt"
+    { earlier; cat "$H/new.txt"; } > "$H/data.txt"
     ls -l "$H"/*.txt
     ;;
   warm|sweep)
@@ -163,7 +172,7 @@ case $part in
       { [[ $COPY != 0 ]] && python -c "import sys
 from benchmarks.exp_head_prev_token import copy_text
 print(copy_text(int(sys.argv[1])))" "$COPY"
-        for f in .headstate/*.txt.gz; do [[ -f $f ]] && gzip -dc "$f"; done; } > "$H/data.txt"
+        earlier; } > "$H/data.txt"
       ls -l "$H/data.txt"
     fi
     records=()
