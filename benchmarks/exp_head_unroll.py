@@ -85,6 +85,9 @@ def main() -> int:
     ap.add_argument("--eval-blocks", type=int, default=None,
                     help="held-out blocks scored while training (DistillConfig.eval_blocks; "
                          "all of them at the end)")
+    ap.add_argument("--max-heldout-blocks", type=int, default=None,
+                    help="held out: the text's last tenth of blocks, at most this many "
+                         "(DistillConfig.max_heldout_blocks)")
     ap.add_argument("--loss-vocab", default="draft", choices=["draft", "full"])
     ap.add_argument("--record-start", default=None,
                     help="blocks start at records beginning with this string "
@@ -101,6 +104,7 @@ def main() -> int:
                     help="warm without --init-head: its peak lr (default the head's 5e-4)")
     args = ap.parse_args()
     common = dict(batch_size=args.batch_size, eval_blocks=args.eval_blocks,
+                  max_heldout_blocks=args.max_heldout_blocks,
                   loss_vocab=args.loss_vocab, record_start=args.record_start)
     out = Path(args.out)
     aux = tuple(int(i) for i in args.aux_layers.split(",") if i.strip())

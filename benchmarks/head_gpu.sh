@@ -90,6 +90,9 @@ CONT_SECONDS=${CONT_SECONDS:-300}
 BATCH=${BATCH:-8}
 EVAL_EVERY=${EVAL_EVERY:-2000}
 EVAL_BLOCKS=${EVAL_BLOCKS-128}  # empty: all of them
+# warm: the held-out tenth of the blocks capped at this many (empty: no cap). Scoring all of
+# session 38's 3,106 took ~70 s of a ~600 s call; 1,000 (512k tokens) took ~21 s (s34)
+MAX_HELDOUT=${MAX_HELDOUT-1000}
 VARIANTS=${VARIANTS:-unroll3-decay0.5-detach}  # cont
 HEAD=${HEAD:-$H/warm}
 SWITCH=${SWITCH:-auto}  # spec_bench --switch: auto, on (speculate every round), or auto,on
@@ -187,6 +190,7 @@ print(copy_text(int(sys.argv[1])))" "$COPY"
     python benchmarks/exp_head_unroll.py --target "$T15" --data "$H/data.txt" --stage warm \
       --warm-steps 100000 --warm-seconds "$TRAIN_SECONDS" --out "$H" --batch-size "$BATCH" \
       --eval-every "$EVAL_EVERY" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} \
+      ${MAX_HELDOUT:+--max-heldout-blocks "$MAX_HELDOUT"} \
       ${CACHE:+--cache-features} ${AUX:+--aux-layers "$AUX"} ${PREV:+--prev-token --prev-token-init "$PREV_INIT"} \
       --warm-variant "$WARM_VARIANT" --attention-init "$ATTN_INIT" ${INIT_HEAD:+--init-head "$INIT_HEAD" --lr "${LR:-3e-4}"} \
       ${WARM_LR:+--warm-lr "$WARM_LR"} "${records[@]}" \

@@ -70,8 +70,11 @@ class _Timers:
         setattr(obj, name, timed)
 
 
-def stub_model(llm, token_stream: list[int]) -> None:
-    """The runner's model costs nothing and the greedy pick walks `token_stream`."""
+def stub_model(llm, token_stream: list[int], graph_path: bool = False) -> None:
+    """The runner's model costs nothing and the greedy pick walks `token_stream`.
+    `graph_path`: decode steps go through the CUDA-graph runner's host code (its numpy
+    staging, tables, static buffers), run eagerly as on a CPU test, as a GPU engine's do."""
+    import llmaccel.engine.cuda_graph as cuda_graph
     import llmaccel.engine.llm_engine as llm_engine
 
     runner = llm.engine.runner
@@ -101,6 +104,14 @@ def stub_model(llm, token_stream: list[int]) -> None:
         return torch.tensor([[float(tok)] * n, [-0.5] * n], dtype=torch.float64)
 
     llm_engine.greedy_with_logprobs = greedy
+    cuda_graph.greedy_with_logprobs = greedy
+    if graph_path:
+        cfg = llm.engine.config
+        sizes = cuda_graph.default_capture_sizes(max(cfg.max_num_seqs, 512))
+        width = -(-llm.engine.max_model_len // runner.block_size)
+        runner.graphs = cuda_graph.CUDAGraphRunner(runner.model, sizes, width,
+                                                   torch.device("cpu"), runner.block_size,
+                                                   runner.tree_rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-gib", type=float, default=12.0, help="the CPU KV pool (room for every running sequence)")
     ap.add_argument("--stop", default=None, help="a stop string every request carries")
+    ap.add_argument("--graph-path", action="store_true",
+                    help="decode steps through the CUDA-graph runner's host code (as on a GPU)")
     ap.add_argument("--label", default="")
     ap.add_argument("--profile", default=None, help="cProfile the timed run into this file")
     ap.add_argument("--out", default=None, help="a JSON-lines file to append the record to")
@@ -124,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
               enable_prefix_caching=False, cpu_kv_cache_gib=args.kv_gib)
     tok = llm.get_tokenizer()
     stream = tok.encode(TEXT, add_special_tokens=False)
-    stub_model(llm, stream)
+    stub_model(llm, stream, args.graph_path)
     timers = _Timers()
     engine = llm.engine
     timers.wrap(engine.scheduler, "schedule", "scheduler.schedule")
@@ -159,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": "cpu (model stubbed)", "torch": torch.__version__,
         "config": {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
                    "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
-                   "stop": args.stop},
+                   "stop": args.stop, "graph_path": args.graph_path},
         "metrics": {"wall_s": round(wall, 3), "generated_tokens": generated,
                     "steps": steps,
                     "host_us_per_token": round(wall / generated * 1e6, 2),

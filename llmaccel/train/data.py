@@ -112,11 +112,17 @@ def record_blocks(tokenizer, text: str, seq_len: int, record_start: str,
     return torch.tensor(blocks, dtype=torch.long)
 
 
-def split_heldout(blocks: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held out): the last `fraction` of the blocks (at least one) is held out."""
+def split_heldout(blocks: torch.Tensor, fraction: float, max_blocks: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held out): the last `fraction` of the blocks (at least one, at most
+    `max_blocks`) is held out."""
     if not 0.0 < fraction < 1.0:
         raise LLMAccelError(f"heldout fraction must be in (0, 1), got {fraction}")
+    if max_blocks is not None and max_blocks < 1:
+        raise LLMAccelError(f"max_heldout_blocks must be >= 1, got {max_blocks}")
     n_held = max(1, round(len(blocks) * fraction))
+    if max_blocks is not None:
+        n_held = min(n_held, max_blocks)
     if n_held >= len(blocks):
         raise LLMAccelError(f"{len(blocks)} blocks leave none to train on after holding out "
                             f"{n_held}")

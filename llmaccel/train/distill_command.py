@@ -90,6 +90,9 @@ def distill_draft(
     loss_vocab: str = typer.Option("draft", help="head: the KL over the draft vocabulary "
                                    "only (draft: what the engine's head scores, most of the "
                                    "LM head's training cost saved) or the whole one (full)."),
+    max_heldout_blocks: Optional[int] = typer.Option(None, min=1, help="Hold out the text's "
+                                                     "last tenth of blocks, but at most this "
+                                                     "many (the rest are trained on)."),
     eval_blocks: Optional[int] = typer.Option(None, min=1, help="head: held-out blocks scored "
                                               "at each evaluation (the best weights are "
                                               "scored on all of them at the end)."),
@@ -125,7 +128,7 @@ def distill_draft(
         copy_attention_spread=copy_attention_spread,
         copy_attention_all_steps=copy_attention_all_steps,
         attention_init=attention_init, draft_vocab_size=draft_vocab_size,
-        loss_vocab=loss_vocab, eval_blocks=eval_blocks,
+        loss_vocab=loss_vocab, eval_blocks=eval_blocks, max_heldout_blocks=max_heldout_blocks,
         schedule=schedule, warmup=warmup, max_seconds=max_seconds, seed=seed, device=device,
         dtype=dtype))
     why = f"; stopped early: {res.stopped}" if res.stopped else ""

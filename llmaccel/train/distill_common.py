@@ -41,6 +41,10 @@ class DistillConfig:
     seq_len: int = 256
     eval_every: int = 25
     heldout: float = 0.1            # the last fraction of the token blocks, never trained on
+    # ... but at most this many blocks (None: no cap). A large text's tenth is more than an
+    # estimate needs: 3,106 blocks (1.6M tokens) in session 38, scored in ~70 s at the end
+    # of a ~600 s device call, and none of it trained on.
+    max_heldout_blocks: int | None = None
     patience: int = 2               # evaluations without a new best before stopping
     max_blocks: int | None = None
     # blocks start at records, each beginning with this string (train/data.record_blocks;
@@ -155,6 +159,8 @@ class DistillConfig:
                    f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}"),
                   (self.loss_vocab in ("draft", "full"),
                    f"loss_vocab must be draft or full, got {self.loss_vocab!r}"),
+                  (self.max_heldout_blocks is None or self.max_heldout_blocks >= 1,
+                   f"max_heldout_blocks must be >= 1, got {self.max_heldout_blocks}"),
                   (self.eval_blocks is None or self.eval_blocks >= 1,
                    f"eval_blocks must be >= 1, got {self.eval_blocks}"),
                   (self.eval_blocks is None or self.kind == "head",
@@ -241,7 +247,7 @@ def training_blocks(cfg: DistillConfig, tokenizer, text: str | None,
                                    cfg.max_blocks)
         else:
             blocks = token_blocks(tokenizer, text, cfg.seq_len, cfg.max_blocks)
-    return split_heldout(blocks, cfg.heldout)
+    return split_heldout(blocks, cfg.heldout, cfg.max_heldout_blocks)
 
 
 def kl_terms(p_logits: torch.Tensor, q_logits: torch.Tensor
