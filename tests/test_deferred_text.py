@@ -118,3 +118,21 @@ def test_defer_text_off_detokenizes_as_it_goes(model_dir, monkeypatch):
     assert any(got["running_texts"])
     assert {k: v.outputs[0].text for k, v in got["done"].items()} == {
         k: v.outputs[0].text for k, v in want.items()}
+
+
+@pytest.mark.parametrize("min_tokens,stop_ids,ignore_eos,eos", [
+    (0, [], False, {2}), (3, [], False, {2}), (3, [], True, {2}), (3, [7], True, {2}),
+    (3, [], False, set()), (3, [7], False, set())])
+def test_bans_any_is_banned_tokens_nonempty(min_tokens, stop_ids, ignore_eos, eos):
+    """The per-step check (`bans_any`) agrees with the list it stands for, before and after
+    min_tokens outputs."""
+    from llmaccel.engine.sequence import Sequence
+    from llmaccel.engine.stop_checker import StopChecker
+
+    checker = StopChecker(eos, 100)
+    params = SamplingParams(min_tokens=min_tokens, stop_token_ids=stop_ids,
+                            ignore_eos=ignore_eos, max_tokens=10)
+    seq = Sequence("r", 0, [1, 2], params)
+    for n in range(5):
+        seq.output_token_ids = [5] * n
+        assert checker.bans_any(seq) == bool(checker.banned_tokens(seq)), n

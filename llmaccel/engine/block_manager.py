@@ -101,6 +101,9 @@ class BlockManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more tokens of `seq`; all or nothing."""
+        total = seq.num_computed_tokens + num_new_tokens
+        if total <= len(seq.block_table) * self.block_size and not self._needs_cow(seq):
+            return True  # the slots are there already (15 decode steps in 16)
         if self.blocks_needed(seq, num_new_tokens) > self.num_available_blocks:
             return False
         if self._needs_cow(seq):

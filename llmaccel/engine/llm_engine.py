@@ -297,7 +297,7 @@ class LLMEngine:
     def _plain(self, seqs: list[Sequence]) -> bool:
         """Greedy, no logprobs, nothing banned: the token is the argmax."""
         return all(s.params.greedy and s.params.logprobs is None
-                   and not self.stop_checker.banned_tokens(s) for s in seqs)
+                   and not self.stop_checker.bans_any(s) for s in seqs)
 
     def _launch_ahead(self, launched: _Launched) -> _Launched | None:
         """Launch the step after `launched` now, with its argmax as input ids, if every one of
@@ -427,9 +427,9 @@ class LLMEngine:
                 event.synchronize()
             tokens, logprobs = host.tolist()
             return [SampleResult(int(tokens[r]), logprobs[r], None) for r in rows]
-        banned = [self.stop_checker.banned_tokens(s) for s in seqs]
-        plain = not any(banned) and all(s.params.greedy and s.params.logprobs is None
-                                        for s in seqs)
+        bans = self.stop_checker.bans_any
+        plain = all(s.params.greedy and s.params.logprobs is None and not bans(s)
+                    for s in seqs)
         if plain:  # all greedy, nothing banned: argmax and logprob in one transfer
             if greedy is None:
                 greedy = greedy_with_logprobs(logits if len(rows) == num_rows else logits[rows])
@@ -438,6 +438,7 @@ class LLMEngine:
             return [SampleResult(int(tokens[r]), logprobs[r], None) for r in rows]
         if len(rows) != num_rows:
             logits = logits[rows]
+        banned = [self.stop_checker.banned_tokens(s) for s in seqs]
         return sample_with_logprobs(logits, [s.params for s in seqs],
                                     [s.generator for s in seqs], banned)
 

@@ -185,7 +185,7 @@ class SpecDecoder:
     # -- before scheduling ---------------------------------------------------------------------
     def _eligible(self, seq: Sequence) -> bool:
         return (not seq.is_finished and seq.num_uncomputed_tokens == 1
-                and seq.params.logprobs is None and not self.stop_checker.banned_tokens(seq))
+                and seq.params.logprobs is None and not self.stop_checker.bans_any(seq))
 
     def _room(self, seq: Sequence, ahead: int = 0) -> int:
         """How many drafts fit before the context or max_tokens ends (one token is emitted

@@ -18,6 +18,13 @@ class StopChecker:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
 
+    def bans_any(self, seq: Sequence) -> bool:
+        """Whether `banned_tokens` is non-empty, without building it (checked for every
+        sequence at every step)."""
+        p = seq.params
+        return len(seq.output_token_ids) < p.min_tokens and bool(
+            p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids))
+
     def banned_tokens(self, seq: Sequence) -> list[int]:
         """Ids that may not be sampled yet: EOS and stop ids before min_tokens outputs."""
         p = seq.params
