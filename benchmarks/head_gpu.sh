@@ -137,7 +137,7 @@ earlier() {  # earlier sessions' self-distillation text, oldest first (names sor
 convert() {  # GGUF -> bf16 HF directory, once
   [[ -f $2/config.json ]] || python -c "import sys, torch
 from llmaccel.models.convert import gguf_to_hf_dir
-gguf_to_hf_dir(sys.argv[1], sys.argv[2], torch.bfloat16)" "$1" "$2" 2>&1 | quiet | tail -2
+gguf_to_hf_dir(sys.argv[1], sys.argv[2], torch.bfloat16, return_model=False)" "$1" "$2" 2>&1 | quiet | tail -2
 }
 
 case $part in

@@ -375,7 +375,7 @@ def test_a_home_relative_model_path_is_expanded(monkeypatch, tmp_path):
 
     monkeypatch.setenv("HOME", str(tmp_path))
     seen = []
-    monkeypatch.setattr(convert, "gguf_to_hf_dir", lambda src, out, dtype: seen.append(src))
+    monkeypatch.setattr(convert, "gguf_to_hf_dir", lambda src, out, dtype, **kw: seen.append(src))
     hf_source("~/m.gguf", tmp_path / "work")
     assert seen == [tmp_path / "m.gguf"]
     assert resolve_model(parse_recipe("model: ~/m.gguf\n")) == str(tmp_path / "m.gguf")

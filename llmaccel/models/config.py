@@ -81,9 +81,12 @@ def load_hf_config(source: ModelSource) -> PretrainedConfig:
         raw = dict(SHAPES[source.name])
         return AutoConfig.for_model(raw.pop("model_type"), **raw)
     if source.kind == "gguf":
+        from llmaccel.models.gguf_loading import fast_gguf
+
         directory, file = source.gguf_dir_and_file
         try:
-            config = AutoConfig.from_pretrained(directory, gguf_file=file)
+            with fast_gguf():  # its metadata parse is kept for the weights' load
+                config = AutoConfig.from_pretrained(directory, gguf_file=file)
         except Exception as e:
             raise CorruptCheckpointError(
                 f"cannot read GGUF file '{source.path}' (corrupt or truncated?): "

@@ -144,16 +144,21 @@ def gguf_weights(mc: ModelConfig, device: torch.device) -> Weights:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from llmaccel.models.gguf_loading import fast_gguf, release_readers
+
     # transformers maps GGUF names to HF names by walking an HF model's state dict; a model
     # on the meta device gives the names without allocating anything.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(mc.hf_config)
     try:
-        parsed = load_gguf_checkpoint(str(mc.source.path), return_tensors=True,
-                                      model_to_load=skeleton, torch_dtype=mc.dtype)
+        with fast_gguf():  # the config's metadata parse reused, our dequantization
+            parsed = load_gguf_checkpoint(str(mc.source.path), return_tensors=True,
+                                          model_to_load=skeleton, torch_dtype=mc.dtype)
     except Exception as e:
         raise CorruptCheckpointError(f"cannot read GGUF file '{mc.source.path}' (corrupt or "
                                      f"truncated?): {str(e).strip().splitlines()[0]}") from e
+    finally:
+        release_readers()
     tensors = parsed["tensors"]
     for name in list(tensors):
         yield name, tensors.pop(name).to(device)  # pop: drop each host copy once it is used

@@ -46,7 +46,7 @@ def hf_source(model: str | Path, work: Path) -> Path:
         return out
     from llmaccel.models.convert import gguf_to_hf_dir
 
-    gguf_to_hf_dir(path, out, torch.bfloat16)
+    gguf_to_hf_dir(path, out, torch.bfloat16, return_model=False)
     return out
 
 

@@ -56,7 +56,7 @@ def load_causal_lm(model: str, device: torch.device, dtype: torch.dtype):
 
         tmp = tempfile.mkdtemp(prefix="llmaccel-train-base-")
         try:
-            _, tokenizer = gguf_to_hf_dir(source.path, tmp)
+            _, tokenizer = gguf_to_hf_dir(source.path, tmp, return_model=False)
             net = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
