@@ -7,9 +7,11 @@
 #   bash benchmarks/head_gpu.sh OUT_DIR TAG PART
 #
 # join   the staged GGUF files from their chunks, checked; then each converted once to a bf16
-#        HF directory (/tmp/stage/q15, q05): transformers parses a GGUF's 151,936-token
-#        vocabulary three times per load (config, tokenizer, weights; ~28 s each on a slow
-#        CPU), and every later load reads safetensors instead; the 0.5B only where its chunks
+#        HF directory (/tmp/stage/q15, q05): a GGUF load parses its 151,936-token vocabulary
+#        twice (config and weights share one parse since s40, models/gguf_loading.py; the
+#        tokenizer has its own; ~28 s each on the device's CPU) and dequantizes on the CPU
+#        (111 s in s39 for the 1.5B; ~25% less expected since s40), and every later load
+#        reads safetensors instead; the 0.5B only where its chunks
 #        were staged (the draft model of `w5`: parts without it need not stage it); an
 #        earlier session's head staged in pieces under /tmp/stage/<name>-head/ (its config,
 #        draft vocabulary and model.safetensors.partNN, 15 MiB each) is joined there too, so
