@@ -38,13 +38,6 @@ print(json.dumps({"seconds": time.perf_counter() - t, "params": n}))
 """
 
 
-def _commit() -> str:
-    if os.environ.get("LLMACCEL_COMMIT"):
-        return os.environ["LLMACCEL_COMMIT"]
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
-
-
 def run(what: str, gguf: str, fast: bool) -> float:
     env = dict(os.environ, LLMACCEL_FAST_GGUF="1" if fast else "0")
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,6 +55,8 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
+    from llmaccel.bench.results import current_commit
+
     run("load", args.gguf, True)  # the file into the page cache first (untimed)
     records = []
     for what in args.what.split(","):
@@ -69,7 +64,7 @@ def main() -> int:
             for fast in (False, True):
                 t = time.perf_counter()
                 seconds = run(what, args.gguf, fast)
-                rec = {"name": "gguf-load", "commit": _commit(), "device": "cpu",
+                rec = {"name": "gguf-load", "commit": current_commit(), "device": "cpu",
                        "torch": torch.__version__, "threads": torch.get_num_threads(),
                        "config": {"what": what, "gguf": os.path.basename(args.gguf),
                                   "fast_gguf": fast, "repeat": rep},

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -34,13 +33,6 @@ TEXT = ("def merge_intervals(intervals):\n    \"\"\"Merge overlapping [start, en
         "            merged[-1][1] = max(merged[-1][1], end)\n        else:\n"
         "            merged.append([start, end])\n    return merged\n\nThe function sorts "
         "nothing itself: it expects its input sorted by start, and — naïvely — walks it once. ")
-
-
-def _commit() -> str:
-    if os.environ.get("LLMACCEL_COMMIT"):
-        return os.environ["LLMACCEL_COMMIT"]
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def _default_model() -> str:
@@ -121,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--kv-gib", type=float, default=12.0, help="the CPU KV pool (room for every running sequence)")
+    ap.add_argument("--kv-gib", type=float, default=12.0,
+                    help="the CPU KV pool (room for every running sequence)")
     ap.add_argument("--stop", default=None, help="a stop string every request carries")
     ap.add_argument("--graph-path", action="store_true",
                     help="decode steps through the CUDA-graph runner's host code (as on a GPU)")
@@ -131,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
 
     from llmaccel import LLM, SamplingParams
+    from llmaccel.bench.results import current_commit
 
     llm = LLM(args.model or _default_model(), load_format="dummy", dtype="float32",
               device="cpu", max_model_len=2048, max_num_seqs=args.max_num_seqs,
@@ -168,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     want = tok.decode(outs[0].outputs[0].token_ids, skip_special_tokens=True)
     steps = timers.calls["engine.step"]
     record = {
-        "name": "host-overhead", "label": args.label, "commit": _commit(),
+        "name": "host-overhead", "label": args.label, "commit": current_commit(),
         "device": "cpu (model stubbed)", "torch": torch.__version__,
         "config": {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
                    "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,

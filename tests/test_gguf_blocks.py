@@ -84,6 +84,7 @@ def test_fast_load_gives_the_same_weights_with_one_parse(smollm2_gguf, monkeypat
 
     monkeypatch.setattr(gguf, "GGUFReader", Counting)
     real_dequantize = gguf.dequantize
+    gguf_loading.release_readers()  # an earlier test's config read may have left one
     mc = make_model_config(str(smollm2_gguf), dtype=torch.float32)
     fast = dict(gguf_weights(mc, torch.device("cpu")))
     assert len(made) == 1  # the config's reader served the weights too

@@ -203,6 +203,8 @@ class LLMEngine:
         for seq in req.pending_forks:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         req.pending_forks = []
+        for seq in req.seqs:  # the text of tokens not yet detokenized (all, where deferred)
+            self.stop_checker.finish_text(seq)
         return self._output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -472,9 +474,6 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         first = req.seqs[0]
-        if req.finished:  # an aborted sequence's text (one that defers it has none yet)
-            for s in req.seqs:
-                self.stop_checker.finish_text(s)
         completions = [CompletionOutput(
             s.index, s.text, list(s.output_token_ids), s.cumulative_logprob,
             list(s.output_logprobs) if s.params.logprobs is not None else None,

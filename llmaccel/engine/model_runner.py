@@ -209,26 +209,23 @@ class ModelRunner:
             table = seq.block_table
             spec = seq.spec_token_ids  # speculative drafts follow the last real token
             sibs = seq.spec_sibling_ids  # and their siblings follow the drafts
-            if n == 1 and not spec and not sibs:
-                # a plain decode row (most rows of a large batch): the general case below,
-                # with its per-token ranges and list concatenations left out
-                ids.append(seq.token_at(start))
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-                if as_rows:
-                    fresh.append(start)
-                query_lens.append(1)
-                seq_lens.append(start + 1)
-                tables.append(table)
-                if start + 1 == seq.num_tokens:
-                    sampling.append(seq)
-                    rows.append(len(ids) - 1)
-                continue
             ns = len(sibs)
             if n == 1:  # decode: skip building per-token ranges
                 ids.append(seq.token_at(start))
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
+                if not spec and not sibs:
+                    # a plain decode row (most rows of a large batch): the rest of the
+                    # general case below without its list concatenations
+                    if as_rows:
+                        fresh.append(start)
+                    query_lens.append(1)
+                    seq_lens.append(start + 1)
+                    tables.append(table)
+                    if start + 1 == seq.num_tokens:
+                        sampling.append(seq)
+                        rows.append(len(ids) - 1)
+                    continue
             else:
                 ids += seq.token_slice(start, start + n - len(spec) - ns) + spec + sibs
                 col = columns.get(seq) if spec else None

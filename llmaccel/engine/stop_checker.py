@@ -28,7 +28,7 @@ class StopChecker:
     def banned_tokens(self, seq: Sequence) -> list[int]:
         """Ids that may not be sampled yet: EOS and stop ids before min_tokens outputs."""
         p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
+        if not self.bans_any(seq):
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
 
@@ -68,8 +68,8 @@ class StopChecker:
         """Detokenize the new tokens and look for stop strings (a stop string overrides a
         length finish, or an EOS / stop id, of the same step, as it ends the text earlier).
         Several new tokens (accepted drafts) are taken one at a time, so a stop string ends
-        the output at the token that completes it, as without speculation. A sequence that
-        `defers_text` gets its text only once finished. True if done."""
+        the output at the token that completes it, as without speculation. (The engine does
+        not call it for a running sequence that `defers_text`.) True if done."""
         p = seq.params
         if self.tokenizer is None:
             return seq.finish_reason is not None
@@ -80,8 +80,6 @@ class StopChecker:
             # the last text: up to the last complete character, however many tokens came
             self.finish_text(seq)
             return True
-        if not check and self.defers_text(seq):
-            return False
         first = seq.detokenizer.read_offset + 1 if check else len(ids)
         for end in range(min(first, len(ids)), len(ids) + 1):
             new_text = detokenize_incrementally(self.tokenizer, ids[:end], seq.detokenizer,

@@ -12,12 +12,13 @@ import torch
 def gguf_to_hf_dir(gguf: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32,
                    return_model: bool = True):
     """Dequantize `gguf` and write it to `out_dir` in `dtype`; returns (the written model as a
-    transformers model in fp32, or None without `return_model`; its tokenizer). The weights come through our loader
-    (models/loader.gguf_weights: transformers' GGUF reading and name mapping, with
-    models/gguf_loading's one metadata parse and torch dequantization), cast to `dtype` as
-    they arrive: no fp32 transformers model of the whole checkpoint is built first, as
-    `from_pretrained(gguf_file=...)` did (Qwen2.5-Coder-1.5B: 107 -> ~55 s on 2 cores). The
-    config is written without the quantization_config transformers attaches to GGUF models."""
+    transformers model in fp32, or None without `return_model`; its tokenizer). The weights
+    come through our loader (models/loader.gguf_weights: transformers' GGUF reading and name
+    mapping, with models/gguf_loading's one metadata parse and torch dequantization), cast to
+    `dtype` as they arrive: no fp32 transformers model of the whole checkpoint is built
+    first, as `from_pretrained(gguf_file=...)` did (Qwen2.5-Coder-1.5B to bf16: 107 s before,
+    77-83 s after, on 2 cores: benchmarks/results/2026-12-01-s40-summary-cpu.md). The config
+    is written without the quantization_config transformers attaches to GGUF models."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 

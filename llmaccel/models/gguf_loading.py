@@ -20,13 +20,10 @@ and loads run as before, only slower; results never depend on it.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 # LLMACCEL_FAST_GGUF=0: transformers' and gguf-py's own code (for A/B timing)
 ENABLED = os.environ.get("LLMACCEL_FAST_GGUF", "1") != "0"

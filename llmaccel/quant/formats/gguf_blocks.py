@@ -81,12 +81,19 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def _k_scale_offset(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's first 16 bytes (d, dmin, packed scales) -> each sub-block's scale d * sc
+    and offset dmin * m, [n, 8, 1] float32: weight = scale * q - offset."""
     n = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
-    scale = (d * sc.to(torch.float32)).reshape(n, 8, 1)
-    offset = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+    return ((d * sc.to(torch.float32)).reshape(n, 8, 1),
+            (dmin * mn.to(torch.float32)).reshape(n, 8, 1))
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scale, offset = _k_scale_offset(b)
     # 4 groups of 32 bytes: low nibbles are sub-block 2g, high nibbles 2g + 1
     q = _nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32).to(torch.float32)
     return (scale * q - offset).reshape(n, QK_K)
@@ -94,10 +101,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scales(b[:, 4:16])
-    scale = (d * sc.to(torch.float32)).reshape(n, 8, 1)
-    offset = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+    scale, offset = _k_scale_offset(b)
     qh = b[:, 16:48]  # [n, 32]: bit s of byte l is the fifth bit of weight l of sub-block s
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
     high = ((qh.unsqueeze(1) >> shifts) & 1) << 4  # [n, 8, 32]
