@@ -130,8 +130,15 @@ pieces() {  # the warm head's pieces into $out: 0 -> config, vocabulary, pieces 
 }
 
 earlier() {  # earlier sessions' self-distillation text, oldest first (names sort by date)
-  for f in benchmarks/head_text/*.txt.gz .headstate/*.txt.gz; do
-    [[ -f $f ]] && gzip -dc "$f"
+  local f
+  for f in benchmarks/head_text/*.txt.* .headstate/*.txt.*; do  # one glob each: by date
+    [[ -f $f ]] || continue
+    case $f in
+      *.gz) gzip -dc "$f" ;;
+      # python's lzma, not xz(1): the device image need not have xz-utils
+      *.xz) python3 -c "import lzma, shutil, sys
+shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)" "$f" ;;
+    esac
   done
   return 0
 }
