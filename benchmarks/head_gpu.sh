@@ -46,6 +46,12 @@
 #        best 0.1) on COPY_HEADS query heads (default 2; COPY_SPREAD=1: one per key/value
 #        group in turn, not the first ones); COPY_ALL=1: with an unrolled WARM_VARIANT (e.g.
 #        unroll3-decay0.5-detach), that loss at every unrolled step (--copy-attention-all-steps)
+# warmbg `warm` started in the background (setsid: the device tool ends a call's processes when
+#        it returns, except those in a new session), so training can run past one call's 600 s;
+#        its output goes to $H/bgout and its log to $H/warmbg.log. TRAIN_SECONDS ~1000 in
+#        session 42's plan. Then, call after call, back to back (the machine goes back after
+#        30 s idle): `waitwarm`, which waits up to WAIT seconds (default 570) for it to end,
+#        prints the log's tail, and on the end copies its files to OUT_DIR; rc 3 while it runs
 # sweep  several fresh heads side by side on one feature cache (exp_head_sweep.py), SWEEP
 #        (';'-separated DistillConfig settings), SWEEP_SECONDS each, into $H/sweep/v<i>;
 #        PREV and RECORDS as for warm; a table with copy top-1 and attention sink share
@@ -208,6 +214,21 @@ print(copy_text(int(sys.argv[1])))" "$COPY"
       | quiet | tail -3
     cp "$H/warm/distill.json" "$out/$tag-warm-distill.json"
     pieces 0
+    ;;
+  warmbg)
+    mkdir -p "$H/bgout"
+    rm -f "$H/warmbg.rc"
+    setsid bash -c 'bash benchmarks/head_gpu.sh "$1" "$2" warm; echo $? > "$3"' _ \
+      "$H/bgout" "$tag" "$H/warmbg.rc" > "$H/warmbg.log" 2>&1 < /dev/null &
+    sleep 2; echo "started in the background (pid $!), log $H/warmbg.log"
+    ;;
+  waitwarm)
+    wait_s=${WAIT:-570}
+    while [[ ! -f $H/warmbg.rc ]] && (( SECONDS < wait_s )); do sleep 5; done
+    tail -4 "$H/warmbg.log" 2>/dev/null || true
+    if [[ ! -f $H/warmbg.rc ]]; then echo "still running after ${SECONDS} s"; exit 3; fi
+    cp "$H"/bgout/* "$out/" 2>/dev/null || true
+    echo "ended with rc $(cat "$H/warmbg.rc")"
     ;;
   trainspeed)
     python benchmarks/exp_head_train_speed.py --target qwen2.5-1.5b --blocks 256 --steps 40 \

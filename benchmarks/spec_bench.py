@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import json
 import os
@@ -51,12 +50,15 @@ def _run_alternating(engines, prompts, params, repeats: int
     over a cell (GPU clocks, the host) falls on both alike. Run one after the other, engines
     doing the same plain decoding measured 4-11% apart on an H100 (2026-11-24-W5-s9b-h100:
     speculation switched off at those batch sizes, step for step the same work)."""
-    # Warm-up with the whole batch (a short run): Triton compiles kernel variants on first use
-    # (e.g. the prefill/extend shapes of this batch), which must not land in the timed run.
-    # Prefix caching is off (see main), so the timed run recomputes its prompts.
-    warm = dataclasses.replace(params, max_tokens=8)
+    # Warm-up: one whole untimed run of the batch per engine. Triton compiles kernel variants
+    # on first use (the prefill/extend shapes of this batch, and a speculative engine's
+    # overlapped rounds at each k its adaptive k reaches), which must not land in the timed
+    # runs. An 8-token warm-up left them there: session 41's first head engine timed 613 and
+    # 376 ms for its first two runs against 149-151 ms for the rest, and its automatic switch
+    # learned from those slow rounds. Prefix caching is off (see main), so the timed runs
+    # recompute their prompts.
     for llm in engines:
-        llm.generate(prompts, warm, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
     walls: list[list[float]] = [[] for _ in engines]
     traces = [StepTrace(llm.engine) for llm in engines]
     outs: list = [None] * len(engines)
@@ -101,6 +103,32 @@ class _MonitorLog:
 
     def __exit__(self, *exc) -> None:
         del self.switch.monitor.observe, self.switch.record_step  # the class methods again
+
+
+def first_difference(plain, prompts: list[list[int]], want: list[list[int]],
+                     got: list[list[int]], top: int = 5) -> dict | None:
+    """Where a speculative run's tokens first leave plain decoding's, and whether it is a near
+    tie: plain decoding's `top` logprobs at that position (its prompt and the tokens before,
+    generated again for one token). Both tokens among them with a gap of a few hundredths
+    points at rounding (a verify step's kernels sum in another order than a plain step's);
+    the speculative token far below, or not among them, at a logic error. None if equal."""
+    from llmaccel.engine.sampling_params import SamplingParams
+
+    for i, (w, g) in enumerate(zip(want, got)):
+        if w == g:
+            continue
+        j = next((n for n, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
+        rec: dict = {"request": i, "index": j, "plain_token": w[j] if j < len(w) else None,
+                     "spec_token": g[j] if j < len(g) else None}
+        if rec["plain_token"] is not None and rec["spec_token"] is not None:
+            one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=top)
+            out = plain.generate([prompts[i] + w[:j]], one, use_tqdm=False)[0].outputs[0]
+            lps = out.logprobs[0] if out.logprobs else {}
+            rec["plain_top_logprobs"] = {str(t): round(v, 4) for t, v in lps.items()}
+            if rec["plain_token"] in lps and rec["spec_token"] in lps:
+                rec["logprob_gap"] = round(lps[rec["plain_token"]] - lps[rec["spec_token"]], 4)
+        return rec
+    return None
 
 
 def _limits(text: str | None, methods: list[str]) -> dict[str, int]:
@@ -318,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "prompt_lookup_num_tokens": lookup_k,
                                   "draft_topk": topk,
                                   "identical_to_plain": tokens == base_tokens,
+                                  "first_difference": first_difference(plain, prompts,
+                                                                       base_tokens, tokens),
                                   "plain_out_tok_s": round(n_out / base_wall, 2),
                                   "spec_out_tok_s": round(n_out / wall, 2)},
                        "metric": "speedup", "value": round(base_wall / wall, 3),
@@ -386,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
                             f"{rec.get('speedup_bound', '-')} | "
                             f"{rec['config']['identical_to_plain']} |")
                 print(rows[-1], flush=True)
+                diff = rec["config"]["first_difference"]
+                if diff is not None:  # on the console and in the records, not in the table
+                    print(f"  not identical: {diff}", flush=True)
                 save()
         del llm
         gc.collect()  # the next engine sizes its KV cache from free memory

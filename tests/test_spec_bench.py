@@ -109,7 +109,8 @@ def test_engines_time_in_turns():
     from llmaccel import SamplingParams
     res = spec_bench._run_alternating([Engine("plain"), Engine("spec")], [[1]],
                                       SamplingParams(max_tokens=16), 3)
-    assert calls == [("plain", 8), ("spec", 8)] + [("plain", 16), ("spec", 16)] * 3
+    # the warm-up is one whole untimed run each (an 8-token one left compiles in the timed runs)
+    assert calls == [("plain", 16), ("spec", 16)] + [("plain", 16), ("spec", 16)] * 3
     assert len(res) == 2
     for median, tokens, _, walls in res:
         assert tokens == [[1, 2]] and len(walls) == 3
@@ -157,3 +158,33 @@ def test_plot_w5_writes_a_png(tmp_path):
     src.write_text("".join(json.dumps(r) + "\n" for r in recs))
     with pytest.raises(ValueError, match="one batch size"):
         plot_w5.main([str(src), "--bars", "--out", str(tmp_path / "bars2.png")])
+
+
+def test_first_difference_names_the_position_and_plain_decodings_logprobs(tmp_path):
+    """A speculative run's tokens that leave plain decoding's: the first differing request and
+    position, both tokens, and plain decoding's top logprobs there (from the prompt and the
+    tokens before it), with their gap when both are among them; None when equal."""
+    import spec_bench
+    from tiny_models import make_tiny_model, tiny_configs
+
+    from llmaccel import LLM, SamplingParams
+
+    make_tiny_model(tiny_configs()["llama"], tmp_path, seed=5)
+    plain = LLM(str(tmp_path), dtype="float32", device="cpu", skip_tokenizer_init=True)
+    prompts = [[1, 2, 3], [7, 8, 9, 10]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    outs = plain.generate(prompts, params, use_tqdm=False)
+    want = [list(o.outputs[0].token_ids) for o in outs]
+    assert spec_bench.first_difference(plain, prompts, want, [list(w) for w in want]) is None
+    # request 1 leaves at position 3 for the token plain decoding ranked second there
+    ranked = sorted(outs[1].outputs[0].logprobs[3].items(), key=lambda kv: -kv[1])
+    second = ranked[1][0]
+    got = [list(want[0]), want[1][:3] + [second] + want[1][4:]]
+    diff = spec_bench.first_difference(plain, prompts, want, got, top=3)
+    assert (diff["request"], diff["index"]) == (1, 3)
+    assert (diff["plain_token"], diff["spec_token"]) == (want[1][3], second)
+    assert diff["logprob_gap"] == pytest.approx(ranked[0][1] - ranked[1][1], abs=1e-3)
+    assert diff["logprob_gap"] >= 0
+    # a run cut short: the first missing position, no tokens to compare there
+    short = spec_bench.first_difference(plain, prompts, want, [want[0][:2], list(want[1])])
+    assert (short["request"], short["index"], short["spec_token"]) == (0, 2, None)
