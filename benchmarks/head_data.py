@@ -44,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the engine's running-batch cap (EngineConfig.max_num_seqs; default "
                          "256, where session 34's H200 run made ~17.5k tokens/s)")
+    ap.add_argument("--max-step-tokens", type=int, default=None,
+                    help="the engine's per-step token budget (max_num_batched_tokens) and CUDA "
+                         "graphs captured up to as many rows: every step of decodes plus "
+                         "prefill chunks then replays a graph. By default graphs go up to 512 "
+                         "rows, so a step of 256 decodes and two ~200-token prompts runs "
+                         "eagerly, host-bound (s41: ~14 ms per step of ~480 tokens on an H200)")
     ap.add_argument("--out", required=True, help="the text file to write")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -78,13 +84,17 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         last = st
 
+    engine_kwargs = {"enable_prefix_caching": args.enable_prefix_caching}
+    if args.max_num_seqs:
+        engine_kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.max_step_tokens:
+        from llmaccel.engine.cuda_graph import default_capture_sizes
+
+        engine_kwargs["max_num_batched_tokens"] = args.max_step_tokens
+        engine_kwargs["cudagraph_capture_sizes"] = default_capture_sizes(args.max_step_tokens)
     data = generate_self_data(args.target, args.n, max_tokens=args.max_tokens, seed=args.seed,
                               dtype=args.dtype, max_seconds=args.max_seconds, progress=False,
-                              chunk=args.chunk, on_chunk=on_chunk,
-                              engine_kwargs={"enable_prefix_caching":
-                                             args.enable_prefix_caching,
-                                             **({"max_num_seqs": args.max_num_seqs}
-                                                if args.max_num_seqs else {})})
+                              chunk=args.chunk, on_chunk=on_chunk, engine_kwargs=engine_kwargs)
     print(f"wrote {args.out}: {data.requests} requests ({data.skipped} too long for the "
           f"context), {data.generated_tokens} generated tokens in {data.seconds:.1f} s")
     return 0

@@ -17,7 +17,8 @@
 #        draft vocabulary and model.safetensors.partNN, 15 MiB each) is joined there too, so
 #        INIT_HEAD or a sweep's init_head can start from it
 # data   self-distillation text (benchmarks/head_data.py), DATA_SECONDS of generation
-#        (DATA_SEQS: the engine's max_num_seqs, default 256), from
+#        (DATA_SEQS: the engine's max_num_seqs, default 256; DATA_STEP_TOKENS, e.g. 768: the
+#        step token budget and CUDA graphs up to as many rows, head_data.py --max-step-tokens), from
 #        requests drawn with SEED; returned gzipped ($tag-head-data.txt.gz) and joined to the
 #        text of earlier sessions: benchmarks/head_text/*.txt.gz (committed: copy the returned
 #        file there, so the head's data grows from session to session, each having only ~30
@@ -177,7 +178,8 @@ case $part in
     mkdir -p "$H"
     python benchmarks/head_data.py --target "$T15" --n "${DATA_N:-16384}" --max-tokens 256 --chunk 2048 \
       --seed "${SEED:-0}" --max-seconds "$DATA_SECONDS" --out "$H/new.txt" \
-      ${DATA_SEQS:+--max-num-seqs "$DATA_SEQS"} 2>&1 | quiet \
+      ${DATA_SEQS:+--max-num-seqs "$DATA_SEQS"} ${DATA_STEP_TOKENS:+--max-step-tokens "$DATA_STEP_TOKENS"} \
+      2>&1 | quiet \
       | tee "$out/$tag-data.log"
     gzip -9 -c "$H/new.txt" > "$out/$tag-head-data.txt.gz"
     # earlier sessions' text first: the held-out set is the last 10%, this session's
