@@ -220,9 +220,13 @@ print(copy_text(int(sys.argv[1])))" "$COPY"
   warmbg)
     mkdir -p "$H/bgout"
     rm -f "$H/warmbg.rc"
-    setsid bash -c 'bash benchmarks/head_gpu.sh "$1" "$2" warm; echo $? > "$3"' _ \
-      "$H/bgout" "$tag" "$H/warmbg.rc" > "$H/warmbg.log" 2>&1 < /dev/null &
-    sleep 2; echo "started in the background (pid $!), log $H/warmbg.log"
+    # from a copy of the tree: each call gets a fresh copy of the working tree, which must
+    # not change under a process still importing from it
+    rm -rf /tmp/bgrepo && mkdir /tmp/bgrepo && cp -a benchmarks llmaccel /tmp/bgrepo/
+    (cd /tmp/bgrepo && PYTHONPATH=/tmp/bgrepo${PYTHONPATH:+:$PYTHONPATH} setsid bash -c \
+      'bash benchmarks/head_gpu.sh "$1" "$2" warm; echo $? > "$3"' _ \
+      "$H/bgout" "$tag" "$H/warmbg.rc" > "$H/warmbg.log" 2>&1 < /dev/null &)
+    sleep 2; echo "started in the background from /tmp/bgrepo, log $H/warmbg.log"
     ;;
   waitwarm)
     wait_s=${WAIT:-570}
