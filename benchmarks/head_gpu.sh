@@ -49,7 +49,7 @@
 #        unroll3-decay0.5-detach), that loss at every unrolled step (--copy-attention-all-steps)
 # warmbg `warm` started in the background (setsid: the device tool ends a call's processes when
 #        it returns, except those in a new session), so training can run past one call's 600 s;
-#        its output goes to $H/bgout and its log to $H/warmbg.log. TRAIN_SECONDS ~1000 in
+#        its output goes to $H/bgout and its log to $H/warmbg.log. TRAIN_SECONDS ~900 in
 #        session 42's plan. Then, call after call, back to back (the machine goes back after
 #        30 s idle): `waitwarm`, which waits up to WAIT seconds (default 570) for it to end,
 #        prints the log's tail, and on the end copies its files to OUT_DIR; rc 3 while it runs
