@@ -55,7 +55,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from llmaccel.bench.results import current_commit
+    from llmaccel.bench.results import append_jsonl, current_commit
 
     run("load", args.gguf, True)  # the file into the page cache first (untimed)
     records = []
@@ -73,8 +73,7 @@ def main() -> int:
                 records.append(rec)
                 print(f"{what:8s} fast={fast!s:5s} {seconds:7.1f} s", flush=True)
                 if args.out:
-                    with open(args.out, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(rec) + "\n")
+                    append_jsonl(args.out, rec)
     return 0
 
 

@@ -18,7 +18,6 @@ number: on a GPU the same host work overlaps the device's step where it can.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -62,10 +61,12 @@ class _Timers:
         setattr(obj, name, timed)
 
 
-def stub_model(llm, token_stream: list[int], graph_path: bool = False) -> None:
+def stub_model(llm, token_stream: list[int], graph_path: bool = False,
+               graph_sizes: list[int] | None = None) -> None:
     """The runner's model costs nothing and the greedy pick walks `token_stream`.
     `graph_path`: decode steps go through the CUDA-graph runner's host code (its numpy
-    staging, tables, static buffers), run eagerly as on a CPU test, as a GPU engine's do."""
+    staging, tables, static buffers), run eagerly as on a CPU test, as a GPU engine's do;
+    `graph_sizes`: its "captured" row counts (default: a GPU engine's for max_num_seqs)."""
     import llmaccel.engine.cuda_graph as cuda_graph
     import llmaccel.engine.llm_engine as llm_engine
 
@@ -99,7 +100,7 @@ def stub_model(llm, token_stream: list[int], graph_path: bool = False) -> None:
     cuda_graph.greedy_with_logprobs = greedy
     if graph_path:
         cfg = llm.engine.config
-        sizes = cuda_graph.default_capture_sizes(max(cfg.max_num_seqs, 512))
+        sizes = graph_sizes or cuda_graph.default_capture_sizes(max(cfg.max_num_seqs, 512))
         width = -(-llm.engine.max_model_len // runner.block_size)
         runner.graphs = cuda_graph.CUDAGraphRunner(runner.model, sizes, width,
                                                    torch.device("cpu"), runner.block_size,
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
 
     from llmaccel import LLM, SamplingParams
-    from llmaccel.bench.results import current_commit
+    from llmaccel.bench.results import append_jsonl, current_commit
 
     llm = LLM(args.model or _default_model(), load_format="dummy", dtype="float32",
               device="cpu", max_model_len=2048, max_num_seqs=args.max_num_seqs,
@@ -183,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{record['metrics']['host_ms_per_step']} ms/step; text == decode: "
           f"{record['text_matches_decode']}")
     if args.out:
-        with open(args.out, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(args.out, record)
     return 0
 
 

@@ -26,8 +26,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 from host_overhead import TEXT, _default_model, stub_model  # noqa: E402
 
@@ -54,14 +52,12 @@ def run(model: str, requests: int, max_num_seqs: int, step_tokens: int, seed: in
               **kw)
     tok = llm.get_tokenizer()
     stream = tok.encode(TEXT, add_special_tokens=False)
-    stub_model(llm, stream, graph_path=False)
-    runner = llm.engine.runner
-    # the GPU engine's capture sizes for this configuration (engine/sizing.capture_sizes)
+    # the GPU engine's capture sizes: to 512 rows by default (engine/sizing.capture_sizes),
+    # to the step budget as head_data.py --max-step-tokens sets them
     most = step_tokens or max(max_num_seqs, 512)
-    runner.graphs = cuda_graph.CUDAGraphRunner(
-        runner.model, cuda_graph.default_capture_sizes(most),
-        -(-llm.engine.max_model_len // runner.block_size), torch.device("cpu"),
-        runner.block_size, runner.tree_rows)
+    stub_model(llm, stream, graph_path=True,
+               graph_sizes=cuda_graph.default_capture_sizes(most))
+    runner = llm.engine.runner
     steps: list[tuple[int, bool]] = []
     execute = runner.execute
 
@@ -96,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="a JSON-lines file to append records to")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    from llmaccel.bench.results import current_commit
+    from llmaccel.bench.results import append_jsonl, current_commit
 
     model = args.model or _default_model()
     for st in (int(s) for s in args.step_tokens.split(",")):
@@ -106,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                **run(model, args.requests, args.max_num_seqs, st, args.seed)}
         print(json.dumps(rec), flush=True)
         if args.out:
-            with open(args.out, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
+            append_jsonl(args.out, rec)
     return 0
 
 

@@ -125,6 +125,13 @@ def write_jsonl(path: str | Path, records: Iterable[Record]) -> None:
         f.writelines(json.dumps(asdict(r)) + "\n" for r in records)
 
 
+def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
+    """One plain record appended as a JSON line (the benchmarks' own kinds of record, which
+    accumulate over runs in one results file)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def read_jsonl(path: str | Path) -> list[Record]:
     with open(path) as f:
         return [Record.from_dict(json.loads(line)) for line in f if line.strip()]
