@@ -117,17 +117,31 @@ def plot_bound(records: list[dict], out: Path, title: str | None = None) -> Path
 
 def config_label(config: dict) -> str:
     """A W5 configuration as a bar group's label: method and k, then the options that change
-    what drafts (ngram_first and how far its lookup drafts)."""
+    what drafts (a head's draft vocabulary, ngram_first and how far its lookup drafts)."""
     parts = [f"{config['method']} k={config.get('k', '?')}"]
+    if config.get("draft_vocab_size"):
+        parts.append(f"vocab {config['draft_vocab_size']}")
     if config.get("ngram_first"):
         most = config.get("prompt_lookup_num_tokens")
         parts.append("lookup first" + (f", up to {most}" if most else ""))
     return "\n".join(parts)
 
 
+def bar_stats(values: list[float]) -> tuple[float, float, float, int]:
+    """(median, min, max, count) of one bar's records; an absent cell is (0, 0, 0, 0)."""
+    if not values:
+        return 0.0, 0.0, 0.0, 0
+    ordered = sorted(values)
+    n = len(ordered)
+    mid = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return mid, ordered[0], ordered[-1], n
+
+
 def plot_bars(records: list[dict], out: Path, title: str | None = None) -> Path:
     """Speedup per configuration (config_label), one bar per prompt kind, values above the
-    bars; for records of one batch size (several are an error: use the line plot)."""
+    bars; for records of one batch size (several are an error: use the line plot). Several
+    records of one configuration and kind (engines run again, in one lease or several) are
+    drawn as their median with a min-max bar and their count, never the last alone."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,22 +151,29 @@ def plot_bars(records: list[dict], out: Path, title: str | None = None) -> Path:
     if len(batches) != 1:
         raise ValueError(f"--bars wants records of one batch size, got {sorted(batches)}")
     labels: list[str] = []
-    value: dict[tuple[str, str], float] = {}
+    values: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in records:
         label = config_label(r["config"])
         if label not in labels:
             labels.append(label)
-        value[label, r["config"]["kind"]] = r["value"]
-    kinds = sorted({kind for _, kind in value})
+        values[label, r["config"]["kind"]].append(r["value"])
+    kinds = sorted({kind for _, kind in values})
     width = 0.8 / len(kinds)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4.5))
     for i, kind in enumerate(kinds):
         xs = [x + (i - (len(kinds) - 1) / 2) * width for x in range(len(labels))]
-        ys = [value.get((label, kind), 0.0) for label in labels]
-        ax.bar(xs, ys, width, label=kind)
-        for x, y in zip(xs, ys):
-            ax.text(x, y + 0.02, f"{y:.2f}x", ha="center", fontsize=8)
+        cells = [bar_stats(values.get((label, kind), [])) for label in labels]
+        ys = [c[0] for c in cells]
+        err = [[c[0] - c[1] for c in cells], [c[2] - c[0] for c in cells]]
+        many = any(c[3] > 1 for c in cells)
+        ax.bar(xs, ys, width, label=kind, yerr=err if many else None, capsize=3)
+        for x, (y, _, hi, n) in zip(xs, cells):
+            text = f"{y:.2f}x" + (f"\n(n={n})" if n > 1 else "")
+            ax.text(x, hi + 0.02, text, ha="center", fontsize=8)
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    top = max((hi for label in labels for kind in kinds
+               for hi in [bar_stats(values.get((label, kind), []))[2]]), default=1.0)
+    ax.set_ylim(0, top * 1.18)  # room for the values and the legend above the tallest bar
     ax.set_xticks(list(range(len(labels))), labels, fontsize=8)
     ax.set_ylabel("speedup over plain decoding")
     device = records[0].get("device", "")

@@ -153,6 +153,12 @@ def test_plot_w5_writes_a_png(tmp_path):
     assert plot_w5.config_label({"method": "head", "k": 4, "ngram_first": True,
                                  "prompt_lookup_num_tokens": 7}) == "head k=4\nlookup first, up to 7"
     assert plot_w5.config_label({"method": "ngram", "k": 7, "ngram_first": False}) == "ngram k=7"
+    assert plot_w5.config_label({"method": "head", "k": 5, "draft_vocab_size": 24150}) == \
+        "head k=5\nvocab 24150"
+    # engines of one configuration: their median, min and max, not the last record alone
+    assert plot_w5.bar_stats([2.075, 2.036, 2.026]) == (2.036, 2.026, 2.075, 3)
+    assert plot_w5.bar_stats([1.0, 3.0]) == (2.0, 1.0, 3.0, 2)
+    assert plot_w5.bar_stats([]) == (0.0, 0.0, 0.0, 0)
     assert plot_w5.main([str(src), "--bars", "--out", str(tmp_path / "bars.png")]) == 0
     assert (tmp_path / "bars.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     src.write_text("".join(json.dumps(r) + "\n" for r in recs))
