@@ -1,5 +1,5 @@
 """Training text -> token blocks: WikiText-2 (the validation split from ../shared/data, offline),
-a UTF-8 text file, or a Hugging Face dataset name (through `datasets`, which needs the network).
+a UTF-8 text file (plain, .gz or .xz), or a Hugging Face dataset name (through `datasets`, which needs the network).
 
 The text is tokenized as one stream and cut into blocks of `seq_len` tokens (the usual causal-LM
 recipe: no padding, every position is a training target). The last `heldout` fraction of the
@@ -37,13 +37,29 @@ def load_training_text(data: str) -> str:
         return join_rows(path.read_text(encoding="utf-8"), "hf")
     path = Path(data).expanduser()
     if path.is_file():
-        try:
-            return path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise LLMAccelError(f"training file {path} is not UTF-8 text") from None
+        return _read_text_file(path)
     if path.suffix or data.startswith((".", "/", "~")):
         raise LLMAccelError(f"training data file {data!r} does not exist")
     return load_hf_dataset_text(data, ("train", "validation", "test"), LLMAccelError)
+
+
+def _read_text_file(path: Path) -> str:
+    """A UTF-8 file, read whole; `.gz` and `.xz` ones are decompressed first (the head's
+    committed training text, benchmarks/head_text/, is xz: a tenth of its size)."""
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix)
+    try:
+        if opener is None:
+            return path.read_text(encoding="utf-8")
+        with opener(path, "rt", encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise LLMAccelError(f"training file {path} is not UTF-8 text") from None
+    except (OSError, EOFError, lzma.LZMAError) as e:  # gzip.BadGzipFile is an OSError
+        raise LLMAccelError(f"training file {path} is not a readable {path.suffix[1:]} "
+                            f"file: {e}") from None
 
 
 def token_blocks(tokenizer, text: str, seq_len: int, max_blocks: int | None = None
