@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -131,10 +132,7 @@ def bar_stats(values: list[float]) -> tuple[float, float, float, int]:
     """(median, min, max, count) of one bar's records; an absent cell is (0, 0, 0, 0)."""
     if not values:
         return 0.0, 0.0, 0.0, 0
-    ordered = sorted(values)
-    n = len(ordered)
-    mid = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-    return mid, ordered[0], ordered[-1], n
+    return statistics.median(values), min(values), max(values), len(values)
 
 
 def plot_bars(records: list[dict], out: Path, title: str | None = None) -> Path:
@@ -160,9 +158,11 @@ def plot_bars(records: list[dict], out: Path, title: str | None = None) -> Path:
     kinds = sorted({kind for _, kind in values})
     width = 0.8 / len(kinds)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4.5))
+    top = 1.0
     for i, kind in enumerate(kinds):
         xs = [x + (i - (len(kinds) - 1) / 2) * width for x in range(len(labels))]
         cells = [bar_stats(values.get((label, kind), [])) for label in labels]
+        top = max(top, *(c[2] for c in cells))
         ys = [c[0] for c in cells]
         err = [[c[0] - c[1] for c in cells], [c[2] - c[0] for c in cells]]
         many = any(c[3] > 1 for c in cells)
@@ -171,8 +171,6 @@ def plot_bars(records: list[dict], out: Path, title: str | None = None) -> Path:
             text = f"{y:.2f}x" + (f"\n(n={n})" if n > 1 else "")
             ax.text(x, hi + 0.02, text, ha="center", fontsize=8)
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    top = max((hi for label in labels for kind in kinds
-               for hi in [bar_stats(values.get((label, kind), []))[2]]), default=1.0)
     ax.set_ylim(0, top * 1.18)  # room for the values and the legend above the tallest bar
     ax.set_xticks(list(range(len(labels))), labels, fontsize=8)
     ax.set_ylabel("speedup over plain decoding")

@@ -1,5 +1,6 @@
 """Training text -> token blocks: WikiText-2 (the validation split from ../shared/data, offline),
-a UTF-8 text file (plain, .gz or .xz), or a Hugging Face dataset name (through `datasets`, which needs the network).
+a UTF-8 text file (plain, .gz or .xz), or a Hugging Face dataset name (through `datasets`,
+which needs the network).
 
 The text is tokenized as one stream and cut into blocks of `seq_len` tokens (the usual causal-LM
 recipe: no padding, every position is a training target). The last `heldout` fraction of the
