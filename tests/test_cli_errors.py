@@ -149,6 +149,11 @@ def runs(inputs):
     commands["generate", "backend"] = _generate(str(inputs["tiny"]), "--attention-backend",
                                                 "fastest")
     commands["generate", "tiny_ok"] = _generate(str(inputs["tiny"]), "--prompt", "w5 w6")
+    commands["generate", "relative_typo"] = _generate("models/no-such-model")
+    commands["generate", "tokenizer_path_typo"] = _generate(
+        str(inputs["tiny"]), "--tokenizer", "./no-such-tokenizer")
+    commands["generate", "tokenizer_dir_typo"] = _generate(
+        str(inputs["tiny"]), "--tokenizer", "tokenizers/no-such-one")
     commands["generate", "spec_ok"] = _generate(
         str(inputs["tiny"]), "--prompt", "w5 w6 w5 w6 w5", "--speculative-config",
         '{"method": "ngram", "num_speculative_tokens": 2}')
@@ -186,7 +191,16 @@ def test_tiny_model_generates(runs):
 @BOTH
 def test_nonexistent_path(runs, command):
     line = one_line_error(_result(runs, command, "missing_path"))
-    assert "/nonexistent/model-dir" in line
+    assert "error: no such file or directory: /nonexistent/model-dir" in line
+
+
+@pytest.mark.parametrize("case, name", [
+    ("relative_typo", "models/no-such-model"),
+    ("tokenizer_path_typo", "./no-such-tokenizer"),
+    ("tokenizer_dir_typo", "tokenizers/no-such-one")])
+def test_a_mistyped_path_is_a_path_error_before_a_hub_error(runs, case, name):
+    line = one_line_error(_result(runs, "generate", case))
+    assert line.startswith(f"error: no such file or directory: {name}"), line
 
 
 @BOTH

@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from cli_helpers import llmaccel_exe
 from llmaccel.models import default_model
 
 
@@ -35,7 +36,7 @@ def test_default_model_rejects_corrupt_cache(cache, monkeypatch):
 
 def test_generate_cli_on_default_model(cache):
     env = dict(os.environ, LLMACCEL_CACHE=str(cache), HF_HUB_OFFLINE="1", COLUMNS="200")
-    out = subprocess.run(["llmaccel", "generate", "--prompt", "What is 2+2?", "--max-tokens",
+    out = subprocess.run([llmaccel_exe(), "generate", "--prompt", "What is 2+2?", "--max-tokens",
                           "8", "--device", "cpu"], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert "SmolLM2-135M-Instruct" in out.stdout and "tok/s" in out.stdout

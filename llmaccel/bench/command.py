@@ -208,6 +208,8 @@ def print_table(records, failures, keys: tuple[str, ...]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from llmaccel.bench.results import roofline_notes
+
     table = Table(show_lines=False)
     table.add_column("backend")
     table.add_column("load")
@@ -221,6 +223,9 @@ def print_table(records, failures, keys: tuple[str, ...]) -> None:
         table.add_row(label, load, *[f"{vals[k]:,.4g}" if k in vals else "–" for k in keys])
     console = Console()
     console.print(table)
+    # a pct_roofline column is a percent of a measured copy figure, and can pass 100: say so
+    for note in roofline_notes(records):
+        console.print(note, highlight=False, markup=False)
     for f in failures:
         console.print(f"[red]{f.backend} failed:[/] {f.error}", highlight=False)
 

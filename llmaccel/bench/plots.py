@@ -190,8 +190,42 @@ def plot_ttft_vs_load(records: Iterable[Record], out_dir: str | Path,
                       + legend_notes[:1])
 
 
-# -- W3: latency CDFs from the per-request sidecars --------------------------------------------
+# -- latency CDFs from the per-request sidecars (W1, W2, W3, W4 alike) -------------------------
 CDF_PANELS = (("TTFT", "ttft_ms"), ("E2E latency", "e2e_ms"), ("ITL", "itl_ms"))
+
+
+def _transport(backend: str) -> str | None:
+    """How a backend's requests were sent: "over HTTP" (openai:<server>), "in process" (our
+    engine, the HF baselines), None for a name that does not say."""
+    if backend == "openai" or backend.startswith("openai:"):
+        return "over HTTP"
+    if backend == "llmaccel" or backend.startswith("hf-"):
+        return "in process"
+    return None
+
+
+def cdf_source(requests: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """What the rows themselves say about where they came from: the workloads they name
+    ("W1, W2"; "" for none, see report.tag_workloads) and the facts for a parenthesis (in
+    process or over HTTP where the backend names say, rows naming no workload). Nothing the
+    rows do not say is claimed."""
+    workloads = sorted({str(r["workload"]) for r in requests if r.get("workload")},
+                       key=natural_key)
+    ways = {_transport(str(r.get("backend", ""))) for r in requests}
+    facts: list[str] = []
+    known = " and ".join(w for w in ("in process", "over HTTP") if w in ways)
+    if known:
+        facts.append(known + (", some backends unknown" if None in ways else ""))
+    if any(not r.get("workload") for r in requests):
+        facts.append("some rows name no workload" if workloads else "workload not recorded")
+    return ", ".join(workloads), "; ".join(facts)
+
+
+def cdf_title(requests: Sequence[Mapping[str, Any]]) -> str:
+    """E.g. "W2 per-request latency CDFs (in process)"."""
+    workloads, facts = cdf_source(requests)
+    head = f"{workloads} per-request" if workloads else "Per-request"
+    return f"{head} latency CDFs" + (f" ({facts})" if facts else "")
 
 
 def _numbers(values: Iterable[Any]) -> list[float]:
@@ -202,17 +236,24 @@ def _numbers(values: Iterable[Any]) -> list[float]:
 def plot_latency_cdfs(requests: Sequence[Mapping[str, Any]], out_dir: str | Path,
                       missing: Sequence[str] = ()) -> PlotResult:
     """Empirical CDFs of TTFT, E2E and ITL (one subplot each) over successful requests, one
-    curve per backend × load. `missing`: expected sidecars that are not there (for the
-    reason or a note)."""
+    curve per backend × load (and variant, and workload where rows of several are drawn);
+    titled with the workloads the rows name. `missing`: expected sidecars that are not there
+    (for the reason or a note)."""
     name = "latency_cdf"
     if not requests:
         where = (f"missing: {', '.join(missing)}" if missing
                  else "no <result>.requests.jsonl beside any input file")
         return _skip(name, f"no per-request rows ({where})")
     many_models = len({str(r.get("model", "")) for r in requests}) > 1
+    # W2 and W4 rows both say load "all-at-once", and W4's prefix-cache-off and -on rows
+    # share a backend: the workload and the variant keep each in a curve of its own
+    many_workloads = len({str(r.get("workload") or "?") for r in requests}) > 1
     groups: dict[str, list[Mapping[str, Any]]] = {}
     for row in requests:
-        label = f"{row['backend']} @ {row.get('load') or '?'}"
+        variant = f" [{row['variant']}]" if row.get("variant") else ""
+        label = f"{row['backend']}{variant} @ {row.get('load') or '?'}"
+        if many_workloads:
+            label = f"{row.get('workload') or '?'} · {label}"
         if many_models:
             label = f"{row.get('model', '?')} · {label}"
         groups.setdefault(label, []).append(row)
@@ -255,16 +296,20 @@ def plot_latency_cdfs(requests: Sequence[Mapping[str, Any]], out_dir: str | Path
                    loc="outside lower center", ncol=min(4, len(drawn)), fontsize=8)
     else:
         notes.append(f"{len(drawn)} curves: too many to label; pass fewer files for a legend")
-    fig.suptitle("W3 per-request latency CDFs (successful requests)")
+    title = cdf_title(requests)
+    fig.suptitle(f"{title}, successful requests")
     for label, rows in groups.items():
         failed = sum(1 for row in rows if row.get("success") is not True)
         if failed:
             notes.append(f"{label}: {failed} of {len(rows)} requests failed (not in the CDFs)")
     notes += [f"no sidecar: {m}" for m in missing]
-    return PlotResult(name, TITLES[name], _save(fig, out_dir, name),
+    workloads, facts = cdf_source(requests)
+    source = ", ".join(f for f in (workloads, facts) if f)
+    return PlotResult(name, title, _save(fig, out_dir, name),
                       caption="Empirical CDFs over the successful requests of the "
-                              "`.requests.jsonl` sidecars, one curve per backend × load point; "
-                              "ITL pools every gap between successive chunks.",
+                              "`.requests.jsonl` sidecars" + (f" ({source})" if source else "")
+                              + ", one curve per backend × load point; ITL pools every gap "
+                              "between successive chunks.",
                       notes=notes)
 
 

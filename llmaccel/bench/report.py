@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from llmaccel.bench.results import OURS, PREFIX_OFF, PREFIX_ON, Record
+from llmaccel.bench.results import OURS, PREFIX_OFF, PREFIX_ON, Record, roofline_notes
 from llmaccel.errors import LLMAccelError
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ MAX_EXTRA_KEYS = 4
 TITLES = {
     "throughput_vs_load": "Throughput vs load (W3)",
     "ttft_vs_load": "TTFT vs load (W3)",
-    "latency_cdf": "Latency CDFs (W3 per-request sidecars)",
+    # the plot names the workloads its rows came from; this title is for when there are none
+    "latency_cdf": "Per-request latency CDFs",
     "ppl_vs_tok_s": "Perplexity vs tok/s by quantization format (W6 × W1)",
     "acceptance_by_position": "Acceptance by draft position (W5)",
     "speedup_vs_batch": "Speedup vs batch (W5)",
@@ -187,6 +188,20 @@ class RunFile:
     sidecar: Path | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def workloads(self) -> list[str]:
+        return list(dict.fromkeys(r.workload for r in self.records))
+
+
+def tag_workloads(rows: Iterable[dict[str, Any]], workloads: Sequence[str]) -> None:
+    """Give sidecar rows that name no workload the one of the result file they sit beside
+    (in memory only; the file is not rewritten). A file of several workloads cannot say which
+    row is whose: those rows stay without one, and the report says it was not recorded."""
+    if len(workloads) == 1:
+        for row in rows:
+            if not row.get("workload"):
+                row["workload"] = workloads[0]
+
 
 @dataclass
 class ResultSet:
@@ -214,9 +229,14 @@ class ResultSet:
 
     @property
     def missing_sidecars(self) -> list[Path]:
-        """Expected sidecars (beside files with W3 records) that are not there."""
+        """Expected sidecars that were not read, neither beside their file nor named. Only W3
+        files must have one (`llmaccel bench serve`, their only writer, always writes it);
+        other workloads' records also come from runs that write none (engine runs, benchmark
+        scripts), so a sidecar's absence beside them says nothing."""
+        named = {p.resolve() for p, _ in self.sidecars}
         return [sidecar_path(f.path) for f in self.files
-                if f.sidecar is None and any(r.workload == "W3" for r in f.records)]
+                if f.sidecar is None and "W3" in f.workloads
+                and sidecar_path(f.path).resolve() not in named]
 
 
 def load_runs(runs: Sequence[str | Path]) -> ResultSet:
@@ -264,8 +284,13 @@ def load_runs(runs: Sequence[str | Path]) -> ResultSet:
         side = sidecar_path(p)
         if side.is_file() and side.resolve() not in {s.resolve() for s in named_sidecars}:
             run_file.sidecar, run_file.requests = side, read_requests(side)
+            tag_workloads(run_file.requests, run_file.workloads)
         out.files.append(run_file)
-    out.sidecars = [(s, read_requests(s)) for s in dict.fromkeys(named_sidecars)]
+    beside = {sidecar_path(f.path).resolve(): f.workloads for f in out.files}
+    for s in dict.fromkeys(named_sidecars):
+        rows = read_requests(s)
+        tag_workloads(rows, beside.get(s.resolve(), []))  # named, yet beside a file read
+        out.sidecars.append((s, rows))
     if not any(f.records for f in out.files):
         raise LLMAccelError("no result records in " + ", ".join(str(r) for r in runs))
     return out
@@ -813,6 +838,7 @@ def make_plots(rs: ResultSet, out_dir: Path,
 def render_markdown(rs: ResultSet, plots: Sequence[PlotResult], title: str) -> str:
     records = rs.records
     rows = assign_rows(records, rs.commands)
+    labels = {id(r): row.label for r, row in zip(records, rows)}
     out = header_markdown(rs, title)
     for t in build_tables(records, rows, rs.source_of()):
         out += [f"## {t.workload} — {t.model}", ""]
@@ -820,6 +846,9 @@ def render_markdown(rs: ResultSet, plots: Sequence[PlotResult], title: str) -> s
         files = sorted(set().union(*t.sources.values()))
         out += [f"Device: {', '.join(devices)}. From: {', '.join(files)}.", ""]
         out += table_markdown(t)
+        notes = roofline_notes((r for r in records if (r.workload, r.model)
+                                == (t.workload, t.model)), lambda r: labels[id(r)])
+        out += [f"- {n}" for n in notes] + ([""] if notes else [])
         comps, skipped = comparisons(t)
         out += ratio_markdown(comps)
         if skipped:

@@ -205,19 +205,70 @@ def _ratio_lines_at(records: list[Record]) -> list[str]:
     return lines
 
 
-def _notes(records: list[Record]) -> list[str]:
-    """Context a reader needs next to the numbers, taken from the records' configs: the
-    roofline arithmetic of each decode rate (one line per distinct arithmetic)."""
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# Device names as torch reports them -> their entry in llmaccel.analyze.GPU_BANDWIDTH_GBPS.
+# Only names that pin down one memory configuration: an "A100 80GB PCIe" or an "RTX 3090 Ti"
+# has other bandwidth than its namesake in that table, so it gets no datasheet figure.
+DATASHEET_DEVICES = {
+    "NVIDIA H100 80GB HBM3": "H100 SXM", "NVIDIA H200": "H200",
+    "NVIDIA A100-SXM4-80GB": "A100-80GB", "NVIDIA A100-SXM4-40GB": "A100-40GB",
+    "NVIDIA A100-PCIE-40GB": "A100-40GB", "NVIDIA L4": "L4", "Tesla T4": "T4",
+    "NVIDIA GeForce RTX 3090": "RTX 3090",
+}
+# Why a percentage of the measured copy bandwidth can pass 100: the copy both reads and
+# writes every byte, while decode mostly reads, and reads alone can stream faster.
+OVER_COPY_REASON = ("the measured copy figure understates read bandwidth: decode mostly "
+                    "reads, and it read faster than the read + write copy ran (on a CPU, caches "
+                    "help too); the value is shown as recorded, not clamped")
+
+
+def datasheet_bandwidth(device: str) -> tuple[str, float] | None:
+    """(datasheet name, GB/s) of a device named as torch names it; None when unknown."""
+    name = DATASHEET_DEVICES.get(device.strip())
+    if name is None:
+        return None
+    from llmaccel.analyze import GPU_BANDWIDTH_GBPS  # imports transformers: only when needed
+
+    gbps = GPU_BANDWIDTH_GBPS.get(name)
+    return (name, gbps) if gbps else None
+
+
+def roofline_notes(records: Iterable[Record],
+                   label: Callable[[Record], str] = lambda r: r.row) -> list[str]:
+    """What each pct_roofline record is a percent of, from its config: the measured copy
+    bandwidth and the roofline arithmetic (one line per distinct arithmetic), the share of
+    the datasheet bandwidth where the device has a known one, and why a value over 100 is
+    possible wherever there is one. `label`: a record's row as its table shows it."""
     rows_by_note: dict[str, list[str]] = {}
+    per_row: list[str] = []
     for r in records:
         c = r.config
-        if r.metric == "pct_roofline" and "roofline_tok_s" in c:
-            note = (f"roofline {c['roofline_tok_s']:,.0f} tok/s = copy bandwidth "
-                    f"{c['copy_gbps']:,.4g} GB/s ({c.get('copy_method', '?')}) / "
-                    f"{c['bytes_per_step'] / 1e9:.4g} GB read per step (weights + KV); "
-                    f"pct_roofline from {c.get('rate_basis', 'tok_s')}")
-            rows_by_note.setdefault(note, []).append(r.row)
-    return [f"{', '.join(rows)}: {note}" for note, rows in rows_by_note.items()]
+        if r.metric != "pct_roofline":
+            continue
+        row = label(r)
+        if not _is_number(c.get("copy_gbps")):
+            note = "pct_roofline: the bandwidth it is a percent of is not recorded"
+        else:
+            note = (f"pct_roofline = % of measured copy bandwidth {c['copy_gbps']:,.4g} GB/s "
+                    f"({c.get('copy_method', 'method not recorded')}), read + write, not a "
+                    "datasheet figure")
+            if _is_number(c.get("roofline_tok_s")) and _is_number(c.get("bytes_per_step")):
+                note += (f"; roofline {c['roofline_tok_s']:,.0f} tok/s = that bandwidth / "
+                         f"{c['bytes_per_step'] / 1e9:.4g} GB read per step (weights + KV)")
+            note += f"; pct_roofline from {c.get('rate_basis', 'tok_s')}"
+            sheet = datasheet_bandwidth(r.device)
+            if sheet is not None:
+                achieved = r.value / 100 * c["copy_gbps"]
+                per_row.append(f"{row}: achieved {achieved:,.4g} GB/s = "
+                               f"{100 * achieved / sheet[1]:.1f}% of the {sheet[0]} datasheet "
+                               f"bandwidth {sheet[1]:,.0f} GB/s")
+        rows_by_note.setdefault(note, []).append(row)
+        if r.value > 100:
+            per_row.append(f"{row}: pct_roofline {r.value:.4g} > 100: {OVER_COPY_REASON}")
+    return [f"{', '.join(rows)}: {note}" for note, rows in rows_by_note.items()] + per_row
 
 
 def summary_markdown(records: Iterable[Record], failures: Iterable[Failure] = (),
@@ -235,7 +286,7 @@ def summary_markdown(records: Iterable[Record], failures: Iterable[Failure] = ()
                 out.append(f"| {row} | " + " | ".join(cells) + " |")
             out.append("")
             out += [f"- {line}" for line in ratio_lines(group.records)]
-            out += [f"- {note}" for note in _notes(group.records)]
+            out += [f"- {note}" for note in roofline_notes(group.records)]
         out += [f"- {f.backend}: {json.dumps({'error': f.error})}" for f in group.failures]
         out.append("")
     return "\n".join(out).rstrip() + "\n"

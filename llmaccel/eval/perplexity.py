@@ -38,7 +38,6 @@ JOININGS = ("hf", "raw")
 # Who computes the NLLs: our engine's model, or transformers' AutoModelForCausalLM with its own
 # loss (eval/hf_perplexity.py): an independent check over the same windows and token ids.
 BACKENDS = ("llmaccel", "hf")
-_DATA_FILES = {"wikitext2": Path("wikitext-2-raw") / "wiki.test.raw"}
 LOGITS_CHUNK = 512  # rows of logits in memory at once (a 152k vocabulary: 300 MB in fp32)
 
 
@@ -73,23 +72,13 @@ def join_rows(raw: str, joining: str) -> str:
 
 
 def load_eval_text(data: str, joining: str = "hf") -> str:
-    """`wikitext2` (the test split from ../shared/data, or $LLMACCEL_DATA_DIR) or a UTF-8
-    text file (used as is, whatever `joining` says)."""
-    from llmaccel.quant.calibration import shared_data_dir
+    """The test split of `data` (llmaccel.data.find_text): WikiText-2 rows joined by `joining`;
+    a text file or a dataset's text as it is."""
+    from llmaccel.data import find_text
 
-    if data in _DATA_FILES:
-        path = shared_data_dir() / _DATA_FILES[data]
-        if not path.is_file():
-            raise LLMAccelError(f"evaluation data {data!r} not found at {path}; set "
-                                "LLMACCEL_DATA_DIR or pass a text file with --data")
-        return join_rows(path.read_text(encoding="utf-8"), joining)
-    path = Path(data).expanduser()
-    if not path.is_file():
-        raise LLMAccelError(f"evaluation data {data!r} is neither 'wikitext2' nor a file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise LLMAccelError(f"evaluation file {path} is not UTF-8 text") from None
+    found = find_text(data, "test")
+    text = found.read()
+    return join_rows(text, joining) if found.wikitext_rows else text
 
 
 def windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
@@ -193,8 +182,11 @@ def tokenize_eval_text(mc, text: str, tokenizer: str | None = None) -> list[int]
 
 
 def joining_label(data: str, joining: str) -> str:
-    """What a result states as its row joining: a plain text file is used as is."""
-    return joining if data in _DATA_FILES else "file"
+    """What a result states as its row joining: WikiText rows are joined, any other text is
+    used as is."""
+    from llmaccel.data import find_text
+
+    return joining if find_text(data, "test").wikitext_rows else "file"
 
 
 def evaluate_perplexity(model: str, *, data: str = "wikitext2", joining: str = "hf",
@@ -254,7 +246,7 @@ def _evaluate_quantized(model: str | None, scheme: str, quantized_dir: str | Non
     with tempfile.TemporaryDirectory(prefix="llmaccel-ppl-") as tmp:
         src = hf_source(model, Path(tmp))
         out = Path(quantized_dir) if quantized_dir else Path(tmp) / scheme
-        done = quantize_scheme(src, scheme, out, device=kwargs["device"],
+        done = quantize_scheme(src, scheme, out, device=kwargs["device"], data=kwargs["data"],
                                show_progress=kwargs["progress"])
         res = evaluate_perplexity(str(done.path), **kwargs)
     return dataclasses.replace(res, quantization=scheme, quantization_config=done.config)

@@ -39,13 +39,22 @@ def resolve_model_source(model: str | None) -> ModelSource:
     path = Path(model).expanduser()
     if path.exists():
         return _local_source(model, path)
-    if _HUB_ID.match(model) and not model.endswith(".gguf"):
-        return ModelSource(model, "hf", _download_from_hub(model))
+    if could_be_hub_id(model):
+        try:
+            return ModelSource(model, "hf", _download_from_hub(model))
+        except ModelNotFoundError as e:  # a mistyped local path reads as a path error first
+            raise ModelNotFoundError(f"no such file or directory: {model}; as a hub id: "
+                                     f"{e}") from e
     if model.startswith((".", "/", "~")) or "/" in model or model.endswith(".gguf"):
-        raise ModelNotFoundError(f"model path '{model}' does not exist")
+        raise ModelNotFoundError(f"no such file or directory: {model}")
     raise ModelNotFoundError(
         f"unknown model '{model}': not a local path, a hub id (org/name) or a shape name "
         f"({', '.join(shape_names())})")
+
+
+def could_be_hub_id(name: str) -> bool:
+    """`org/name` that is not spelled as a path (./x, /x, ~/x, a.gguf): worth asking the Hub."""
+    return bool(_HUB_ID.match(name)) and not name.endswith(".gguf")
 
 
 def _local_source(name: str, path: Path) -> ModelSource:

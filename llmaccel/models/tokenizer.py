@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -15,7 +16,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 def get_tokenizer(mc: ModelConfig, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
     """The model's own tokenizer, or `tokenizer` (a path or hub id) when given."""
     if tokenizer is not None:
-        args, kwargs = (tokenizer,), {}
+        _check_tokenizer_name(tokenizer)
+        args, kwargs = (str(Path(tokenizer).expanduser()),), {}
     elif mc.source.kind == "gguf":
         directory, file = mc.source.gguf_dir_and_file
         args, kwargs = (directory,), {"gguf_file": file}
@@ -32,8 +34,20 @@ def get_tokenizer(mc: ModelConfig, tokenizer: str | None = None) -> PreTrainedTo
         return AutoTokenizer.from_pretrained(*args, **kwargs)
     except Exception as e:
         detail = " ".join(str(e).split()) or repr(e)
+        if tokenizer is not None and not Path(tokenizer).expanduser().exists():
+            raise LLMAccelError(f"no such file or directory: {tokenizer}; as a hub id: "
+                                f"{detail}") from e
         raise LLMAccelError(f"cannot load the tokenizer of '{tokenizer or mc.name}': {detail}") \
             from e
+
+
+def _check_tokenizer_name(tokenizer: str) -> None:
+    """A --tokenizer that is neither an existing path nor spelled like a hub id is a path
+    error, said as one before anything about hub ids."""
+    from llmaccel.models.source import could_be_hub_id
+
+    if not Path(tokenizer).expanduser().exists() and not could_be_hub_id(tokenizer):
+        raise LLMAccelError(f"no such file or directory: {tokenizer}")
 
 
 def eos_token_ids(mc: ModelConfig, tok: PreTrainedTokenizerBase | None) -> set[int]:

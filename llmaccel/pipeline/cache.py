@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,23 @@ def canonical(obj: Any) -> str:
 
 
 def stage_key(kind: str, config: dict[str, Any], inputs: dict[str, str]) -> str:
-    """The cache key of a stage run: its kind, its settings and what it reads (input keys).
-    The package version is part of it: a new release recomputes rather than trusts."""
-    blob = canonical({"kind": kind, "config": config, "inputs": inputs, "llmaccel": __version__})
+    """The cache key of a stage run: its kind, its settings and what it reads (input keys,
+    text hashes). The code is part of it: a changed package recomputes rather than trusts."""
+    blob = canonical({"kind": kind, "config": config, "inputs": inputs,
+                      "llmaccel": code_version()})
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """The package version and a hash of its source files (an edited checkout is new code)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".cu", ".cuh", ".json", ".jsonl") and f.is_file() \
+                and "__pycache__" not in f.parts:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return f"{__version__}+{h.hexdigest()[:12]}"
 
 
 class Fingerprints:
@@ -87,6 +101,7 @@ class StageRecord:
     seconds: float = 0.0
     finished_at: str = ""
     llmaccel: str = __version__
+    run_id: str = ""             # the `llmaccel run` that made it
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2, sort_keys=True, default=str)

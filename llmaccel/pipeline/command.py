@@ -20,6 +20,12 @@ def run(
                              "through in minutes) or full (BENCHMARKS.md's, for a GPU)."),
     model: Optional[str] = typer.Option(None, help="Run the recipe on this model instead of "
                                         "its own."),
+    data: Optional[str] = typer.Option(None, help="The text every stage reads instead of the "
+                                       "recipe's (default wikitext2: found in "
+                                       "$LLMACCEL_DATA_DIR, ../shared/data or the user cache, "
+                                       "else downloaded once from the Hugging Face Hub): a "
+                                       "text file, a directory holding wiki.valid.raw and "
+                                       "wiki.test.raw, or a Hugging Face dataset id."),
     runs_dir: str = typer.Option("runs", help="Where stage outputs are kept: "
                                  "RUNS_DIR/<recipe>/<stage>-<hash>/."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (what is cached, "
@@ -43,6 +49,8 @@ def run(
         raise typer.BadParameter("small or full", param_hint="--size")
     if model is not None:
         r = r.model_copy(update={"model": model})
+    if data is not None:
+        r = r.with_data(data)
     only_list = [t.strip() for t in only.split(",") if t.strip()] if only else None
     plan = make_plan(r, runs_dir, only_list, start, force)
     print_plan(plan)

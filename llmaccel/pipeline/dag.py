@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llmaccel.pipeline.recipe import WORKLOAD_BACKENDS, BenchStage, Recipe, RecipeError
+from llmaccel.quant.schemes import CALIBRATED, SCHEMES
 
 SOURCE = "model"  # the external input: the recipe's model, not a stage
 # W5's timing harness, in the spec runs' keys: runs timed by an earlier harness are not
@@ -22,6 +23,17 @@ class StageNode:
     kind: str                    # the stage function: analyze, convert, finetune, ...
     config: dict[str, Any]       # what the stage reads besides its inputs (hashed)
     inputs: dict[str, str] = field(default_factory=dict)  # role -> node name or SOURCE
+    # text the stage reads, as (data argument, split): found before any stage runs, and its
+    # content hash is part of the stage's key
+    reads: list[tuple[str, str]] = field(default_factory=list)
+
+
+def training_split(data: str) -> str:
+    """The split training reads (train/data.load_training_text): a Hugging Face dataset's
+    train split, else the validation split (a file is the same text for every split)."""
+    from llmaccel.train.data import training_split as split
+
+    return split(data)
 
 
 def _needs_hf_dir(model: str | None) -> bool:
@@ -42,9 +54,11 @@ def build_graph(recipe: Recipe, model: str,
                                {"model": SOURCE}))
     tuned = SOURCE
     if on["finetune"]:
+        data = s.finetune.data or recipe.data
         nodes.append(StageNode("finetune", "finetune",
-                               {**s.finetune.model_dump(exclude={"enabled"}), **common},
-                               {"model": SOURCE}))
+                               {**s.finetune.model_dump(exclude={"enabled"}), **common,
+                                "data": data},
+                               {"model": SOURCE}, [(data, training_split(data))]))
         tuned = "finetune"
     hf_dir = tuned
     base = SOURCE
@@ -54,33 +68,45 @@ def build_graph(recipe: Recipe, model: str,
             # The base variant's stages read the same dequantized weights from safetensors:
             # a 1.5B Q4_K_M GGUF took ~70 s a load on the GPU machine, safetensors seconds.
             hf_dir = base = tuned = "convert"
-        q = s.quantize.model_dump(exclude={"enabled", "methods"})
+        q = s.quantize.model_dump(exclude={"enabled", "methods", "data"})
+        data = s.quantize.data or recipe.data
         for scheme in s.quantize.methods:
+            # only GPTQ and AWQ read text: the other schemes' keys do not depend on it
+            calibrated = SCHEMES[scheme][0] in CALIBRATED
             nodes.append(StageNode(f"quantize.{scheme}", "quantize",
-                                   {"scheme": scheme, **q, "device": recipe.device},
-                                   {"model": hf_dir}))
+                                   {"scheme": scheme, **q, "device": recipe.device,
+                                    **({"data": data} if calibrated else {})},
+                                   {"model": hf_dir},
+                                   [(data, "validation")] if calibrated else []))
     # The model variants evaluated and benchmarked: (label, node, quantization scheme or None)
     sources = {"base": base, "finetuned": tuned}
     variants: list[tuple[str, str, str | None]] = [
         (v, sources[v], None) if v in sources else (v, f"quantize.{v}", v)
         for v in s.variants()]
     if on["eval"]:
-        e = {**s.eval.model_dump(exclude={"enabled"}), **common}
+        data = s.eval.data or recipe.data
+        e = {**s.eval.model_dump(exclude={"enabled"}), **common, "data": data}
         for label, src, scheme in variants:
             nodes.append(StageNode(f"eval.{label}", "eval",
-                                   {**e, "variant": label, "scheme": scheme}, {"model": src}))
+                                   {**e, "variant": label, "scheme": scheme}, {"model": src},
+                                   [(data, "test")]))
     if on["bench"]:
         nodes += _bench_nodes(s.bench, variants, common)
     if on["draft"]:
         d = s.draft
-        train = {k: getattr(d, k) for k in ("data", "steps", "batch_size", "seq_len",
+        train = {k: getattr(d, k) for k in ("steps", "batch_size", "seq_len",
                                             "max_blocks", "max_seconds", "eval_every",
                                             "patience")}
+        train["data"] = d.data or recipe.data
         measure = {k: getattr(d, k) for k in ("num_speculative_tokens", "batches", "kinds",
                                               "max_tokens", "repeats")}
         if "head" in d.methods:
+            # self-distillation asks the target about WikiText paragraphs (and code)
+            head_data = train["data"]
+            reads = [("wikitext2", "validation")] if head_data.startswith("self") else \
+                [(head_data, training_split(head_data))]
             nodes.append(StageNode("draft.head", "draft_head", {**train, **common},
-                                   {"model": tuned}))
+                                   {"model": tuned}, reads))
         # Targets: the workflow's model (one run per method, `spec.<method>`), or each named
         # variant (`spec.<method>.<variant>`, its config naming the variant).
         targets = [(None, tuned, None)] if d.variants is None else \

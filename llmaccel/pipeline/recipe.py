@@ -40,7 +40,7 @@ class AnalyzeStage(_Section):
 
 class FinetuneStage(_Section):
     """LoRA through peft (`llmaccel finetune`); later stages use the merged model."""
-    data: str = "wikitext2"
+    data: Optional[str] = None           # None: the recipe's `data`
     lora_r: int = Field(8, ge=1)
     lora_alpha: float = 16.0
     lr: float = Field(1e-4, gt=0)
@@ -57,6 +57,7 @@ class QuantizeStage(_Section):
     methods: list[str] = Field(default_factory=lambda: ["rtn-int8", "rtn-int4-g128",
                                                         "gptq-int4-g128", "awq-int4-g128",
                                                         "fp8"])
+    data: Optional[str] = None           # GPTQ/AWQ calibration text; None: the recipe's
     n_samples: int = Field(128, ge=1)    # calibration sequences (GPTQ, AWQ)
     seq_len: int = Field(512, ge=2)      # tokens per calibration sequence
 
@@ -74,8 +75,8 @@ class QuantizeStage(_Section):
 
 
 class EvalStage(_Section):
-    """WikiText-2 test perplexity of every model variant (W6's method)."""
-    data: str = "wikitext2"
+    """Test-split perplexity of every model variant (W6's method)."""
+    data: Optional[str] = None           # None: the recipe's `data`
     context: int = Field(2048, ge=2)
     stride: Optional[int] = Field(None, ge=1)
     limit: Optional[int] = Field(None, ge=1)  # at most this many windows (small runs)
@@ -126,9 +127,10 @@ class DraftStage(_Section):
     # engine's automatic switch alone decides (it misses some crossovers: issue 6's notes).
     disable_by_batch_size: dict[Literal["ngram", "model", "head"], int] = Field(
         default_factory=dict)
-    # the head's training: wikitext2, a text file, a dataset, or self[:N] (the target's own
-    # answers to N requests: what the head drafts for when serving; distill-draft --data)
-    data: str = "wikitext2"
+    # the head's training: None (the recipe's `data`), a text file, a dataset, or self[:N]
+    # (the target's own answers to N requests: what the head drafts for when serving;
+    # distill-draft --data)
+    data: Optional[str] = None
     steps: int = Field(200, ge=1)
     batch_size: int = Field(4, ge=1)
     seq_len: int = Field(256, ge=2)
@@ -220,6 +222,9 @@ class Recipe(BaseModel):
     model: Optional[str] = None          # None: the default model (SmolLM2-135M-Instruct)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # The text every stage reads unless it names its own: wikitext2 (found locally or
+    # downloaded once), a text file, a WikiText-2 directory or a Hugging Face dataset id.
+    data: str = "wikitext2"
     stages: Stages = Field(default_factory=Stages)
 
     @field_validator("name")
@@ -231,6 +236,16 @@ class Recipe(BaseModel):
 
     def device_arg(self) -> str | None:
         return None if self.device == "auto" else self.device
+
+    def with_data(self, data: str) -> Recipe:
+        """This recipe reading `data` in every stage (`llmaccel run --data`); a draft head
+        trained on the model's own answers (`self`) keeps them."""
+        stages = self.stages.model_copy(update={
+            name: stage.model_copy(update={"data": None})
+            for name in ("finetune", "quantize", "eval", "draft")
+            if (stage := getattr(self.stages, name)) is not None
+            and not (name == "draft" and str(stage.data or "").startswith("self"))})
+        return self.model_copy(update={"data": data, "stages": stages})
 
 
 def parse_recipe(text: str, where: str = "<recipe>") -> Recipe:

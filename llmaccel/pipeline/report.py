@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
+
 from llmaccel.bench.report import fmt_value, write_report
 from llmaccel.bench.results import Record, read_jsonl
 from llmaccel.pipeline.stages import StageInputs
@@ -34,9 +36,11 @@ def collect_records(inputs: StageInputs, out: Path) -> list[Path]:
     return copied
 
 
-def method_engine_table(records: list[Record], variants: list[str]) -> list[str]:
+def method_engine_table(records: list[Record], variants: list[str],
+                        made: Callable[[str], str] | None = None) -> list[str]:
     """One row per (variant, engine): W2 output tok/s, W1 tok/s, W6 perplexity (measured
-    through our engine: the row of that variant), weights read per decode step, peak memory."""
+    through our engine: the row of that variant), weights read per decode step, peak memory;
+    `made(variant)`: whether this run measured the row or the cache held it."""
     cell: dict[tuple[str, str], dict[str, float]] = {}
     ppl: dict[str, float] = {}
     quant: dict[str, str] = {}
@@ -58,7 +62,8 @@ def method_engine_table(records: list[Record], variants: list[str]) -> list[str]
         if r.workload == "W1" and "weight_bytes" in r.config:
             c["weights"] = r.config["weight_bytes"] / GIB
     lines = ["| method | quantization | engine | W2 out tok/s | W1 tok/s | perplexity | "
-             "weights GiB / step | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+             "weights GiB / step | peak GiB |" + (" made |" if made else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if made else "")]
     for v in variants:
         engines = sorted({e for (vv, e) in cell if vv == v}, key=lambda e: (e != "llmaccel", e))
         for e in engines or ["llmaccel"]:
@@ -66,7 +71,7 @@ def method_engine_table(records: list[Record], variants: list[str]) -> list[str]
             p = ppl.get(v) if e == "llmaccel" else None
             lines.append(f"| {v} | {quant.get(v, '')} | {e} | {_fmt(c.get('w2'))} | "
                          f"{_fmt(c.get('w1'))} | {_fmt(p)} | {_fmt(c.get('weights'))} | "
-                         f"{_fmt(c.get('peak'))} |")
+                         f"{_fmt(c.get('peak'))} |" + (f" {made(v)} |" if made else ""))
     return lines
 
 
@@ -79,6 +84,7 @@ def write_recipe_report(inputs: StageInputs, out: Path, title: str,
         v = inputs.manifests[role].get("variant")
         if role.split(".")[0] in ("eval", "bench") and v and v not in variants:
             variants.append(v)
+    data = (recipe or {}).get("data") or "wikitext2"
     devices = sorted({r.device for r in records})
     commits = sorted({r.commit for r in records})
     md = [f"# {title}", "",
@@ -88,10 +94,15 @@ def write_recipe_report(inputs: StageInputs, out: Path, title: str,
     if records:
         md += ["## Method x engine", "",
                "Throughput from `llmaccel bench` (W2: all requests at once; W1: batch 1), "
-               "perplexity from `llmaccel eval ppl` (WikiText-2 test, through our engine; the "
-               "HF rows run the same weights), weights read per decode step as the W1 "
-               "roofline counts them; peak GPU memory where a GPU ran it.", ""]
-        md += method_engine_table(records, variants) + [""]
+               f"perplexity from `llmaccel eval ppl` (the test split of `{data}`, through our "
+               "engine; the HF rows run the same weights), weights read per decode step as "
+               "the W1 roofline counts them; peak GPU memory where a GPU ran it. `made`: "
+               "measured in this run (fresh) or held by the cache from the run named.", ""]
+        def made(variant: str) -> str:
+            return made_label(inputs, [r for r in inputs.dirs if r == f"eval.{variant}"
+                                       or r.startswith(f"bench.{variant}.")])
+
+        md += method_engine_table(records, variants, made) + [""]
     md += _spec_section(records, inputs)
     md += _finetune_section(inputs) + _quantize_section(inputs) + _times_section(inputs)
     md += _recipe_section(recipe)
@@ -139,6 +150,9 @@ def _spec_section(records: list[Record], inputs: StageInputs) -> list[str]:
                      f"{_fmt(c.get('acceptance_rate'))} | "
                      f"{_fmt(c.get('mean_accepted_len'))} | {_fmt(c.get('out_tok_s'))} | "
                      f"{'yes' if c['identical'] else 'no'} |")
+    spec_roles = [r for r in inputs.dirs if r.startswith("spec.")]
+    lines += ["", "Made: " + "; ".join(f"{r} {made_label(inputs, [r])}" for r in spec_roles)
+              + "."]
     head = inputs.manifests.get("draft.head")
     if head:
         lines += ["", f"The head: held-out top-1 agreement with the target "
@@ -148,14 +162,32 @@ def _spec_section(records: list[Record], inputs: StageInputs) -> list[str]:
     return lines + [""]
 
 
+def made_label(inputs: StageInputs, roles: list[str]) -> str:
+    """`fresh` when every stage in `roles` ran in this run, else which earlier run made the
+    cached ones, so a reader never takes an old figure for a new one."""
+    roles = [r for r in roles if r in inputs.dirs]
+    if not roles:
+        return "–"
+    cached = [r for r in roles if not inputs.fresh(r)]
+    if not cached:
+        return "fresh"
+    runs = ", ".join(sorted({inputs.made_by.get(r) or "an earlier run" for r in cached}))
+    return f"cached: run {runs}" + ("" if len(cached) == len(roles) else " (the rest fresh)")
+
+
 def _times_section(inputs: StageInputs) -> list[str]:
-    """Each stage's own run time (from its stage.json, however long ago it ran)."""
+    """Each stage's own run time (from its stage.json, however long ago it ran), and whether
+    this run made it or the cache held it."""
     if not inputs.seconds:
         return []
-    lines = ["## Stage times", "", "| stage | seconds |", "|---|---:|"]
-    lines += [f"| {role} | {sec:.1f} |" for role, sec in inputs.seconds.items()]
+    lines = ["## Stages", "", f"This run: {inputs.run_id or '–'}. A cached stage's outputs "
+             "(and every figure made from them) come from the run named.", "",
+             "| stage | made | seconds |", "|---|---|---:|"]
+    lines += [f"| {role} | {made_label(inputs, [role])} | {sec:.1f} |"
+              for role, sec in inputs.seconds.items()]
     total = sum(inputs.seconds.values())
-    return lines + [f"| all stages but this report | {total:.1f} ({total / 60:.1f} min) |", ""]
+    return lines + [f"| all stages but this report | | {total:.1f} ({total / 60:.1f} min) |",
+                    ""]
 
 
 def _recipe_section(recipe: dict[str, Any] | None) -> list[str]:

@@ -10,12 +10,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmaccel.pipeline.cache import Fingerprints, StageRecord, Store, stage_key
 from llmaccel.pipeline.dag import SOURCE, StageNode, build_graph, select
 from llmaccel.pipeline.recipe import Recipe, RecipeError
 from llmaccel.pipeline.stages import STAGES, StageInputs
+
+if TYPE_CHECKING:
+    from llmaccel.data import TextData
 
 StageFn = Callable[[StageNode, StageInputs, Path], dict[str, Any]]
 
@@ -44,6 +47,7 @@ class Plan:
     model_key: str
     store: Store
     stages: list[PlannedStage] = field(default_factory=list)
+    run_id: str = ""             # names this run in each stage.json it writes
 
     def by_name(self) -> dict[str, PlannedStage]:
         return {s.name: s for s in self.stages}
@@ -72,9 +76,12 @@ def make_plan(recipe: Recipe, runs_dir: str | Path = "runs", only: list[str] | N
     prints.save()
     chosen = select(nodes, only, start)
     plan = Plan(recipe, model, model_key, store)
+    texts = find_texts(nodes)  # every stage's text, before any stage runs
     keys: dict[str, str] = {SOURCE: model_key}
     for node in nodes:
         input_keys = {role: keys[src] for role, src in node.inputs.items()}
+        input_keys.update({f"text.{data}.{split}": "sha256:" + texts[data, split].sha256()
+                           for data, split in node.reads})
         key = stage_key(node.kind, node.config, input_keys)
         keys[node.name] = key
         cached = store.lookup(node.name, key)
@@ -93,11 +100,28 @@ def make_plan(recipe: Recipe, runs_dir: str | Path = "runs", only: list[str] | N
     return plan
 
 
+def find_texts(nodes: list[StageNode]) -> dict[tuple[str, str], TextData]:
+    """Where each (data, split) the stages read is: found (or downloaded) now, so a missing
+    dataset stops the run before its first stage, in one line."""
+    from llmaccel.data import DataNotFoundError, find_text
+
+    found: dict[tuple[str, str], TextData] = {}
+    for node in nodes:
+        for data, split in node.reads:
+            if (data, split) not in found:
+                try:
+                    found[data, split] = find_text(data, split)
+                except DataNotFoundError as e:
+                    raise RecipeError(f"stage {node.name}: {e}") from None
+    return found
+
+
 def execute(plan: Plan, console: Any = None, stage_fns: dict[str, StageFn] | None = None,
             ) -> Plan:
     """Run the plan's `run` stages in order; fill in each stage's status."""
     fns = stage_fns or STAGES
     by = plan.by_name()
+    plan.run_id = plan.run_id or time.strftime("%Y%m%d-%H%M%S")
     for st in plan.stages:
         if st.action != "run":
             st.status = "cached" if st.action == "cached" else "not selected"
@@ -126,7 +150,7 @@ def execute(plan: Plan, console: Any = None, stage_fns: dict[str, StageFn] | Non
             continue
         st.seconds = time.perf_counter() - t0
         st.cached = StageRecord(st.name, st.node.kind, st.key, st.node.config, st.input_keys,
-                                manifest, round(st.seconds, 2))
+                                manifest, round(st.seconds, 2), run_id=plan.run_id)
         plan.store.commit(tmp, st.cached)
         error_log = plan.store.root / f"{st.name}.error.log"
         error_log.unlink(missing_ok=True)
@@ -137,7 +161,7 @@ def execute(plan: Plan, console: Any = None, stage_fns: dict[str, StageFn] | Non
 
 
 def _inputs_of(plan: Plan, by: dict[str, PlannedStage], node: StageNode) -> StageInputs:
-    inputs = StageInputs(source=plan.model)
+    inputs = StageInputs(source=plan.model, run_id=plan.run_id)
     for role, src in node.inputs.items():
         if src == SOURCE:
             inputs.models[role] = plan.model
@@ -147,6 +171,7 @@ def _inputs_of(plan: Plan, by: dict[str, PlannedStage], node: StageNode) -> Stag
         directory = plan.store.stage_dir(src, st.key)
         inputs.dirs[role], inputs.manifests[role] = directory, st.cached.manifest
         inputs.seconds[role] = st.cached.seconds
+        inputs.made_by[role] = st.cached.run_id or st.cached.finished_at or "an earlier run"
         if "model" in st.cached.manifest:
             inputs.models[role] = str(directory / st.cached.manifest["model"])
     return inputs
@@ -164,9 +189,10 @@ def _write_summary(plan: Plan) -> None:
     rows = [{"name": s.name, "kind": s.node.kind, "key": s.key, "status": s.status,
              "message": s.message, "seconds": round(s.seconds, 2),
              "dir": (plan.store.stage_dir(s.name, s.key).name if s.cached else None),
+             "made_by": s.cached.run_id if s.cached else None,
              "inputs": s.node.inputs}
             for s in plan.stages]
-    summary = {"recipe": plan.recipe.model_dump(), "model": plan.model,
+    summary = {"run_id": plan.run_id, "recipe": plan.recipe.model_dump(), "model": plan.model,
                "model_key": plan.model_key, "stages": rows,
                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     (plan.store.root / "run.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -22,6 +22,12 @@ class StageInputs:
     dirs: dict[str, Path] = field(default_factory=dict)
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # how long each input stage ran
+    run_id: str = ""                                 # the run this stage runs in
+    made_by: dict[str, str] = field(default_factory=dict)  # the run that made each input
+
+    def fresh(self, role: str) -> bool:
+        """Whether input `role` was made in this run (else it came from the cache)."""
+        return bool(self.run_id) and self.made_by.get(role) == self.run_id
 
     @property
     def model(self) -> str:
@@ -78,7 +84,7 @@ def run_quantize(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, A
     c = node.config
     res = quantize_scheme(Path(inputs.model), c["scheme"], out / "checkpoint",
                           device=_device(c), n_samples=c["n_samples"], seq_len=c["seq_len"],
-                          show_progress=True)
+                          data=c.get("data", "wikitext2"), show_progress=True)
     _write_json(out / "quantize.json", {"scheme": c["scheme"], **res.config})
     return {"model": "checkpoint", "scheme": c["scheme"], "quantization_config": res.config}
 

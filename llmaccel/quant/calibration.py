@@ -1,27 +1,20 @@
 """Calibration token batches for GPTQ/AWQ: random windows of a tokenized text, seeded.
 
-Sources: `wikitext2` (WikiText-2 raw validation, never test: test is what perplexity is measured
-on), `tinyshakespeare`, a path to a UTF-8 text file, or a Hugging Face dataset name
-(`name` or `name:config`, needs `datasets` and the internet). The text is tokenized once as one
+Sources: anything `llmaccel.data.find_text` reads, validation split: `wikitext2` (WikiText-2 raw
+validation, never test: test is what perplexity is measured on), `tinyshakespeare`, a UTF-8 text
+file, a WikiText-2 directory, or a Hugging Face dataset id. The text is tokenized once as one
 stream and `n_samples` windows of `seq_len` tokens are cut at random offsets, the recipe of the
 GPTQ paper's reference code, so every sample is full length and needs no padding mask.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from llmaccel.errors import LLMAccelError
-
-_DATA_FILES = {
-    "wikitext2": Path("wikitext-2-raw") / "wiki.valid.raw",
-    "tinyshakespeare": Path("tinyshakespeare") / "input.txt",
-}
 
 
 class CalibrationError(LLMAccelError):
@@ -42,53 +35,12 @@ class CalibConfig:
             raise CalibrationError(f"seq_len must be at least 2, got {self.seq_len}")
 
 
-def shared_data_dir() -> Path:
-    """`../shared/data` beside the project root, or $LLMACCEL_DATA_DIR."""
-    env = os.environ.get("LLMACCEL_DATA_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
-
 def load_calibration_text(source: str) -> str:
-    """The raw text of a calibration source (see the module docstring)."""
-    if source in _DATA_FILES:
-        path = shared_data_dir() / _DATA_FILES[source]
-        if not path.is_file():
-            raise CalibrationError(f"calibration data {source!r} not found at {path}; set "
-                                   "LLMACCEL_DATA_DIR or pass a text file with --calib")
-        # HF `datasets` rows of wikitext are its lines; joining lines keeps the same text.
-        return path.read_text(encoding="utf-8")
-    path = Path(source).expanduser()
-    if path.is_file():
-        try:
-            return path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise CalibrationError(f"calibration file {path} is not UTF-8 text") from None
-    if source.startswith((".", "/", "~")) or path.suffix in (".txt", ".raw", ".md"):
-        raise CalibrationError(f"calibration file {source!r} does not exist")
-    return load_hf_dataset_text(source)
+    """The raw text of a calibration source: the validation split of a named dataset, a text
+    file, a WikiText-2 directory or a Hugging Face dataset (llmaccel.data.find_text)."""
+    from llmaccel.data import find_text
 
-
-def load_hf_dataset_text(name: str, splits: tuple[str, ...] = ("validation", "train", "test"),
-                         error: type[LLMAccelError] = CalibrationError) -> str:
-    """The 'text' column of a Hugging Face dataset (`name` or `name:config`; needs `datasets`
-    and the network), rows joined with a blank line, from the first of `splits` it has.
-    Calibration prefers held-out text; training (train/data.py) asks for the train split."""
-    try:
-        import datasets
-    except ImportError:
-        raise error(f"{name!r} is neither a known data name nor a file; loading it as a "
-                    "Hugging Face dataset needs `pip install datasets`") from None
-    repo, _, config = name.partition(":")
-    try:
-        ds: Any = datasets.load_dataset(repo, config or None)
-    except Exception as exc:  # offline, unknown name, gated: all user-side problems
-        raise error(f"cannot load dataset {name!r}: {exc}") from None
-    split = next((s for s in splits if s in ds), None)
-    if split is None or "text" not in ds[split].column_names:
-        raise error(f"dataset {name!r} has no {'/'.join(splits)} split with a 'text' column")
-    return "\n\n".join(ds[split]["text"])
+    return find_text(source, "validation").read()
 
 
 def sample_windows(token_ids: torch.Tensor, n_samples: int, seq_len: int,

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
+from llmaccel.data import DataNotFoundError, find_text
 from llmaccel.errors import LLMAccelError, QuantizationError, UnsupportedModelError
 from llmaccel.quant.calibration import CalibConfig, calibration_batches
 from llmaccel.quant.checkpoint import (
@@ -50,6 +55,7 @@ DEFAULT_FORMAT = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq",
                   "nf4": "bitsandbytes", "hqq": "compressed-tensors"}
 # group_size None: 128, or the method's own default (bitsandbytes' blocksize, HQQ's group)
 DEFAULT_GROUP_SIZE = {"nf4": 64, "hqq": 64}
+log = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -208,11 +214,59 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
                                 "GPTQ checkpoints (lm_head: true)")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     calib = calib or CalibConfig()
-    hf, tokenizer, src = _load(str(model), dev)
+    if calib_token_ids is None and method not in CALIBRATION_FREE:
+        find_text(calib.source, "validation")  # missing text fails now, not after the load
+    with _hf_directory(model) as hf_dir:
+        hf, tokenizer, src = _load(str(hf_dir), dev)
+        report = _quantize_loaded(hf, tokenizer, src, method, fmt, bits, group_size, sym,
+                                  out_dir, calib, dev, calib_token_ids, act_order,
+                                  damp_percent, sink_weight, lm_head, compare_rtn,
+                                  show_progress)
+    report.seconds = round(time.perf_counter() - start, 3)
+    (Path(out_dir) / "quantize_report.json").write_text(json.dumps(report.to_json(), indent=2))
+    return report
+
+
+@contextmanager
+def _hf_directory(model: str | Path) -> Iterator[str]:
+    """`model` itself, or a GGUF file dequantized into a temporary safetensors directory (the
+    quantizers read safetensors; the output is a safetensors checkpoint either way)."""
+    if Path(str(model)).expanduser().suffix != ".gguf":
+        yield str(model)
+        return
+    from llmaccel.quant.schemes import hf_source
+
+    path = Path(str(model)).expanduser()
+    if not path.is_file():
+        raise UnsupportedModelError(f"no such file or directory: {model}")
+    with tempfile.TemporaryDirectory(prefix="llmaccel-gguf-") as tmp:
+        log.info("dequantizing %s to a safetensors model first (bf16)", path.name)
+        yield str(hf_source(path, Path(tmp)))
+
+
+def _report_batches(tokenizer: Any, calib: CalibConfig, method: str) -> torch.Tensor | None:
+    """Calibration ids. Methods that need none read text only for the per-layer error
+    report: from the default dataset where it is on this machine (never downloaded), else no
+    report; a source the user named must exist."""
+    if method not in CALIBRATION_FREE or calib.source != CalibConfig().source:
+        return calibration_batches(tokenizer, calib)
+    try:
+        find_text(calib.source, "validation", download=False)
+    except DataNotFoundError:
+        log.info("no calibration text on this machine: no per-layer error report")
+        return None
+    return calibration_batches(tokenizer, calib)
+
+
+def _quantize_loaded(hf: nn.Module, tokenizer: Any, src: Path, method: str, fmt: str, bits: int,
+                     group_size: int, sym: bool, out_dir: str | Path, calib: CalibConfig,
+                     dev: torch.device, calib_token_ids: torch.Tensor | None, act_order: bool,
+                     damp_percent: float, sink_weight: float | None, lm_head: bool,
+                     compare_rtn: bool, show_progress: bool) -> QuantizeReport:
     for name in LINEARS:  # fail before calibration, not at layer 0 after minutes of it
         check_group_size(hf.model.layers[0].get_submodule(name).in_features, group_size)
     if calib_token_ids is None and tokenizer is not None:
-        calib_token_ids = calibration_batches(tokenizer, calib)
+        calib_token_ids = _report_batches(tokenizer, calib, method)
     if calib_token_ids is None and method not in CALIBRATION_FREE:
         raise LLMAccelError(f"{src} has no tokenizer to tokenize the calibration text")
     ids = calib_token_ids if calib_token_ids is not None else torch.empty(0, 0, dtype=torch.long)
@@ -246,8 +300,6 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
             tensors.update(_quantize_lm_head(hf, inputs, fmt, spec, dev))
     qconfig = quantization_config(fmt, spec, lm_head=lm_head)
     write_checkpoint(Path(out_dir), hf, src, tensors, qconfig, tokenizer)
-    report.seconds = round(time.perf_counter() - start, 3)
-    (Path(out_dir) / "quantize_report.json").write_text(json.dumps(report.to_json(), indent=2))
     return report
 
 

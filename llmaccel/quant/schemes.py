@@ -79,16 +79,18 @@ class SchemeResult:
 
 def quantize_scheme(src: Path, name: str, out_dir: Path, *, device: str | None = None,
                     n_samples: int = 128, seq_len: int = 2048, sink_weight: float | None = None,
-                    act_order: bool = False, show_progress: bool = False) -> SchemeResult:
+                    act_order: bool = False, data: str = "wikitext2",
+                    show_progress: bool = False) -> SchemeResult:
     """Quantize the HF directory `src` by scheme `name` into `out_dir`; calibration (GPTQ,
-    AWQ) from WikiText-2 validation. The returned config names method, bits, group (and a note
-    where the scheme's group does not tile the model), format and calibration."""
+    AWQ) from the validation split of `data` (llmaccel.data.find_text; the other methods read
+    no text). The returned config names method, bits, group (and a note where the scheme's
+    group does not tile the model), format and calibration."""
     from llmaccel.quant.calibration import CalibConfig
     from llmaccel.quant.driver import quantize_model
 
     method, bits, group = check_scheme(name)
     group_used = fitting_group(src, group)
-    calib = CalibConfig("wikitext2", n_samples, seq_len, 0)
+    calib = CalibConfig(data, n_samples, seq_len, 0)
     act_order = method == "gptq" and (act_order or name.endswith("act-order"))
     # Methods without calibration get no calibration batches either (they would only feed
     # the driver's per-layer error report).
@@ -101,8 +103,11 @@ def quantize_scheme(src: Path, name: str, out_dir: Path, *, device: str | None =
                               "group_size": report.group_size, "sym": report.sym,
                               "format": report.format, "quantize_s": round(report.seconds, 1)}
     if method in CALIBRATED:
-        config["calibration"] = {"data": "wikitext2 valid", "n_samples": n_samples,
-                                 "seq_len": seq_len}
+        from llmaccel.data import find_text
+
+        found = find_text(data, "validation")
+        config["calibration"] = {"data": f"{found.name} {found.split}", "n_samples": n_samples,
+                                 "seq_len": seq_len, "sha256": found.sha256()[:12]}
     if method == "gptq":
         from llmaccel.quant.gptq import sink_weight as gptq_sink_weight
 

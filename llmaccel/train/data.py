@@ -1,6 +1,5 @@
-"""Training text -> token blocks: WikiText-2 (the validation split from ../shared/data, offline),
-a UTF-8 text file (plain, .gz or .xz), or a Hugging Face dataset name (through `datasets`,
-which needs the network).
+"""Training text -> token blocks: WikiText-2's validation split, a UTF-8 text file (plain, .gz
+or .xz), a WikiText-2 directory or a Hugging Face dataset id, found by `llmaccel.data`.
 
 The text is tokenized as one stream and cut into blocks of `seq_len` tokens (the usual causal-LM
 recipe: no padding, every position is a training target). The last `heldout` fraction of the
@@ -20,47 +19,26 @@ import torch
 
 from llmaccel.errors import LLMAccelError
 
-_WIKITEXT = Path("wikitext-2-raw") / "wiki.valid.raw"
-
 
 def load_training_text(data: str) -> str:
-    """`wikitext2` (validation split from ../shared/data or $LLMACCEL_DATA_DIR: the train split
-    needs the hub), a UTF-8 file, or an HF dataset (`name` or `name:config`, its train split
-    first; `datasets`, online)."""
+    """The training text of `data` (llmaccel.data.find_text): `wikitext2`'s validation split
+    (the train split is larger, but the validation split is what every data directory and
+    the test data have), a UTF-8 file (plain, .gz or .xz), a WikiText-2 directory, or an HF
+    dataset (its train split first)."""
+    from llmaccel.data import find_text
     from llmaccel.eval.perplexity import join_rows
-    from llmaccel.quant.calibration import load_hf_dataset_text, shared_data_dir
 
-    if data == "wikitext2":
-        path = shared_data_dir() / _WIKITEXT
-        if not path.is_file():
-            raise LLMAccelError(f"training data 'wikitext2' not found at {path}; set "
-                                "LLMACCEL_DATA_DIR or pass a text file with --data")
-        return join_rows(path.read_text(encoding="utf-8"), "hf")
-    path = Path(data).expanduser()
-    if path.is_file():
-        return _read_text_file(path)
-    if path.suffix or data.startswith((".", "/", "~")):
-        raise LLMAccelError(f"training data file {data!r} does not exist")
-    return load_hf_dataset_text(data, ("train", "validation", "test"), LLMAccelError)
+    found = find_text(data, training_split(data))
+    text = found.read()
+    return join_rows(text, "hf") if found.wikitext_rows else text
 
 
-def _read_text_file(path: Path) -> str:
-    """A UTF-8 file, read whole; `.gz` and `.xz` ones are decompressed first (the head's
-    committed training text, benchmarks/head_text/, is xz: a tenth of its size)."""
-    import gzip
-    import lzma
+def training_split(data: str) -> str:
+    """A Hugging Face dataset id trains on its train split; a named dataset, a directory and
+    a file on the validation split (the same text for a file)."""
+    from llmaccel.data import NAMED
 
-    opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix)
-    try:
-        if opener is None:
-            return path.read_text(encoding="utf-8")
-        with opener(path, "rt", encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError:
-        raise LLMAccelError(f"training file {path} is not UTF-8 text") from None
-    except (OSError, EOFError, lzma.LZMAError) as e:  # gzip.BadGzipFile is an OSError
-        raise LLMAccelError(f"training file {path} is not a readable {path.suffix[1:]} "
-                            f"file: {e}") from None
+    return "validation" if data in NAMED or Path(data).expanduser().exists() else "train"
 
 
 def token_blocks(tokenizer, text: str, seq_len: int, max_blocks: int | None = None

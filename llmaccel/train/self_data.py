@@ -118,13 +118,10 @@ def stdlib_docstrings(sources, min_words: int = 60, max_words: int = 220) -> lis
 
 
 def wikitext_paragraphs(min_words: int = 60, max_words: int = 220) -> list[str]:
-    """WikiText-2 validation paragraphs of 60-220 words (none where the data is missing)."""
-    from llmaccel.quant.calibration import shared_data_dir
+    """WikiText-2 validation paragraphs of 60-220 words (llmaccel.data finds the text)."""
+    from llmaccel.data import find_text
 
-    path = shared_data_dir() / "wikitext-2-raw" / "wiki.valid.raw"
-    if not path.is_file():
-        return []
-    paras = [p.strip() for p in path.read_text(encoding="utf-8").split("\n")]
+    paras = [p.strip() for p in find_text("wikitext2", "validation").read().split("\n")]
     return [p for p in paras if p and not p.startswith("=")
             and min_words <= len(p.split()) <= max_words]
 
