@@ -329,6 +329,9 @@ app.command("run")(run)
 
 def main() -> None:
     """Entry point: user errors print one line and exit 1, without a traceback."""
+    from llmaccel.progress import quiet_library_progress
+
+    quiet_library_progress()
     try:
         app()
     except LLMAccelError as e:

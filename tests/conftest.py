@@ -1,3 +1,4 @@
+import functools
 import os
 import subprocess
 from pathlib import Path
@@ -81,10 +82,22 @@ def write_wikitext_dir(root: Path) -> Path:
     return root
 
 
+@functools.lru_cache(maxsize=1)
+def generated_wikitext_dir() -> Path:
+    """One generated WikiText-layout data directory per test session (pass it as `--data` /
+    `data=`; removed at exit)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="llmaccel-generated-text-"))
+    atexit.register(shutil.rmtree, root, True)
+    return write_wikitext_dir(root)
+
+
 @pytest.fixture(scope="session")
-def wikitext_dir(tmp_path_factory) -> Path:
-    """A generated WikiText-layout data directory (pass it as `--data` / `data=`)."""
-    return write_wikitext_dir(tmp_path_factory.mktemp("wikitext"))
+def wikitext_dir() -> Path:
+    return generated_wikitext_dir()
 
 
 def real_wikitext_or_skip(split: str = "test") -> Path:

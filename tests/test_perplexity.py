@@ -286,12 +286,16 @@ def _ppl_vs_hf_module():
     return mod
 
 
-def test_ppl_vs_hf_script_on_a_tiny_model(tiny_with_tokenizer, tmp_path):
-    """benchmarks/ppl_vs_hf.py end to end (WikiText-2 through a word-level tokenizer, two short
-    windows): records in the BENCHMARKS.md format, the difference computed from them."""
+def test_ppl_vs_hf_script_on_a_tiny_model(tiny_with_tokenizer, tmp_path, wikitext_dir,
+                                          monkeypatch):
+    """benchmarks/ppl_vs_hf.py end to end (generated text in WikiText's layout through a
+    word-level tokenizer, two short windows): records in the format of docs/workloads.md, the
+    difference computed from them."""
     from dataclasses import replace
 
     from llmaccel.bench.results import read_jsonl
+
+    monkeypatch.setenv("LLMACCEL_DATA_DIR", str(wikitext_dir))
 
     mod = _ppl_vs_hf_module()
     out = tmp_path / "out"

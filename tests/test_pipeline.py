@@ -15,6 +15,7 @@ from llmaccel.pipeline.runner import execute, make_plan
 RECIPE = """\
 name: t
 model: {model}
+data: {data}
 stages:
   analyze: {{}}
   finetune:
@@ -129,12 +130,12 @@ class FakeStages:
 
 
 @pytest.fixture
-def setup(tmp_path):
+def setup(tmp_path, wikitext_dir):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"a": 1}')
     recipe_file = tmp_path / "r.yaml"
-    recipe_file.write_text(RECIPE.format(model=model))
+    recipe_file.write_text(RECIPE.format(model=model, data=wikitext_dir))
     return model, recipe_file, tmp_path / "runs", FakeStages()
 
 
@@ -241,11 +242,11 @@ def test_only_from_force_and_missing_inputs(setup):
     assert fake.calls == ["eval.base", "eval.finetuned", "eval.rtn-int8", "eval.fp8"]
 
 
-def test_a_gguf_model_is_converted_once_for_every_scheme(tmp_path):
+def test_a_gguf_model_is_converted_once_for_every_scheme(tmp_path, wikitext_dir):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    text = (f"name: g\nmodel: {gguf}\nstages:\n  quantize:\n    methods: [rtn-int8, fp8]\n"
-            "  eval: {}\n")
+    text = (f"name: g\nmodel: {gguf}\ndata: {wikitext_dir}\nstages:\n  quantize:\n"
+            "    methods: [rtn-int8, fp8]\n  eval: {}\n")
     fake = FakeStages()
     run_once(text, tmp_path / "runs", fake)
     assert fake.calls == ["convert", "quantize.rtn-int8", "quantize.fp8", "eval.base",
@@ -259,7 +260,7 @@ def test_a_gguf_model_is_converted_once_for_every_scheme(tmp_path):
 
 
 # -- end to end, real stages on a tiny model ---------------------------------------------------
-def test_cli_runs_a_tiny_recipe_end_to_end_then_from_cache(tmp_path):
+def test_cli_runs_a_tiny_recipe_end_to_end_then_from_cache(tmp_path, wikitext_dir):
     from typer.testing import CliRunner
 
     from llmaccel.cli import app
@@ -270,6 +271,7 @@ def test_cli_runs_a_tiny_recipe_end_to_end_then_from_cache(tmp_path):
     recipe.write_text(f"""\
 name: tiny
 model: {model}
+data: {wikitext_dir}
 device: cpu
 dtype: float32
 stages:

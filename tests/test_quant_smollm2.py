@@ -1,6 +1,6 @@
 """A real model quantized end to end: SmolLM2-135M-Instruct (from ../shared/models/fetch) through
 `quantize_model` with GPTQ int4 (group 64: its 576-wide hidden size is not a multiple of 128) on
-WikiText-2 calibration text, then our engine on the packed checkpoint against transformers on
+generated English-like calibration text, then our engine on the packed checkpoint against transformers on
 the same weights dequantized by a decoder written here from the GPTQ format's definition."""
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ def decode_gptq_v1(t: dict[str, torch.Tensor], prefix: str, bits: int = 4) -> to
 
 
 @pytest.fixture(scope="module")
-def smollm2_dirs(smollm2_gguf, tmp_path_factory):
+def smollm2_dirs(smollm2_gguf, tmp_path_factory, wikitext_dir):
     src = tmp_path_factory.mktemp("smollm2-hf")
     _, tok = gguf_to_hf_dir(smollm2_gguf, src)
     out = tmp_path_factory.mktemp("smollm2-gptq")
     report = quantize_model(src, method="gptq", bits=4, group_size=64, out_dir=out,
-                            calib=CalibConfig("wikitext2", n_samples=8, seq_len=128),
+                            calib=CalibConfig(str(wikitext_dir), n_samples=8, seq_len=128),
                             device="cpu", show_progress=False)
     return src, out, report, tok
 

@@ -18,9 +18,11 @@ from llmaccel.quant.calibration import (
 )
 from llmaccel.quant.driver import quantize_model
 from tests.cli_helpers import one_line_error, run_llmaccel
+from tests.conftest import generated_wikitext_dir
 from tests.tiny_models import make_tiny_model
 
-WIKI = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2-raw"
+# Generated text: layouts, seeding and error bounds need text, not WikiText in particular.
+DATA = str(generated_wikitext_dir())
 VOCAB = 384
 # in_features 128 / 256 so group 128 tiles every linear; GQA (2 kv heads) so v->o is not folded
 CONFIG = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -29,7 +31,7 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidd
 
 
 def _tiny_tokenizer(directory: Path) -> None:
-    """A byte-level BPE trained on a slice of WikiText-2 validation, saved as an HF tokenizer."""
+    """A byte-level BPE trained on the generated validation text, saved as an HF tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -38,7 +40,7 @@ def _tiny_tokenizer(directory: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = (WIKI / "wiki.valid.raw").read_text(encoding="utf-8")[:200_000]
+    text = (Path(DATA) / "wikitext-2-raw" / "wiki.valid.raw").read_text(encoding="utf-8")
     tok.train_from_iterator(text.splitlines(), trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
                             eos_token="</s>").save_pretrained(directory)
@@ -55,7 +57,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def results(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = {}
-    calib = CalibConfig("wikitext2", n_samples=8, seq_len=64, seed=0)
+    calib = CalibConfig(DATA, n_samples=8, seq_len=64, seed=0)
     for method in ("rtn", "gptq", "awq"):
         d = tmp_path_factory.mktemp(f"q_{method}")
         report = quantize_model(tiny_llama, method=method, bits=4, group_size=128, out_dir=d,
@@ -72,8 +74,8 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
 def test_calibration_windows_are_seeded_and_full_length(tiny_llama: Path) -> None:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    a = calibration_batches(tok, CalibConfig("wikitext2", n_samples=4, seq_len=32, seed=1))
-    b = calibration_batches(tok, CalibConfig("wikitext2", n_samples=4, seq_len=32, seed=1))
+    a = calibration_batches(tok, CalibConfig(DATA, n_samples=4, seq_len=32, seed=1))
+    b = calibration_batches(tok, CalibConfig(DATA, n_samples=4, seq_len=32, seed=1))
     assert a.shape == (4, 32) and torch.equal(a, b)
     assert int(a.max()) < VOCAB
     with pytest.raises(CalibrationError, match="fewer than seq_len"):
@@ -139,7 +141,7 @@ def test_layer_error_not_worse_than_rtn(results: dict, method: str) -> None:
 def test_cli_quantize(tiny_llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "q"
     r = run_llmaccel("quantize", str(tiny_llama), "--method", "gptq", "--n-samples", "4",
-                     "--seq-len", "32", "--out", str(out), "--device", "cpu")
+                     "--seq-len", "32", "--out", str(out), "--device", "cpu", "--data", DATA)
     assert r.returncode == 0, r.stderr
     assert (out / "model.safetensors").is_file()
     report = json.loads((out / "quantize_report.json").read_text())
@@ -163,7 +165,7 @@ def test_gptq_weights_each_sequence_first_token(tiny_llama: Path, tmp_path: Path
 
     monkeypatch.setattr(gptq.HessianAccumulator, "add", spy)
     quantize_model(tiny_llama, method="gptq", bits=4, group_size=128, out_dir=tmp_path / "q",
-                   calib=CalibConfig("wikitext2", n_samples=2, seq_len=128, seed=0),
+                   calib=CalibConfig(DATA, n_samples=2, seq_len=128, seed=0),
                    device="cpu", show_progress=False, compare_rtn=False,
                    sink_weight=sink_weight)
     assert seen and set(seen) == {(128, expected)}
@@ -223,7 +225,7 @@ def test_checkpoint_reads_back_close_to_original(tiny_llama: Path, results: dict
         expect = dequantize(quantize_rtn(w, 4, 128, True, scale_dtype=torch.float32))
         assert torch.equal(deq.model.layers[1].mlp.down_proj.weight.data, expect)
     from transformers import AutoTokenizer
-    text = (WIKI / "wiki.test.raw").read_text(encoding="utf-8")[:20_000]
+    text = (Path(DATA) / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
     ids = AutoTokenizer.from_pretrained(tiny_llama)(text)["input_ids"][:192]
     ids = torch.tensor(ids).reshape(2, 96)
     with torch.no_grad():
@@ -296,7 +298,7 @@ def test_lm_head_quantized(tiny_llama: Path, tmp_path: Path, method: str, tied: 
         _tiny_tokenizer(src)
     d = tmp_path / "q"
     quantize_model(src, method=method, bits=4, group_size=128, format="gptq", out_dir=d,
-                   calib=CalibConfig("wikitext2", n_samples=4, seq_len=64, seed=0),
+                   calib=CalibConfig(DATA, n_samples=4, seq_len=64, seed=0),
                    device="cpu", show_progress=False, lm_head=True)
     config = json.loads((d / "config.json").read_text())
     assert config["quantization_config"]["lm_head"] is True

@@ -19,6 +19,15 @@ from llmaccel.train.self_data import (CODE_TASKS, DEFAULT_REQUESTS, PROSE_TASKS,
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _generated_prose(wikitext_dir):
+    """The prose requests come from generated WikiText-layout text, here and on a clone
+    without WikiText alike."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMACCEL_DATA_DIR", str(wikitext_dir))
+        yield
+
+
 def test_requests_mix_code_and_prose_and_leave_w5_out():
     import spec_bench
 

@@ -145,7 +145,9 @@ def test_the_plan_finds_every_text_before_running(tmp_path, monkeypatch):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    with pytest.raises(RecipeError, match="stage quantize.gptq-int4-g128: WikiText-2 .validation split. not found"):
+    with pytest.raises(RecipeError,
+                       match=r"stage quantize.gptq-int4-g128: WikiText-2 \(validation split\) "
+                             "not found"):
         _plan(tmp_path, model, "wikitext2")
 
 

@@ -1,4 +1,4 @@
-"""GPU-speed benchmarks: workloads W1/W2/W4 of ../shared/BENCHMARKS.md run on our engine and on
+"""GPU-speed benchmarks: workloads W1/W2/W4 of docs/workloads.md run on our engine and on
 HF transformers baselines, written as JSON-lines records plus a markdown summary.
 
 - `workloads`: seeded random-token prompts for each workload.

@@ -1,4 +1,4 @@
-"""`llmaccel bench {latency,throughput,serve,prefix,spec}`: the workloads of BENCHMARKS.md
+"""`llmaccel bench {latency,throughput,serve,prefix,spec}`: the workloads of docs/workloads.md
 through the backends of `llmaccel.bench.backends`, written as JSON lines + markdown +
 per-request rows, and printed as a table."""
 

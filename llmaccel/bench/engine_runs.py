@@ -61,7 +61,7 @@ def engine_kwargs(settings: EngineSettings, max_model_len: int,
 
 
 def quant_facts(settings: EngineSettings) -> dict[str, Any]:
-    """config.quantization (BENCHMARKS.md's names) and the table row variant."""
+    """config.quantization (docs/workloads.md's names) and the table row variant."""
     labels = [v for v in (settings.quantization, settings.variant) if v]
     facts: dict[str, Any] = {"quantization": settings.quantization or (
         "bf16" if settings.dtype == "bfloat16" else settings.dtype)}

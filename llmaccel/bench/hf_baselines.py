@@ -1,4 +1,4 @@
-"""HF transformers baselines on the same shapes, with random weights, as BENCHMARKS.md's peers:
+"""HF transformers baselines on the same shapes, with random weights, as docs/workloads.md's peers:
 
 - `hf-eager` (W1): `generate` with the default dynamic cache, no compilation.
 - `hf-static-compile` (W1): `generate` with `cache_implementation="static"`. On CUDA, transformers

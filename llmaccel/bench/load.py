@@ -65,8 +65,9 @@ async def run_load(backend: Backend, requests: Sequence[BenchRequest], point: Lo
     semaphore = asyncio.Semaphore(min(limits)) if limits else None
     bar = task = None
     if progress:
-        from rich.progress import Progress
-        bar = Progress(transient=True)
+        from llmaccel.progress import progress_bar
+
+        bar = progress_bar()
         bar.start()
         task = bar.add_task(f"{backend.name} {description}", total=len(requests))
 

@@ -117,7 +117,7 @@ class BenchmarkMetrics:
         return out
 
     def record_metrics(self) -> dict[str, float]:
-        """Metric name -> value in BENCHMARKS.md's record names (ttft_ms_p50, out_tok_s, ...);
+        """Metric name -> value in docs/workloads.md's record names (ttft_ms_p50, out_tok_s, ...);
         statistics that do not exist (no completed request) are left out."""
         out: dict[str, float] = {
             "completed": self.completed, "failed": self.failed,

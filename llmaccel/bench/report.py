@@ -1,4 +1,4 @@
-"""`llmaccel report RUN...`: merge benchmark result files (BENCHMARKS.md's JSON lines) into one
+"""`llmaccel report RUN...`: merge benchmark result files (docs/workloads.md's JSON lines) into one
 markdown report: a header naming the inputs (devices, commits, the commands that made them),
 one table per (workload, model) with ratios computed from the records, and PNG plots beside it
 (`plots.py`).
@@ -8,7 +8,7 @@ Rows: W3 `backend [variant] @ load point`; W5 `method · kind · batch N`; other
 one cell (two head vocabularies, two runs of the same setup), the row also names the config
 keys (or the run) that tell them apart, chosen from the records: no value is silently dropped.
 
-Ratios follow BENCHMARKS.md's protocol (a claim is a ratio measured side by side in one run on
+Ratios follow docs/workloads.md's protocol (a claim is a ratio measured side by side in one run on
 one GPU): two rows are compared only when all their records come from one result file.
 """
 
@@ -612,7 +612,7 @@ def comparisons(t: Table) -> tuple[list[Comparison], list[str]]:
     """Ratios of one table: llmaccel against every other backend at the same slot (load
     point, variant...); each variant or quantization against the base row of its backend;
     prefix cache on against off. Only rows of one result file on one device are compared
-    (BENCHMARKS.md: a claim is a ratio measured side by side in one run). Returns the
+    (docs/workloads.md: a claim is a ratio measured side by side in one run). Returns the
     comparisons and the pairs left out for coming from different runs."""
     def one_run(a: RowId, b: RowId) -> bool:
         return len(t.sources[a] | t.sources[b]) == 1 and len(t.devices[a] | t.devices[b]) == 1

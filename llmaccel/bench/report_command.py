@@ -8,7 +8,7 @@ from rich.console import Console
 
 console = Console()
 
-RUNS_HELP = ("Result files (BENCHMARKS.md JSON lines) or directories of them (every *.jsonl "
+RUNS_HELP = ("Result files (docs/workloads.md JSON lines) or directories of them (every *.jsonl "
              "except *.requests.jsonl and *.problems.jsonl). A <stem>.requests.jsonl beside a "
              "file feeds the latency CDFs.")
 

@@ -1,5 +1,5 @@
-"""Benchmark records in the BENCHMARKS.md format: one JSON object a line, plus a markdown summary
-whose ratios are computed from the records themselves (never typed in by hand)."""
+"""Benchmark records in the format of docs/workloads.md: one JSON object a line, plus a markdown
+summary whose ratios are computed from the records themselves (never typed in by hand)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class RunMeta:
 
 @dataclass
 class Record:
-    """One measurement. Field order is the order of BENCHMARKS.md's example line."""
+    """One measurement. Field order is the order of docs/workloads.md's example line."""
     workload: str
     model: str
     load_format: str

@@ -1,8 +1,8 @@
-"""`llmaccel bench latency | throughput | serve | prefix`: BENCHMARKS.md's W1-W4 through any
+"""`llmaccel bench latency | throughput | serve | prefix`: docs/workloads.md's W1-W4 through any
 backend (llmaccel in process, HF generate, an OpenAI-compatible server), each request timed
 by its client, metrics computed once for all backends (`metrics.calculate_metrics`).
 
-A suite returns a `SuiteOutput`: records in BENCHMARKS.md's format and per-request rows for
+A suite returns a `SuiteOutput`: records in docs/workloads.md's format and per-request rows for
 the `.requests.jsonl` sidecar that `llmaccel report` draws latency CDFs from.
 """
 

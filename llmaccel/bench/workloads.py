@@ -1,4 +1,4 @@
-"""Seeded random-token prompts for the BENCHMARKS.md workloads W1-W4.
+"""Seeded random-token prompts for the docs/workloads.md workloads W1-W4.
 
 Python's `random.Random` draws the tokens, so a seed gives the same prompts on every machine and
 torch version. Ids come from a safe band of the vocabulary: low ids and the top of the

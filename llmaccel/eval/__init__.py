@@ -1,1 +1,1 @@
-"""Measurement of model quality: perplexity (BENCHMARKS.md W6)."""
+"""Measurement of model quality: perplexity (docs/workloads.md W6)."""

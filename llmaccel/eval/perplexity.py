@@ -1,4 +1,4 @@
-"""Perplexity by the standard sliding-window method (BENCHMARKS.md W6), through our engine's
+"""Perplexity by the standard sliding-window method (docs/workloads.md W6), through our engine's
 model, so every checkpoint format the engine loads (bf16, GPTQ, AWQ, compressed-tensors,
 bitsandbytes NF4, FP8) is measured the same way.
 
@@ -139,8 +139,9 @@ def sliding_window_perplexity(window_fn: WindowNLL, ids: torch.Tensor, context: 
     total, count = 0.0, 0
     bar = None
     if progress:
-        from rich.progress import Progress
-        bar = Progress(transient=True)
+        from llmaccel.progress import progress_bar
+
+        bar = progress_bar()
         bar.start()
         task = bar.add_task("perplexity", total=len(spans))
     try:
@@ -198,7 +199,7 @@ def evaluate_perplexity(model: str, *, data: str = "wikitext2", joining: str = "
     """Load `model` (any source and checkpoint format the engine reads) and measure it, through
     our engine (backend "llmaccel") or transformers (backend "hf").
 
-    `quantization`: a scheme of BENCHMARKS.md (rtn-int8, rtn-int4-g128, nf4, hqq-int4,
+    `quantization`: a scheme of docs/workloads.md (rtn-int8, rtn-int4-g128, nf4, hqq-int4,
     gptq-int4-g128, awq-int4-g128, fp8) applied to `model` first, as `llmaccel quantize` does,
     into `quantized_dir` (kept) or a temporary directory (removed); the engine measures it."""
     if backend not in BACKENDS:

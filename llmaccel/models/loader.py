@@ -97,9 +97,9 @@ def _checkpoint_tensor_count(model: torch.nn.Module) -> int:
 
 def _with_progress(weights: Weights, total: int, description: str) -> Weights:
     """A rich progress bar over the checkpoint's tensors as they are copied in."""
-    from rich.progress import Progress
+    from llmaccel.progress import progress_bar
 
-    with Progress(transient=True) as bar:
+    with progress_bar() as bar:
         task = bar.add_task(description, total=total)
         for item in weights:
             yield item

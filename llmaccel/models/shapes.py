@@ -1,4 +1,4 @@
-"""Named benchmark shapes (../shared/BENCHMARKS.md) as HF config dicts, for `load_format="dummy"`.
+"""Named benchmark shapes (docs/workloads.md) as HF config dicts, for `load_format="dummy"`.
 
 The values mirror the public config.json of each model so that a dummy model has the same
 parameter count, KV-cache size and rope setup as the real one.

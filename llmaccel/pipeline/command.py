@@ -17,7 +17,7 @@ def run(
     recipe: Optional[str] = typer.Argument(None, help="A recipe YAML file (default: the "
                                            "built-in recipe on the default model)."),
     size: str = typer.Option("small", help="The built-in recipe's sizes: small (a CPU gets "
-                             "through in minutes) or full (BENCHMARKS.md's, for a GPU)."),
+                             "through in minutes) or full (docs/workloads.md's, for a GPU)."),
     model: Optional[str] = typer.Option(None, help="Run the recipe on this model instead of "
                                         "its own."),
     data: Optional[str] = typer.Option(None, help="The text every stage reads instead of the "
@@ -70,9 +70,12 @@ def print_plan(plan: Plan) -> None:
     for col in ("stage", "plan", "reads", "directory"):
         t.add_column(col)
     for s in plan.stages:
-        t.add_row(s.name, s.action, ", ".join(s.node.inputs.values()),
-                  plan.store.stage_dir(s.name, s.key).name)
+        reads = "every stage above" if s.node.kind == "report" else \
+            ", ".join(s.node.inputs.values())
+        t.add_row(s.name, s.action, reads, plan.store.stage_dir(s.name, s.key).name)
     console.print(t)
+    for text in plan.texts.values():
+        console.print(f"text: {text.describe()}", highlight=False)
 
 
 def print_summary(plan: Plan) -> None:

@@ -53,7 +53,7 @@ class FinetuneStage(_Section):
 
 
 class QuantizeStage(_Section):
-    """One checkpoint per scheme of BENCHMARKS.md (rtn-int8, gptq-int4-g128, ..., fp8)."""
+    """One checkpoint per scheme of docs/workloads.md (rtn-int8, gptq-int4-g128, ..., fp8)."""
     methods: list[str] = Field(default_factory=lambda: ["rtn-int8", "rtn-int4-g128",
                                                         "gptq-int4-g128", "awq-int4-g128",
                                                         "fp8"])
@@ -96,7 +96,7 @@ class BenchStage(_Section):
         default_factory=lambda: ["latency", "throughput", "serve"])
     backends: list[Literal["llmaccel", "hf-eager", "hf-static-compile", "hf-cb"]] = Field(
         default_factory=lambda: ["llmaccel", "hf-eager", "hf-cb"])
-    quick: bool = False                  # bench's --quick sizes instead of BENCHMARKS.md's
+    quick: bool = False                  # bench's --quick sizes instead of docs/workloads.md's
     repeats: int = Field(3, ge=1)
     request_rates: list[float] = Field(default_factory=lambda: [1.0, 4.0, 16.0, 64.0])  # W3
     num_prompts: Optional[int] = Field(None, ge=1)  # W3 requests per load point (None: 200)
@@ -322,7 +322,7 @@ def _line_of(node: Any, loc: tuple[Any, ...]) -> int | None:
 
 def default_recipe(size: Literal["small", "full"] = "small") -> Recipe:
     """The built-in recipe (`llmaccel run` with no file) on the default model. small: sizes a
-    CPU gets through in minutes; full: BENCHMARKS.md's sizes, for a GPU."""
+    CPU gets through in minutes; full: docs/workloads.md's sizes, for a GPU."""
     if size == "small":
         stages = Stages(
             analyze=AnalyzeStage(),

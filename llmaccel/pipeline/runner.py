@@ -48,6 +48,7 @@ class Plan:
     store: Store
     stages: list[PlannedStage] = field(default_factory=list)
     run_id: str = ""             # names this run in each stage.json it writes
+    texts: dict[tuple[str, str], TextData] = field(default_factory=dict)  # what stages read
 
     def by_name(self) -> dict[str, PlannedStage]:
         return {s.name: s for s in self.stages}
@@ -76,7 +77,7 @@ def make_plan(recipe: Recipe, runs_dir: str | Path = "runs", only: list[str] | N
     prints.save()
     chosen = select(nodes, only, start)
     plan = Plan(recipe, model, model_key, store)
-    texts = find_texts(nodes)  # every stage's text, before any stage runs
+    texts = plan.texts = find_texts(nodes)  # every stage's text, before any stage runs
     keys: dict[str, str] = {SOURCE: model_key}
     for node in nodes:
         input_keys = {role: keys[src] for role, src in node.inputs.items()}
@@ -122,6 +123,7 @@ def execute(plan: Plan, console: Any = None, stage_fns: dict[str, StageFn] | Non
     fns = stage_fns or STAGES
     by = plan.by_name()
     plan.run_id = plan.run_id or time.strftime("%Y%m%d-%H%M%S")
+    to_run, done = sum(st.action == "run" for st in plan.stages), 0
     for st in plan.stages:
         if st.action != "run":
             st.status = "cached" if st.action == "cached" else "not selected"
@@ -136,7 +138,8 @@ def execute(plan: Plan, console: Any = None, stage_fns: dict[str, StageFn] | Non
             continue
         inputs = _inputs_of(plan, by, st.node)
         tmp = plan.store.begin(st.name, st.key)
-        _say(console, f"[bold]run[/] {st.name}")
+        done += 1
+        _say(console, f"[bold]run[/] {st.name} [dim]({done} of {to_run})[/]")
         t0 = time.perf_counter()
         try:
             manifest = fns[st.node.kind](st.node, inputs, tmp)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llmaccel.pipeline.dag import StageNode
+from llmaccel.progress import interactive
 
 
 @dataclass
@@ -97,7 +98,7 @@ def run_eval(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
                               stride=c["stride"], limit=c["limit"], dtype=c["dtype"],
                               device=_device(c), progress=True)
     _write_json(out / "ppl.json", {"variant": c["variant"], **res.to_dict()})
-    # The W6 record of BENCHMARKS.md, named as the bench stage names its records, so the
+    # The W6 record of docs/workloads.md, named as the bench stage names its records, so the
     # report joins perplexity and speed by config.quantization.
     from llmaccel.bench.results import make_record, write_jsonl
 
@@ -124,7 +125,7 @@ def run_bench(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]
              "num_prompts": c["num_prompts"]} if workload == "serve" else {}
     path = run_workload(workload, inputs.model, out, workload, backend=",".join(c["backends"]),
                         quick=c["quick"], repeats=c["repeats"], dtype=c["dtype"],
-                        device=_device(c), no_progress=True, **extra)
+                        device=_device(c), no_progress=not interactive(), **extra)
     _relabel(path, inputs.source, _variant_facts(c), inputs.model, c["variant"])
     return {"records": [path.name], "variant": c["variant"], "workload": workload}
 
@@ -217,7 +218,7 @@ def run_spec(node: StageNode, inputs: StageInputs, out: Path) -> dict[str, Any]:
                         batches=",".join(str(b) for b in c["batches"]),
                         kinds=",".join(c["kinds"]), max_tokens=c["max_tokens"],
                         repeats=c["repeats"], dtype=c["dtype"], device=_device(c),
-                        no_progress=True)
+                        no_progress=not interactive())
     # A named target variant goes into config.quantization (config.variant is W5's row label)
     target = {} if "variant" not in c else \
         {"quantization": _variant_facts(c)["quantization"], "target_variant": c["variant"]}

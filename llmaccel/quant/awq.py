@@ -201,7 +201,7 @@ def search_scales(weights: list[torch.Tensor], x: torch.Tensor, bits: int = 4,
 
 
 CLIP_TOKENS = 512           # calibration rows the clip search scores (AutoAWQ samples 512 too)
-CLIP_CHUNK_ELEMENTS = 1 << 25  # tokens x out rows x groups per einsum: bounds its memory
+CLIP_CHUNK_ELEMENTS = 1 << 24  # out rows x in channels per step: bounds the fp64 copies
 
 
 def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,
@@ -218,9 +218,9 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size
     on `x` never exceeds the unclipped one.
 
     The errors are scored on at most `max_tokens` rows of `x`, evenly spaced (the guarantee
-    above is on those rows): the search costs tokens x out x in per candidate ratio, which on
-    a full calibration set (128 x 512 tokens) dominates a model's quantization time. Output
-    rows go through in chunks so the per-group error tensor stays bounded for wide layers.
+    above is on those rows), in fp64 through each group's Gram matrix X_g^T X_g, so a candidate
+    ratio costs out x in x group_len whatever the number of tokens. Output rows go through in
+    chunks so the fp64 copies stay bounded for wide layers.
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise QuantizationError(f"weight {tuple(weight.shape)} does not take inputs with "
@@ -235,33 +235,40 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size
     if x2.shape[0] > max_tokens:
         rows = torch.linspace(0, x2.shape[0] - 1, max_tokens, device=x2.device).round().long()
         x2 = x2[rows]
-    xg = x2.to(torch.float32).reshape(-1, n_groups, group_len)
+    x64 = x2.to(torch.float64)
+    # A group's error sum_t (x_g . d_g)^2 is d_g^T (X_g^T X_g) d_g: one small Gram matrix per
+    # group, computed once, replaces a tokens x out x groups product per candidate ratio.
+    xg = x64.reshape(-1, n_groups, group_len)
+    gram = torch.einsum("tgk,tgl->gkl", xg, xg)
     ones = torch.ones(out_features, n_groups, device=w.device)  # CUDA weights: same device
-    chunk = max(1, CLIP_CHUNK_ELEMENTS // max(1, xg.shape[0] * n_groups))
+    chunk = max(1, CLIP_CHUNK_ELEMENTS // max(1, in_features))
 
     unit = torch.ones(in_features, device=w.device)
 
-    def per_group_error(clip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d = w - dequantize(quantize_scaled(w, unit, bits, group_size, sym,
-                                           clip=clip, scale_dtype=scale_dtype))
-        dg = d.reshape(out_features, n_groups, group_len)
-        group_err, row_err = [], []
-        for o in range(0, out_features, chunk):
-            # each group's share of each output, for a chunk of output rows
-            contrib = torch.einsum("tgk,ogk->tog", xg, dg[o:o + chunk])
-            group_err.append(contrib.double().pow(2).sum(dim=0))
-            row_err.append(contrib.sum(dim=-1).double().pow(2).sum(0))
-        return torch.cat(group_err), torch.cat(row_err)
+    def difference(clip: torch.Tensor) -> torch.Tensor:
+        return (w - dequantize(quantize_scaled(w, unit, bits, group_size, sym, clip=clip,
+                                               scale_dtype=scale_dtype))).to(torch.float64)
 
-    best_err, row_err_unclipped = per_group_error(ones)
+    def per_group_error(clip: torch.Tensor) -> torch.Tensor:
+        dg = difference(clip).reshape(out_features, n_groups, group_len)
+        return torch.cat([torch.einsum("ogk,gkl,ogl->og", dg[o:o + chunk], gram,
+                                       dg[o:o + chunk])
+                          for o in range(0, out_features, chunk)])
+
+    def row_error(clip: torch.Tensor) -> torch.Tensor:
+        d = difference(clip)
+        return torch.cat([(x64 @ d[o:o + chunk].t()).pow(2).sum(0)
+                          for o in range(0, out_features, chunk)])
+
+    best_err, row_err_unclipped = per_group_error(ones), row_error(ones)
     best_clip = ones.clone()
     for i in range(1, int(max_shrink * n_grid)):
         ratio = 1.0 - i / n_grid
-        err, _ = per_group_error(torch.full_like(ones, ratio))
+        err = per_group_error(torch.full_like(ones, ratio))
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_clip = torch.where(better, torch.full_like(ones, ratio), best_clip)
-    _, row_err = per_group_error(best_clip)
+    row_err = row_error(best_clip)
     worse = row_err > row_err_unclipped
     best_clip[worse] = 1.0
     return best_clip

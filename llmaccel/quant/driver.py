@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
 from llmaccel.data import DataNotFoundError, find_text
 from llmaccel.errors import LLMAccelError, QuantizationError, UnsupportedModelError
+from llmaccel.progress import progress_bar
 from llmaccel.quant.calibration import CalibConfig, calibration_batches
 from llmaccel.quant.checkpoint import (
     FORMATS,
@@ -277,9 +277,7 @@ def _quantize_loaded(hf: nn.Module, tokenizer: Any, src: Path, method: str, fmt:
     inputs, kwargs = _layer0_inputs(hf, ids, dev) if len(ids) else ([], {})
     tensors: dict[str, torch.Tensor] = {}
     layers = hf.model.layers
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
-    with Progress(*columns, disable=not show_progress, transient=True) as bar:
+    with progress_bar(disable=not show_progress) as bar:
         task = bar.add_task(f"{method} int{bits}", total=len(layers))
         for i, layer in enumerate(layers):
             bar.update(task, description=f"{method} int{bits} · layer {i}")
@@ -295,7 +293,7 @@ def _quantize_loaded(hf: nn.Module, tokenizer: Any, src: Path, method: str, fmt:
             bar.advance(task)
 
     if lm_head:
-        with Progress(*columns, disable=not show_progress, transient=True) as bar:
+        with progress_bar(disable=not show_progress) as bar:
             bar.add_task(f"{method} int{bits} · lm_head", total=None)
             tensors.update(_quantize_lm_head(hf, inputs, fmt, spec, dev))
     qconfig = quantization_config(fmt, spec, lm_head=lm_head)

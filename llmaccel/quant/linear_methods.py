@@ -74,8 +74,24 @@ def dequantize_unpacked(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.
 
 
 def _dequant_rows(codes, scales, zeros, g_idx) -> torch.Tensor:
+    out, k = codes.shape
+    n_groups = scales.shape[1]
+    if k % n_groups == 0 and _contiguous_groups(g_idx, k // n_groups):
+        # groups of consecutive channels (no act-order): broadcast each group's scale and
+        # zero over a [out, groups, size] view instead of gathering [out, in] copies of them
+        size = k // n_groups
+        # (the same arithmetic as below: integer differences are exact in fp32, then one
+        # rounding in the product)
+        w = codes.view(out, n_groups, size).to(torch.float32)
+        w.sub_(zeros.unsqueeze(-1).to(torch.float32)).mul_(scales.unsqueeze(-1))
+        return w.view(out, k)
     q = codes.to(torch.int32) - zeros[:, g_idx]
     return q.to(torch.float32) * scales[:, g_idx]
+
+
+def _contiguous_groups(g_idx: torch.Tensor, size: int) -> bool:
+    expected = torch.arange(g_idx.numel(), device=g_idx.device) // size
+    return bool(torch.equal(g_idx, expected))
 
 
 def _gemv_w4_config(layer: nn.Module, k: int, device: torch.device):

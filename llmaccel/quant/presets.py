@@ -1,4 +1,4 @@
-"""Named quantization schemes (the `config.quantization` names of BENCHMARKS.md) as the
+"""Named quantization schemes (the `config.quantization` names of docs/workloads.md) as the
 config.json `quantization_config` a checkpoint in that scheme carries.
 
 Used to run dummy-weight models in a scheme (`LLM(shape, load_format="dummy",

@@ -1,4 +1,4 @@
-"""BENCHMARKS.md's quantization scheme names (rtn-int8, gptq-int4-g128, ...) applied to a real
+"""docs/workloads.md's quantization scheme names (rtn-int8, gptq-int4-g128, ...) applied to a real
 model: the method, bits and group each name means, and one call that writes the checkpoint
 (`quantize_scheme`). Used by `llmaccel eval ppl --quantization` and benchmarks/quant_ppl.py;
 presets.py maps the same names to a config alone, for random-weight speed runs."""

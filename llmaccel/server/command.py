@@ -37,7 +37,7 @@ def serve(
                                                 "the text) instead of the tokenizer's."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     quantization: Optional[str] = typer.Option(
-        None, help="Serve the model quantized by a scheme of BENCHMARKS.md (rtn-int8, "
+        None, help="Serve the model quantized by a scheme of docs/workloads.md (rtn-int8, "
         "rtn-int4-g128, nf4, hqq-int4, gptq-int4-g128, awq-int4-g128, fp8): quantized first, "
         "as `llmaccel quantize` does (GPTQ/AWQ calibrate on WikiText-2); with --load-format "
         "dummy, random codes of that format. A checkpoint already quantized (GPTQ, AWQ, "

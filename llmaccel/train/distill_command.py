@@ -16,15 +16,17 @@ console = Console()
 
 
 def distill_draft(
-    target: str = typer.Argument(..., help="The target: an HF directory, a hub id (org/name) "
-                                 "or a GGUF file (dequantized by transformers)."),
+    target: Optional[str] = typer.Argument(None, help="The target: an HF directory, a hub id "
+                                           "(org/name) or a GGUF file (dequantized by "
+                                           "transformers); default: the default model."),
     kind: str = typer.Option("head", help="student (the target's first --layers layers, "
                              "trained on its distribution; engine method \"draft\") or head "
                              "(an EAGLE-style layer over the target's features; method "
                              "\"head\")."),
-    data: str = typer.Option("wikitext2", help="wikitext2 (the validation split, offline), a "
-                             "text file, an HF dataset name (needs `datasets`, online), or "
-                             "self[:N]: the target's own answers to N code and prose requests "
+    data: str = typer.Option("wikitext2", help="wikitext2 (its validation split: found in "
+                             "$LLMACCEL_DATA_DIR, ../shared/data or the user cache, else "
+                             "downloaded once), a text file, a WikiText-2 directory, a Hugging "
+                             "Face dataset id, or self[:N]: the target's own answers to N code and prose requests "
                              "(default 1024), generated first (self-distillation)."),
     layers: Optional[int] = typer.Option(None, min=1, help="student: decoder layers to keep "
                                          "(default: a quarter of the target's, at least 1)."),
@@ -114,6 +116,11 @@ def distill_draft(
     stopping."""
     from llmaccel.train.distill import distill_draft as run_distill
     from llmaccel.train.distill_common import DistillConfig
+
+    if target is None:
+        from llmaccel.models.default_model import default_model_path
+
+        target = str(default_model_path())
 
     res = run_distill(DistillConfig(
         target=target, out=out, kind=kind, data=data, layers=layers, lr=lr, steps=steps,

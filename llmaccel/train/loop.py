@@ -101,6 +101,8 @@ def train_with_early_stop(
     83% of its steps, its rate still at a quarter of the peak: session 31)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from llmaccel.progress import interactive
+
     if schedule not in ("constant", "cosine"):
         raise LLMAccelError(f"schedule must be constant or cosine, got {schedule!r}")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -134,7 +136,7 @@ def train_with_early_stop(
     pending: list[torch.Tensor] = []  # this stretch's losses, still on the device
     bar = Progress(TextColumn(label), BarColumn(), TextColumn(
         "{task.completed}/{task.total} loss {task.fields[loss]:.3f} {task.fields[status]}"),
-        TimeRemainingColumn(), disable=not progress)
+        TimeRemainingColumn(), disable=not (progress and interactive()))
     task = bar.add_task("train", total=steps, loss=float("nan"), status=status(first))
     bar.start()
     try:
