@@ -6,8 +6,8 @@ the report directory stands alone."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from llmaccel.bench.report import fmt_value, write_report
@@ -98,11 +98,16 @@ def write_recipe_report(inputs: StageInputs, out: Path, title: str,
                "engine; the HF rows run the same weights), weights read per decode step as "
                "the W1 roofline counts them; peak GPU memory where a GPU ran it. `made`: "
                "measured in this run (fresh) or held by the cache from the run named.", ""]
+
         def made(variant: str) -> str:
             return made_label(inputs, [r for r in inputs.dirs if r == f"eval.{variant}"
                                        or r.startswith(f"bench.{variant}.")])
 
         md += method_engine_table(records, variants, made) + [""]
+        if Path(data).expanduser().is_file() and "finetune" in inputs.dirs:
+            md += [f"`{data}` is one text file: fine-tuning trained on it and perplexity is "
+                   "measured on it too, so the fine-tuned row's perplexity is optimistic "
+                   "(a directory with separate validation and test files avoids this).", ""]
     md += _spec_section(records, inputs)
     md += _finetune_section(inputs) + _quantize_section(inputs) + _times_section(inputs)
     md += _recipe_section(recipe)
