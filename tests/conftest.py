@@ -98,14 +98,3 @@ def generated_wikitext_dir() -> Path:
 @pytest.fixture(scope="session")
 def wikitext_dir() -> Path:
     return generated_wikitext_dir()
-
-
-def real_wikitext_or_skip(split: str = "test") -> Path:
-    """The real WikiText-2 file of `split` where this machine has it locally, else skip (a
-    user's clone has no ../shared/data, and the Hub may be out of reach)."""
-    from llmaccel.data import DataNotFoundError, find_text
-
-    try:
-        return find_text("wikitext2", split, download=False).path
-    except DataNotFoundError as e:
-        pytest.skip(f"needs the real WikiText-2 text: {e}")

@@ -164,3 +164,14 @@ def test_report_marks_each_figure_fresh_or_cached(tmp_path):
     assert made_label(inputs, ["eval.fp8"]) == "cached: run run-1"
     assert made_label(inputs, ["eval.base", "bench.base.latency"]) == \
         "cached: run run-1 (the rest fresh)"
+
+
+def test_the_plan_checks_the_model_before_running(tmp_path, wikitext_dir):
+    from llmaccel.errors import ModelNotFoundError
+    from llmaccel.pipeline.recipe import parse_recipe
+    from llmaccel.pipeline.runner import make_plan
+
+    text = RECIPE.format(model=tmp_path / "no-such-model", data=wikitext_dir)
+    with pytest.raises(ModelNotFoundError, match="no such file or directory: .*no-such-model"):
+        make_plan(parse_recipe(text), tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()

@@ -69,6 +69,7 @@ def make_plan(recipe: Recipe, runs_dir: str | Path = "runs", only: list[str] | N
     """Key every stage run of `recipe` and decide what to run: selected stages whose output
     is not cached (all selected ones with `force`)."""
     model = model or resolve_model(recipe)
+    check_models(recipe, model)
     root = Path(runs_dir)
     prints = Fingerprints(root / ".fingerprints.json")
     model_key = prints.of_model(model)
@@ -99,6 +100,17 @@ def make_plan(recipe: Recipe, runs_dir: str | Path = "runs", only: list[str] | N
                 raise RecipeError(f"stage {st.name} needs {src}, which is neither cached nor "
                                   f"selected: select it too (or drop --only/--from)")
     return plan
+
+
+def check_models(recipe: Recipe, model: str) -> None:
+    """The recipe's model and draft model exist (a local path) or resolve (a hub id, a
+    shape): a typo stops the run before its first stage, in one line."""
+    from llmaccel.models.source import resolve_model_source
+
+    draft = recipe.stages.draft
+    for name in [model] + ([draft.model] if draft is not None and draft.enabled
+                           and draft.model and "model" in draft.methods else []):
+        resolve_model_source(name)
 
 
 def find_texts(nodes: list[StageNode]) -> dict[tuple[str, str], TextData]:
