@@ -108,7 +108,7 @@ def find_text(data: str = "wikitext2", split: str = "validation", *,
         return TextData(data, split, path, "file", False)
     if path.is_dir():
         return _from_directory(data, path, split)
-    if _PATH_LIKE.search(data) or os.sep in data and not _looks_like_dataset_id(data):
+    if _PATH_LIKE.search(data) or (os.sep in data and not _looks_like_dataset_id(data)):
         raise DataNotFoundError(f"no such file or directory: {data}")
     return _hub_dataset(data, split, download)
 
