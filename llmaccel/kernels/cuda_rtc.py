@@ -189,6 +189,30 @@ def _compile(source: str, name: str, arch: str, defines: dict[str, int | str],
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+@functools.lru_cache(maxsize=None)
+def primary_context(index: int) -> int:
+    """The primary context of device `index` (the one PyTorch's runtime calls use), retained
+    once per process."""
+    _, cuda = _libs()
+    _check_cu(cuda, cuda.cuInit(0), "cuInit")
+    dev = ctypes.c_int()
+    _check_cu(cuda, cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+    ctx = ctypes.c_void_p()
+    _check_cu(cuda, cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
+              "cuDevicePrimaryCtxRetain")
+    return int(ctx.value or 0)
+
+
+def make_current(cuda: ctypes.CDLL, ctx: int) -> None:
+    """Make `ctx` the calling thread's current context. Driver-API calls act on that context
+    alone, and a thread that has not yet made a CUDA runtime call (an engine or server thread
+    stepping the engine) has none: a launch there fails with "invalid device context"."""
+    current = ctypes.c_void_p()
+    _check_cu(cuda, cuda.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+    if (current.value or 0) != ctx:
+        _check_cu(cuda, cuda.cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
+
+
 class CudaKernel:
     """One compiled kernel in the current context of `device`."""
 
@@ -196,17 +220,8 @@ class CudaKernel:
         _, cuda = _libs()
         torch.cuda.init()
         with torch.cuda.device(device):
-            torch.cuda.current_stream(device)  # makes torch's (primary) context current
-            _check_cu(cuda, cuda.cuInit(0), "cuInit")
-            ctx = ctypes.c_void_p()
-            _check_cu(cuda, cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-            if not ctx.value:
-                dev = ctypes.c_int()
-                _check_cu(cuda, cuda.cuDeviceGet(ctypes.byref(dev), device.index or 0),
-                          "cuDeviceGet")
-                _check_cu(cuda, cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
-                          "cuDevicePrimaryCtxRetain")
-                _check_cu(cuda, cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            self._ctx = primary_context(device.index or 0)
+            make_current(cuda, self._ctx)
             self._module = ctypes.c_void_p()
             self._cubin = cubin  # the driver reads the image during the call only
             _check_cu(cuda, cuda.cuModuleLoadData(ctypes.byref(self._module), cubin),
@@ -226,6 +241,7 @@ class CudaKernel:
     def num_regs(self) -> int:
         """Registers per thread (CU_FUNC_ATTRIBUTE_NUM_REGS), for logs and experiments."""
         _, cuda = _libs()
+        make_current(cuda, self._ctx)
         v = ctypes.c_int()
         _check_cu(cuda, cuda.cuFuncGetAttribute(ctypes.byref(v), 4, self._func),
                   "cuFuncGetAttribute")
@@ -237,6 +253,7 @@ class CudaKernel:
         if nbytes <= self._dynamic_shared:
             return
         _, cuda = _libs()
+        make_current(cuda, self._ctx)
         _check_cu(cuda, cuda.cuFuncSetAttribute(self._func, _ATTR_MAX_DYNAMIC_SHARED,
                                                 ctypes.c_int(nbytes)),
                   f"cuFuncSetAttribute({self.name}, {nbytes} bytes of shared memory)")
@@ -248,6 +265,7 @@ class CudaKernel:
         kernel's parameter order (pointers as ctypes.c_void_p(tensor.data_ptr()));
         `shared_mem`: bytes of dynamic shared memory (`extern __shared__`)."""
         _, cuda = _libs()
+        make_current(cuda, self._ctx)  # the engine may step from any thread
         if shared_mem > 48 * 1024:
             self.set_dynamic_shared(shared_mem)
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
@@ -289,6 +307,7 @@ def host_device_pointer(t: torch.Tensor) -> int:
     if t.is_cuda or not t.is_pinned():
         raise ValueError("host_device_pointer needs a pinned host tensor")
     _, cuda = _libs()
+    make_current(cuda, primary_context(torch.cuda.current_device()))
     ptr = ctypes.c_uint64()
     _check_cu(cuda, cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr),
                                                       ctypes.c_void_p(t.data_ptr()), 0),
