@@ -356,6 +356,7 @@ BAD = [  # (path, body (str: raw bytes), status, param)
     (C, {"model": "tiny", "prompt": [[]]}, 400, None),                     # the engine's
     (C, {"model": "tiny", "prompt": [999]}, 400, None),                    # outside vocab
     (C, {"model": "tiny", "prompt": [999], "stream": True}, 400, None),    # before streaming
+    (C, {"model": "tiny", "prompt": "w1 \ud800 w2"}, 400, "prompt"),      # a lone surrogate
     (C, {"model": "tiny", "prompt": "w1", "stream": True, "temperature": -1}, 400,
      "temperature"),
     (CHAT, {"model": "tiny", "messages": []}, 400, "messages"),
@@ -400,6 +401,27 @@ def test_bad_inputs_get_4xx_and_the_server_keeps_serving(server):
     # none of them reached the engine: one finished request (the good one) since `before`
     assert metric(after, "llmaccel:request_success_total") - \
         metric(before, "llmaccel:request_success_total") == 1
+    wait_until(server.idle, what="an idle server")
+
+
+def test_an_internal_error_is_a_counted_500_without_its_text(server, monkeypatch):
+    state = server.app.state.serving
+
+    def boom(name):
+        raise RuntimeError("secret detail /home/someone/model")
+
+    before = get_metrics(server.url)
+    monkeypatch.setattr(state, "resolve_model", boom)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        r = client.post(C, json={"model": "tiny", "prompt": "w1", "max_tokens": 2})
+    monkeypatch.undo()
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["code"] == 500 and "secret" not in r.text and "RuntimeError" not in r.text
+    after = get_metrics(server.url)
+    name = "llmaccel:http_responses_total"
+    assert metric(after, name, route=C, status="500") - \
+        metric(before, name, route=C, status="500") == 1
     wait_until(server.idle, what="an idle server")
 
 

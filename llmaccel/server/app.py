@@ -59,13 +59,23 @@ class CountResponses:
             await self.app(scope, receive, send)
             return
         route = scope["path"] if scope["path"] in ROUTES else "other"
+        started = False
 
         async def counting_send(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.state.metrics.on_response(route, message["status"])
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            # An unhandled error's 500 is sent by Starlette's outermost middleware, outside
+            # this one: count it here.
+            if not started:
+                self.state.metrics.on_response(route, 500)
+            raise
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI:

@@ -81,8 +81,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        # A bug or a failed engine step: still OpenAI's shape (Starlette logs the traceback).
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        # A bug or a failed engine step: still OpenAI's shape, without the exception's text
+        # (it may hold paths or data of other requests); the server log has the traceback.
+        return error_response(500, "internal server error (the server log has the details)")
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(Exception, on_unexpected)

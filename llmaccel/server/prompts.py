@@ -24,10 +24,21 @@ def completion_prompts(prompt: str | list, tokenizer: Any) -> list[list[int]]:
             if tokenizer is None:
                 raise bad_request("this model has no tokenizer: send the prompt as token ids",
                                   "prompt")
+            check_text(p, "prompt")
             out.append(list(tokenizer(p).input_ids))
         else:
             out.append(list(p))
     return out
+
+
+def check_text(text: str, param: str) -> None:
+    """Text a tokenizer can take: JSON may carry lone surrogates ("\\ud800"), which no UTF-8
+    encoder accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{param} is not valid Unicode text: {e.reason} at character "
+                          f"{e.start}", param) from None
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
