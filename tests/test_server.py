@@ -638,6 +638,13 @@ def test_admission_control(small_server):
     status, body = read_response(waiting[1])
     assert status == 200 and json.loads(body)["choices"][0]["finish_reason"] == "length"
     wait_until(small_server.idle, what="an idle server")
+    # more prompts than may ever wait: no retry can help, so a 400 naming the limit, not a 503
+    r = httpx.post(small_server.url + C, json={**short, "prompt": ["w1", "w2", "w3"]},
+                   headers=AUTH)
+    assert r.status_code == 400 and "--max-waiting" in r.json()["error"]["message"]
+    # n completions of one prompt take one place
+    r = httpx.post(small_server.url + C, json={**short, "n": 3}, headers=AUTH)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
     text = get_metrics(small_server.url)
     assert metric(text, "llmaccel:request_success_total", finished_reason="abort") == 2
     assert metric(text, "llmaccel:http_responses_total", route=C, status="503") == 1

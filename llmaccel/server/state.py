@@ -76,11 +76,17 @@ class ServingState:
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self, slots: int) -> Reservation:
-        """Take `slots` waiting places or refuse with 503 (draining, or the queue is full)."""
+        """Take `slots` waiting places (one per prompt; a prompt's n completions are one engine
+        request) or refuse: 503 while draining or while the queue is full, 400 for more prompts
+        than the queue holds at all."""
         if self.draining:
             raise APIError(503, "the server is shutting down",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         limit = self.settings.max_waiting
+        if limit is not None and slots > limit:  # would wait for a queue it can never fit
+            raise APIError(400, f"this request has {slots} prompts and at most {limit} may "
+                           "wait at once (--max-waiting): send fewer prompts per request",
+                           "prompt")
         if limit is not None and self.waiting + slots > limit:
             raise APIError(503, f"too many requests waiting ({self.waiting} of at most "
                            f"{limit}); retry later",
