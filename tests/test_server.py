@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -522,6 +523,9 @@ def test_health_models_metrics_version(server):
     assert models["object"] == "list"
     assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == \
         [("tiny", "model", 256), ("tiny-alias", "model", 256)]
+    # the model directory by its name, not the server's absolute path
+    root = server.app.state.serving.settings.model_root
+    assert {m["root"] for m in models["data"]} == {Path(root).name} and "/" not in Path(root).name
     text = get_metrics(server.url)
     for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "e2e_request_latency_seconds_bucket", "num_requests_running",
@@ -606,6 +610,9 @@ def test_api_key(small_server):
         assert r.status_code == 401 and r.json()["error"]["code"] == 401
         assert r.headers["www-authenticate"] == "Bearer"
     assert httpx.get(small_server.url + "/v1/models").status_code == 401
+    for path in ("/docs", "/redoc", "/openapi.json"):  # the API's description too
+        assert httpx.get(small_server.url + path).status_code == 401, path
+        assert httpx.get(small_server.url + path, headers=AUTH).status_code == 200, path
     assert httpx.post(url, json=body, headers=AUTH).status_code == 200
     assert httpx.get(small_server.url + "/health").status_code == 200  # open, as in vLLM
     assert httpx.get(small_server.url + "/metrics").status_code == 200

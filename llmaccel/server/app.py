@@ -6,6 +6,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.responses import Response
@@ -27,16 +28,21 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
           "/version")
 
 
+PROTECTED_DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
 class BearerAuth:
-    """Requires `Authorization: Bearer <key>` on /v1/* (health and metrics stay open, as in
-    vLLM). Compared in constant time, so response timing does not leak the key."""
+    """Requires `Authorization: Bearer <key>` on /v1/* and on the API's description (/docs,
+    /redoc, /openapi.json); health and metrics stay open, as in vLLM. Compared in constant
+    time, so response timing does not leak the key."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1")
+                                        or scope["path"] in PROTECTED_DOCS):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(401, "invalid or missing API key (expected "
@@ -78,6 +84,15 @@ class CountResponses:
             raise
 
 
+def public_root(model_root: str | None) -> str | None:
+    """What /v1/models says the model is: a hub id or shape name as given, a local path by its
+    last component only (the server's directory layout is no client's business)."""
+    if model_root is None or not Path(model_root).expanduser().is_absolute() \
+            and not Path(model_root).exists():
+        return model_root
+    return Path(model_root).name
+
+
 def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     state = ServingState(engine, settings)
@@ -99,7 +114,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
 
     @app.get("/v1/models")
     async def models() -> Response:
-        cards = [ModelCard(id=name, root=settings.model_root, max_model_len=state.max_model_len)
+        root = public_root(settings.model_root)
+        cards = [ModelCard(id=name, root=root, max_model_len=state.max_model_len)
                  for name in settings.served_model_names]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
