@@ -777,3 +777,30 @@ async def post_once(url: str, body: dict) -> tuple[int, dict]:
 async def stream_once(url: str, body: dict) -> tuple[int, list]:
     async with httpx.AsyncClient(timeout=60) as client:
         return await stream(client, url, body)
+
+
+def test_cors_is_off_by_default_and_follows_allowed_origins(server, model_dir):
+    from llmaccel.server.command import parse_origins
+
+    origin = {"Origin": "https://app.example"}
+    assert "access-control-allow-origin" not in httpx.get(server.url + "/v1/models",
+                                                           headers=origin).headers
+    assert parse_origins(['["https://a.example", "https://b.example"]', "https://c.example"]) \
+        == ("https://a.example", "https://b.example", "https://c.example")
+    engine = AsyncLLM.from_config(str(model_dir), **engine_kwargs())
+    srv = ServerThread(engine, ServerSettings(served_model_names=("tiny",), api_key="sekret",
+                                              allowed_origins=("https://app.example",))).start()
+    try:
+        preflight = {**origin, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}
+        r = httpx.options(srv.url + C, headers=preflight)  # no key: browsers send none here
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        r = httpx.options(srv.url + C, headers={**preflight, "Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+        r = httpx.post(srv.url + C, json={"model": "tiny", "prompt": "w1", "max_tokens": 2},
+                       headers={**origin, **AUTH})
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+    finally:
+        srv.stop()

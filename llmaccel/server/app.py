@@ -134,5 +134,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
 
     if settings.api_key is not None:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
+    if settings.allowed_origins:  # outside the key check: a browser's preflight carries none
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(CountResponses, state=state)  # added last: outermost, sees the 401s
     return app

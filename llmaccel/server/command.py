@@ -4,6 +4,7 @@ cli.py registers `serve` as `app.command("serve")`. Engine options mirror `llmac
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -35,6 +36,10 @@ def serve(
                                            "aborted."),
     chat_template: Optional[str] = typer.Option(None, help="A Jinja chat template (a file or "
                                                 "the text) instead of the tokenizer's."),
+    allowed_origins: list[str] = typer.Option([], help="Browser origins allowed to call "
+                                              "the API (CORS), e.g. https://app.example.com; "
+                                              "repeat, or a JSON list as vLLM takes it "
+                                              "('[\"*\"]'). Default: none."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     quantization: Optional[str] = typer.Option(
         None, help="Serve the model quantized by a scheme of docs/workloads.md (rtn-int8, "
@@ -85,11 +90,29 @@ def serve(
         names = tuple(served_model_name) or (model or mc.name,)
         settings = ServerSettings(served_model_names=names, model_root=str(model or mc.name),
                                   api_key=api_key, max_waiting=max_waiting,
-                                  chat_template=template, shutdown_timeout_s=shutdown_timeout)
+                                  chat_template=template, shutdown_timeout_s=shutdown_timeout,
+                                  allowed_origins=parse_origins(allowed_origins))
         server = make_server(build_app(engine, settings), host, port, log_level)
         console.print(f"serving {names[0]} ({mc.name}, max_model_len {mc.max_model_len}) on "
                       f"http://{host}:{port}/v1", highlight=False)
         server.run()
+
+
+def parse_origins(values: list[str]) -> tuple[str, ...]:
+    """--allowed-origins values: plain origins, or JSON lists of them (vLLM's form)."""
+    out: list[str] = []
+    for v in values:
+        if v.strip().startswith("["):
+            try:
+                items = json.loads(v)
+            except ValueError as e:
+                raise LLMAccelError(f"--allowed-origins {v!r} is not a JSON list: {e}") from None
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise LLMAccelError(f"--allowed-origins {v!r}: a JSON list of strings")
+            out += items
+        else:
+            out.append(v.strip())
+    return tuple(o for o in out if o)
 
 
 def _read_template(value: str | None) -> str | None:

@@ -22,6 +22,8 @@ class ServerSettings:
     chat_template: str | None = None     # overrides the tokenizer's template
     # On shutdown, in-flight requests get this long to finish before they are aborted.
     shutdown_timeout_s: float = 30.0
+    # Browser origins allowed to call the API (CORS); empty: none, the browser's default.
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not n for n in self.served_model_names):
