@@ -358,6 +358,9 @@ BAD = [  # (path, body (str: raw bytes), status, param)
     (C, {"model": "tiny", "prompt": [999]}, 400, None),                    # outside vocab
     (C, {"model": "tiny", "prompt": [999], "stream": True}, 400, None),    # before streaming
     (C, {"model": "tiny", "prompt": "w1 \ud800 w2"}, 400, "prompt"),      # a lone surrogate
+    (C, {"model": "tiny", "prompt": "w1", "stop": ["x"] * 65}, 400, "stop"),
+    (C, {"model": "tiny", "prompt": "w1", "stop": "x" * 1025}, 400, "stop"),
+    (C, {"model": "tiny", "prompt": "w1", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids"),
     (C, {"model": "tiny", "prompt": "w1", "stream": True, "temperature": -1}, 400,
      "temperature"),
     (CHAT, {"model": "tiny", "messages": []}, 400, "messages"),

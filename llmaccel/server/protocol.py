@@ -25,6 +25,11 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
 class SamplingRequest(RequestModel):
     """Fields both endpoints share: OpenAI's, then vLLM's sampling extensions."""
     model: str | None = None  # None: the first served name (vLLM allows leaving it out)
@@ -49,6 +54,27 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # token ids of prompt and choices in the response
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounded(cls, value: str | list[str] | None) -> str | list[str] | None:
+        # every stop string is searched for in every new piece of text of every choice: a
+        # request must not be able to slow the others down with a million of them
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        long = [len(s) for s in stops if len(s) > MAX_STOP_CHARS]
+        if long:
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got "
+                             f"{long[0]}")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_bounded(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(value) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(value)}")
+        return value
 
 
 class CompletionRequest(SamplingRequest):
