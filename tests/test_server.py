@@ -807,3 +807,43 @@ def test_cors_is_off_by_default_and_follows_allowed_origins(server, model_dir):
         assert r.headers["access-control-allow-origin"] == "https://app.example"
     finally:
         srv.stop()
+
+
+def test_oversized_bodies_get_413_unread_and_long_texts_400_untokenized(model_dir):
+    engine = AsyncLLM.from_config(str(model_dir), **engine_kwargs())
+    srv = ServerThread(engine, ServerSettings(served_model_names=("tiny",),
+                                              max_request_body_bytes=4096)).start()
+    try:
+        big = {"model": "tiny", "prompt": "w1 " * 2000, "max_tokens": 2}
+        r = httpx.post(srv.url + C, json=big)
+        assert r.status_code == 413
+        err = r.json()["error"]
+        assert err["code"] == 413 and "4,096 bytes" in err["message"]
+        # a declared length past the limit is refused before a byte of the body is sent
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 1000000000\r\n\r\n")
+        status, _ = read_response(sock)
+        assert status == 413
+        sock.close()
+
+        def chunked():  # no length given: counted as it arrives
+            yield b'{"model": "tiny", "prompt": "'
+            for _ in range(100):
+                yield b"w1 " * 100
+            yield b'"}'
+
+        r = httpx.post(srv.url + C, content=chunked(),
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 413
+        # within the limit but more characters than the context can hold as tokens
+        state = srv.app.state.serving
+        n = state.max_model_len * state.longest_token + 1
+        r = httpx.post(srv.url + C, json={"model": "tiny", "prompt": "w" * n, "max_tokens": 2})
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + C, json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 2})
+        assert r.status_code == 200
+        text = get_metrics(srv.url)
+        assert metric(text, "llmaccel:http_responses_total", route=C, status="413") == 3
+    finally:
+        srv.stop()

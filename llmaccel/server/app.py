@@ -17,6 +17,7 @@ from llmaccel.engine.async_llm import AsyncLLM
 from llmaccel.server.chat import create_chat_completion
 from llmaccel.server.completions import create_completion
 from llmaccel.server.errors import error_response, install_error_handlers
+from llmaccel.server.limits import LimitBody
 from llmaccel.server.metrics import CONTENT_TYPE
 from llmaccel.server.protocol import ModelCard, ModelList
 from llmaccel.server.settings import ServerSettings
@@ -132,6 +133,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         state.metrics.update_engine(await engine.get_stats())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    # innermost first: the key is checked before a body is read, and every refusal counted
+    app.add_middleware(LimitBody, max_bytes=settings.max_request_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     if settings.allowed_origins:  # outside the key check: a browser's preflight carries none

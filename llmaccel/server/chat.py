@@ -29,7 +29,9 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     model = state.resolve_model(req.model)
     check_chat(req, state.settings.max_logprobs)
     check_stop_token_ids(req, state.vocab_size)
-    prompt = await state.run_blocking(chat_prompt, message_dicts(req.messages), state.tokenizer,
+    messages = message_dicts(req.messages)
+    state.check_chars("".join(m["content"] for m in messages), "messages")
+    prompt = await state.run_blocking(chat_prompt, messages, state.tokenizer,
                                       state.settings.chat_template, req.add_generation_prompt)
     max_tokens = chat_max_tokens(req)
     check_context(len(prompt), max_tokens, state.max_model_len, "messages")

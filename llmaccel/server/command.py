@@ -15,6 +15,7 @@ from rich.console import Console
 
 from llmaccel import cli_options as o
 from llmaccel.errors import LLMAccelError
+from llmaccel.server.settings import DEFAULT_MAX_BODY_BYTES
 
 console = Console(stderr=True)
 
@@ -40,6 +41,9 @@ def serve(
                                               "the API (CORS), e.g. https://app.example.com; "
                                               "repeat, or a JSON list as vLLM takes it "
                                               "('[\"*\"]'). Default: none."),
+    max_request_body_bytes: int = typer.Option(
+        DEFAULT_MAX_BODY_BYTES, min=1, help="Read a request body no further than this; past "
+        "it answer 413."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     quantization: Optional[str] = typer.Option(
         None, help="Serve the model quantized by a scheme of docs/workloads.md (rtn-int8, "
@@ -91,7 +95,8 @@ def serve(
         settings = ServerSettings(served_model_names=names, model_root=str(model or mc.name),
                                   api_key=api_key, max_waiting=max_waiting,
                                   chat_template=template, shutdown_timeout_s=shutdown_timeout,
-                                  allowed_origins=parse_origins(allowed_origins))
+                                  allowed_origins=parse_origins(allowed_origins),
+                                  max_request_body_bytes=max_request_body_bytes)
         server = make_server(build_app(engine, settings), host, port, log_level)
         console.print(f"serving {names[0]} ({mc.name}, max_model_len {mc.max_model_len}) on "
                       f"http://{host}:{port}/v1", highlight=False)

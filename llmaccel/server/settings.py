@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from llmaccel.errors import LLMAccelError
 
+# JSON of a full-context prompt as token ids is about 7 bytes a token: 16 MiB holds batches
+# of long prompts and stops a client from making the server buffer gigabytes.
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -24,6 +28,8 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0
     # Browser origins allowed to call the API (CORS); empty: none, the browser's default.
     allowed_origins: tuple[str, ...] = ()
+    # A request body is read no further than this (413 past it).
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not n for n in self.served_model_names):
@@ -34,6 +40,8 @@ class ServerSettings:
             raise LLMAccelError("the API key must not be empty")
         if self.shutdown_timeout_s < 0:
             raise LLMAccelError("shutdown_timeout_s must be >= 0")
+        if self.max_request_body_bytes < 1:
+            raise LLMAccelError("max_request_body_bytes must be >= 1")
 
     @property
     def default_model(self) -> str:

@@ -14,6 +14,7 @@ from typing import TypeVar
 from llmaccel.engine.async_llm import AsyncLLM
 from llmaccel.server.choices import TokenNames
 from llmaccel.server.errors import APIError
+from llmaccel.server.limits import check_prompt_chars, longest_token_chars
 from llmaccel.server.metrics import ServerMetrics
 from llmaccel.server.settings import ServerSettings
 
@@ -47,6 +48,9 @@ class ServingState:
         self.max_model_len: int = core.max_model_len
         self.vocab_size: int = core.model_config.hf_config.vocab_size
         self.token_names = TokenNames(self.tokenizer)
+        # the most characters one token covers: a longer text than max_model_len of them is
+        # refused before tokenizing (0: no tokenizer, no bound)
+        self.longest_token = longest_token_chars(self.tokenizer) if self.tokenizer else 0
         self.metrics = ServerMetrics(settings.default_model, speculative=core.spec is not None)
         self.waiting = 0       # engine requests admitted that have no output yet
         self.in_flight = 0     # generation requests between admission and their last byte
@@ -102,6 +106,9 @@ class ServingState:
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
+
+    def check_chars(self, text: str, param: str) -> None:
+        check_prompt_chars(text, self.max_model_len, self.longest_token, param)
 
     async def run_blocking(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
