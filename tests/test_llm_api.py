@@ -272,3 +272,41 @@ def test_output_kind(model_dir):
     assert len(seen["final_only"]) == 1 and seen["final_only"][0].finished
     for kind in seen:
         assert seen[kind][-1].outputs[0].token_ids == expected
+
+
+def test_shutdown_aborts_every_running_request_in_one_step(model_dir):
+    """Aborting N requests takes the engine once between two steps, not once a step each: a
+    drain's deadline is not stretched by N steps, and no request keeps generating meanwhile."""
+    llm = make_llm(model_dir)
+    engine = AsyncLLM(llm.engine)
+    steps = {"n": 0}
+    real_step = llm.engine.step
+
+    def counting_step():
+        steps["n"] += 1
+        return real_step()
+
+    llm.engine.step = counting_step
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def consume(i):
+        out = None
+        async for out in engine.generate([3 + i, 4, 5], long):
+            pass
+        return out
+
+    async def main():
+        tasks = [asyncio.create_task(consume(i)) for i in range(16)]
+        while steps["n"] < 3:  # all 16 were added before the first step: all running
+            await asyncio.sleep(0.005)
+        before = steps["n"]
+        await engine.shutdown(abort_running=True)
+        during = steps["n"] - before
+        outs = await asyncio.gather(*tasks)
+        return during, outs
+
+    during, outs = asyncio.run(main())
+    assert during <= 1, f"{during} steps ran while 16 requests were being aborted"
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    assert all(len(o.outputs[0].token_ids) < 200 for o in outs)
+    assert llm.engine.block_manager.num_used_blocks == 0

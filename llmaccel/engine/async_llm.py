@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from llmaccel.engine.config import EngineConfig
@@ -75,17 +75,21 @@ class AsyncLLM:
         self._wake.set()
         return queue
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort one request or many (as vLLM's AsyncLLM.abort): many at once take the engine
+        between two steps once, not once each."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
         # Shielded: a cancelled caller (a client gone, whose cancellation frameworks deliver
         # again at every await) must not leave the request running while it waits for a step.
-        await asyncio.shield(self._abort(request_id))
+        await asyncio.shield(self._abort(ids))
 
-    async def _abort(self, request_id: str) -> None:
+    async def _abort(self, request_ids: list[str]) -> None:
         async with self._lock:
-            out = self.engine.abort_request(request_id)
-        queue = self._queues.get(request_id)
-        if out is not None and queue is not None:
-            queue.put_nowait(out)
+            outs = [(rid, self.engine.abort_request(rid)) for rid in request_ids]
+        for rid, out in outs:
+            queue = self._queues.get(rid)
+            if out is not None and queue is not None:
+                queue.put_nowait(out)
 
     async def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
@@ -118,8 +122,7 @@ class AsyncLLM:
     async def shutdown(self, abort_running: bool = True) -> None:
         """Stop the loop; abort what is still running (it is reported as finished, 'abort')."""
         if abort_running:
-            for request_id in list(self.engine.requests):
-                await self.abort(request_id)
+            await self.abort(list(self.engine.requests))
         self._closed = True
         self._wake.set()
         if self._loop_task is not None:
