@@ -847,3 +847,28 @@ def test_oversized_bodies_get_413_unread_and_long_texts_400_untokenized(model_di
         assert metric(text, "llmaccel:http_responses_total", route=C, status="413") == 3
     finally:
         srv.stop()
+
+
+def test_connections_without_a_request_head_are_closed(model_dir):
+    srv = _fresh_server(model_dir, header_timeout_s=0.5)
+    try:
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(10)]
+        half = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(10)]
+        for s in half:  # a head that never ends
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        # a request running past the deadline is not cut: the deadline covers heads only
+        body = {"model": "tiny", "prompt": "w1", "max_tokens": LONG, "ignore_eos": True,
+                "stream": True}
+        sock = raw_post(srv.port, C, body)
+        status, raw = read_response(sock)
+        assert status == 200 and sse_events(raw.decode().splitlines())[-1] == "[DONE]"
+        for s in idle + half:
+            s.settimeout(10)
+            try:
+                assert s.recv(1024) == b""  # closed by the server
+            except ConnectionResetError:
+                pass
+            s.close()
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        srv.stop()

@@ -30,6 +30,9 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()
     # A request body is read no further than this (413 past it).
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # A connection must send a whole request head within this long of opening (or of its
+    # last response), else it is closed.
+    header_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not n for n in self.served_model_names):
@@ -40,6 +43,8 @@ class ServerSettings:
             raise LLMAccelError("the API key must not be empty")
         if self.shutdown_timeout_s < 0:
             raise LLMAccelError("shutdown_timeout_s must be >= 0")
+        if self.header_timeout_s <= 0:
+            raise LLMAccelError("header_timeout_s must be > 0")
         if self.max_request_body_bytes < 1:
             raise LLMAccelError("max_request_body_bytes must be >= 1")
 
