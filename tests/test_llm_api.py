@@ -217,7 +217,7 @@ def test_coalesced_streams_skip_to_the_newest_output(model_dir):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_failed_step_fails_streams_and_keeps_serving(model_dir, monkeypatch):
+def test_failed_step_fails_streams_and_keeps_serving(model_dir, monkeypatch, caplog):
     llm = make_llm(model_dir, enable_prefix_caching=True)
     engine = AsyncLLM(llm.engine)
     calls = {"n": 0}
@@ -244,8 +244,11 @@ def test_failed_step_fails_streams_and_keeps_serving(model_dir, monkeypatch):
         await engine.shutdown()
         return first, after
 
-    first, after = asyncio.run(main())
+    with caplog.at_level("ERROR", logger="llmaccel.engine.async_llm"):
+        first, after = asyncio.run(main())
     assert all(isinstance(r, RuntimeError) for r in first)
+    logged = [r for r in caplog.records if "simulated kernel failure" in r.getMessage()]
+    assert len(logged) == 1 and "2 requests" in logged[0].getMessage()  # once, with the cause
     assert llm.engine.block_manager.num_used_blocks == 0
     assert len(llm.engine.block_manager.cache) <= 3  # only the new request's blocks, re-computed
     expected = make_llm(model_dir).generate([list(range(1, 40))], GREEDY, use_tqdm=False)

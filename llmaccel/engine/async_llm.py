@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -15,6 +16,8 @@ from llmaccel.engine.outputs import RequestOutput
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.stats import EngineStats
 from llmaccel.errors import LLMAccelError
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
@@ -108,6 +111,8 @@ class AsyncLLM:
                 async with self._lock:
                     outputs = await asyncio.to_thread(self.engine.step)
             except Exception as e:  # a failed step fails its requests, not the server
+                logger.error("an engine step failed; failing %d requests: %s: %s",
+                             len(self._queues), type(e).__name__, e, exc_info=e)
                 for request_id in list(self.engine.requests):
                     self.engine.abort_request(request_id)
                 for queue in self._queues.values():
