@@ -76,8 +76,8 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict) -> Result:
                   usage["completion_tokens"] if usage else 0, time.perf_counter() - start, ttft)
 
 
-async def _load(url: str) -> tuple[list[Result], float]:
-    end = time.perf_counter() + SECONDS
+async def _load(url: str, seconds: float = SECONDS) -> tuple[list[Result], float]:
+    end = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
 
     async def client_loop(client: httpx.AsyncClient, i: int) -> list[Result]:
@@ -140,3 +140,93 @@ def test_bounded_load(server, capsys):
                f"({len(ttft)} streams); wall {wall:.1f}s")
     with capsys.disabled():
         print("\n" + figures)
+
+
+# -- the same load with bad clients among the good ones ----------------------------------------
+BAD_CLIENTS = 4
+MIXED_SECONDS = 4.0
+BODY_LIMIT = 64 << 10
+
+
+async def _bad_client(url: str, i: int, end: float) -> dict[str, int]:
+    """Oversized bodies (413), prompts longer in characters than the context holds (400),
+    and streams abandoned after their first chunk, in turn."""
+    seen = {"413": 0, "400": 0, "disconnects": 0, "other": 0}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        k = 0
+        while time.perf_counter() < end:
+            kind = (i + k) % 3
+            k += 1
+            if kind == 0:
+                r = await client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": "w1 " * (BODY_LIMIT // 2), "max_tokens": 4})
+                seen["413" if r.status_code == 413 else "other"] += 1
+            elif kind == 1:
+                r = await client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": "w" * (BODY_LIMIT // 2), "max_tokens": 4})
+                seen["400" if r.status_code == 400 else "other"] += 1
+            else:
+                async with client.stream("POST", "/v1/completions", json={
+                        "model": "tiny", "prompt": "w1 w2", "max_tokens": 200,
+                        "ignore_eos": True, "stream": True}) as r:
+                    async for _ in r.aiter_lines():
+                        break  # the first chunk, then gone
+                seen["disconnects"] += 1
+    return seen
+
+
+def _mixed_load(tmp_path) -> tuple[list[Result], list[Result]]:
+    """The good clients alone, then with BAD_CLIENTS bad ones among them; checks that every
+    good request is answered whole, every bad one gets its 4xx, nothing is lost and no KV
+    block stays in use. Returns the good requests' results of both runs."""
+    engine = AsyncLLM.from_config(str(make_model_dir(tmp_path)), **engine_kwargs())
+    srv = ServerThread(engine, ServerSettings(served_model_names=("tiny",),
+                                              max_request_body_bytes=BODY_LIMIT)).start()
+    try:
+        async def run(with_bad: bool):
+            end = time.perf_counter() + MIXED_SECONDS
+            good = _load(srv.url, seconds=MIXED_SECONDS)
+            bad = [_bad_client(srv.url, i, end) for i in range(BAD_CLIENTS)] if with_bad else []
+            out = await asyncio.gather(good, *bad)
+            return out[0][0], out[1:]
+
+        alone, _ = asyncio.run(run(False))
+        wait_until(srv.idle, what="an idle server")
+        before = get_metrics(srv.url)
+        mixed, bad = asyncio.run(run(True))
+        wait_until(srv.idle, what="an idle server after the mixed load")
+        after = get_metrics(srv.url)
+    finally:
+        srv.stop()
+    for results in (alone, mixed):
+        assert all(r.status == 200 and r.complete for r in results), "a good request failed"
+    counts = {k: sum(s[k] for s in bad) for k in bad[0]}
+    assert counts["other"] == 0 and counts["413"] and counts["400"] and counts["disconnects"]
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("llmaccel:http_responses_total", status="500") == 0
+    # nothing lost: every good request finished, every abandoned stream was aborted
+    assert delta("llmaccel:request_success_total", finished_reason="abort") == \
+        counts["disconnects"]
+    assert delta("llmaccel:request_success_total") == len(mixed) + counts["disconnects"]
+    assert srv.used_blocks == 0
+    return alone, mixed
+
+
+def _p99_ms(results: list[Result]) -> float:
+    return _pct([r.latency_s for r in results], 99) * 1e3
+
+
+def test_bad_clients_get_4xx_and_lose_nothing(tmp_path, capsys):
+    alone, mixed = _mixed_load(tmp_path)
+    with capsys.disabled():
+        print(f"\ngood requests' p99 latency: alone {_p99_ms(alone):.0f} ms, among bad "
+              f"clients {_p99_ms(mixed):.0f} ms")
+
+
+@pytest.mark.slow  # a latency ratio: meaningful on a quiet machine only
+def test_bad_clients_leave_the_others_p99_within_2x(tmp_path):
+    alone, mixed = _mixed_load(tmp_path)
+    assert _p99_ms(mixed) <= 2 * _p99_ms(alone), (_p99_ms(mixed), _p99_ms(alone))
