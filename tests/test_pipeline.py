@@ -323,8 +323,14 @@ stages:
                     .splitlines()[0])
     assert w5["config"]["quantization"] == "fp8" and w5["config"]["target_variant"] == "fp8"
     # 4 W6, 4 W1, 4 W3 (our engine only), 4 W5
-    assert len(list((report_dir / "records").glob("*.jsonl"))) == 16
+    records = [p for p in (report_dir / "records").glob("*.jsonl")
+               if not p.name.endswith(".requests.jsonl")]
+    assert len(records) == 16
     assert "### W3" in md
+    # the W3 runs' per-request rows came along: the report draws their latency CDFs
+    sidecars = sorted(p.name for p in (report_dir / "records").glob("*.requests.jsonl"))
+    assert [n for n in sidecars if ".serve" in n], sidecars
+    assert "latency_cdf.png" in md and "W3 per-request latency CDFs" in md
     # perplexity vs speed: the schemes are compared with the model they were made from
     assert "The unquantized point is the `finetuned` variant" in md
     res = runner.invoke(app, ["run", str(recipe), "--runs-dir", str(runs), "--dry-run"])

@@ -22,7 +22,8 @@ def _fmt(v: float | None) -> str:
 
 
 def collect_records(inputs: StageInputs, out: Path) -> list[Path]:
-    """Copy every input stage's record files into out/records/<stage>-<file>."""
+    """Copy every input stage's record files into out/records/<stage>-<file>, each with its
+    per-request sidecar (<stem>.requests.jsonl) where it has one: the latency CDFs read them."""
     dest = out / "records"
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
@@ -33,6 +34,9 @@ def collect_records(inputs: StageInputs, out: Path) -> list[Path]:
             target = dest / f"{role}-{name}"
             shutil.copyfile(src, target)
             copied.append(target)
+            side = src.with_name(src.stem + ".requests.jsonl")
+            if side.is_file():
+                shutil.copyfile(side, target.with_name(target.stem + ".requests.jsonl"))
     return copied
 
 
