@@ -16,7 +16,6 @@ import torch
 
 from llmaccel import LLM, SamplingParams
 from llmaccel.engine.async_llm import AsyncLLM
-from tiny_models import make_tiny_model, tiny_configs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -24,9 +23,9 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model(tiny_configs()["llama"], d)
-    return d
+    from server_harness import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _llm(model_dir, enforce_eager: bool) -> LLM:
@@ -39,7 +38,7 @@ def _llm(model_dir, enforce_eager: bool) -> LLM:
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(1, 200) for _ in range(rng.randint(4, 40))] for _ in range(n)]
+    return [[rng.randrange(1, 120) for _ in range(rng.randint(4, 40))] for _ in range(n)]
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
