@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from llmaccel import cli_options as o
 from llmaccel import __version__
@@ -336,8 +337,8 @@ def main() -> None:
         app()
     except LLMAccelError as e:
         # one line however long: scripts and tests read the error as the last line
-        err_console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False,
-                          soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True,
+                          highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("interrupted")

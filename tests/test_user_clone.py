@@ -175,3 +175,10 @@ def test_the_plan_checks_the_model_before_running(tmp_path, wikitext_dir):
     with pytest.raises(ModelNotFoundError, match="no such file or directory: .*no-such-model"):
         make_plan(parse_recipe(text), tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_error_shows_its_brackets(no_data_env, tiny_model):
+    """Rich would read "[weird]" in a message as markup and drop it."""
+    line = one_line_error(_run(no_data_env, "eval", "ppl", str(tiny_model), "--device", "cpu",
+                               "--data", "[weird]/nope.txt"))
+    assert line == "error: no such file or directory: [weird]/nope.txt", line
