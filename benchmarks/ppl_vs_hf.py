@@ -89,7 +89,7 @@ def run(args: argparse.Namespace, command: str) -> tuple[Path, Path, list]:
     device = torch.device(args.device or "cpu")
     model = args.model or default_model()
     mc = make_model_config(model, dtype=args.dtype, max_model_len=args.context, device=device)
-    text = load_eval_text("wikitext2", "hf")
+    text, _ = load_eval_text("wikitext2", "hf")
     token_ids = tokenize_eval_text(mc, text)  # one tokenizer, one list: both backends read it
     stride = args.stride or args.context
     meta = RunMeta(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

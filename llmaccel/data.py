@@ -275,11 +275,6 @@ def file_sha256(path: Path) -> str:
     return _sha256_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
 
-def read_text(data: str = "wikitext2", split: str = "validation") -> str:
-    """The text of `data`'s `split`, as found by `find_text`."""
-    return find_text(data, split).read()
-
-
 __all__ = ["DATA_HINT", "DataNotFoundError", "NAMED", "SPLITS", "TextData", "download_wikitext2",
-           "file_sha256", "find_text", "hub_reachable", "read_text", "read_text_file",
+           "file_sha256", "find_text", "hub_reachable", "read_text_file",
            "shared_data_dir", "user_cache_dir"]

@@ -71,14 +71,14 @@ def join_rows(raw: str, joining: str) -> str:
     return "\n\n".join(rows)
 
 
-def load_eval_text(data: str, joining: str = "hf") -> str:
-    """The test split of `data` (llmaccel.data.find_text): WikiText-2 rows joined by `joining`;
-    a text file or a dataset's text as it is."""
+def load_eval_text(data: str, joining: str = "hf") -> tuple[str, str]:
+    """(text, joining applied) of `data`'s test split (llmaccel.data.find_text): WikiText-2
+    rows joined by `joining`; a text file or a dataset's text as it is ("file")."""
     from llmaccel.data import find_text
 
     found = find_text(data, "test")
     text = found.read()
-    return join_rows(text, joining) if found.wikitext_rows else text
+    return (join_rows(text, joining), joining) if found.wikitext_rows else (text, "file")
 
 
 def windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
@@ -182,14 +182,6 @@ def tokenize_eval_text(mc, text: str, tokenizer: str | None = None) -> list[int]
     return list(get_tokenizer(mc, tokenizer)(text).input_ids)
 
 
-def joining_label(data: str, joining: str) -> str:
-    """What a result states as its row joining: WikiText rows are joined, any other text is
-    used as is."""
-    from llmaccel.data import find_text
-
-    return joining if find_text(data, "test").wikitext_rows else "file"
-
-
 def evaluate_perplexity(model: str, *, data: str = "wikitext2", joining: str = "hf",
                         context: int = 2048, stride: int | None = None, limit: int | None = None,
                         dtype: str = "auto", device: str | None = None,
@@ -204,8 +196,7 @@ def evaluate_perplexity(model: str, *, data: str = "wikitext2", joining: str = "
     into `quantized_dir` (kept) or a temporary directory (removed); the engine measures it."""
     if backend not in BACKENDS:
         raise LLMAccelError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    text = load_eval_text(data, joining)  # a missing data file fails before any model loads
-    joined = joining_label(data, joining)
+    text, joined = load_eval_text(data, joining)  # missing data fails before any model loads
     if quantization is not None:
         return _evaluate_quantized(model, quantization, quantized_dir, data=data,
                                    joining=joining, context=context, stride=stride,
@@ -254,5 +245,5 @@ def _evaluate_quantized(model: str | None, scheme: str, quantized_dir: str | Non
 
 
 __all__ = ["BACKENDS", "JOININGS", "PerplexityResult", "WindowNLL", "evaluate_perplexity",
-           "join_rows", "joining_label", "load_eval_text", "perplexity",
+           "join_rows", "load_eval_text", "perplexity",
            "sliding_window_perplexity", "tokenize_eval_text", "window_nll", "windows"]

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llmaccel import cli_options as o
 from llmaccel.pipeline.runner import Plan, execute, make_plan
 
 console = Console()
@@ -20,12 +21,8 @@ def run(
                              "through in minutes) or full (docs/workloads.md's, for a GPU)."),
     model: Optional[str] = typer.Option(None, help="Run the recipe on this model instead of "
                                         "its own."),
-    data: Optional[str] = typer.Option(None, help="The text every stage reads instead of the "
-                                       "recipe's (default wikitext2: found in "
-                                       "$LLMACCEL_DATA_DIR, ../shared/data or the user cache, "
-                                       "else downloaded once from the Hugging Face Hub): a "
-                                       "text file, a directory holding wiki.valid.raw and "
-                                       "wiki.test.raw, or a Hugging Face dataset id."),
+    data: Optional[str] = typer.Option(None, help=o.DATA_HELP + " Every stage reads it "
+                                       "instead of the recipe's text."),
     runs_dir: str = typer.Option("runs", help="Where stage outputs are kept: "
                                  "RUNS_DIR/<recipe>/<stage>-<hash>/."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (what is cached, "

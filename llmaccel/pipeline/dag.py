@@ -10,6 +10,7 @@ from typing import Any
 
 from llmaccel.pipeline.recipe import WORKLOAD_BACKENDS, BenchStage, Recipe, RecipeError
 from llmaccel.quant.schemes import CALIBRATED, SCHEMES
+from llmaccel.train.data import training_split
 
 SOURCE = "model"  # the external input: the recipe's model, not a stage
 # W5's timing harness, in the spec runs' keys: runs timed by an earlier harness are not
@@ -26,14 +27,6 @@ class StageNode:
     # text the stage reads, as (data argument, split): found before any stage runs, and its
     # content hash is part of the stage's key
     reads: list[tuple[str, str]] = field(default_factory=list)
-
-
-def training_split(data: str) -> str:
-    """The split training reads (train/data.load_training_text): a Hugging Face dataset's
-    train split, else the validation split (a file is the same text for every split)."""
-    from llmaccel.train.data import training_split as split
-
-    return split(data)
 
 
 def _needs_hf_dir(model: str | None) -> bool:

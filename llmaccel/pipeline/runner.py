@@ -186,7 +186,7 @@ def _inputs_of(plan: Plan, by: dict[str, PlannedStage], node: StageNode) -> Stag
         directory = plan.store.stage_dir(src, st.key)
         inputs.dirs[role], inputs.manifests[role] = directory, st.cached.manifest
         inputs.seconds[role] = st.cached.seconds
-        inputs.made_by[role] = st.cached.run_id or st.cached.finished_at or "an earlier run"
+        inputs.made_by[role] = st.cached.run_id or st.cached.finished_at
         if "model" in st.cached.manifest:
             inputs.models[role] = str(directory / st.cached.manifest["model"])
     return inputs

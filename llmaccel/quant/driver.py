@@ -195,6 +195,15 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
     outputs on the calibration text). Returns the report that is also saved as
     quantize_report.json.
     """
+    calib = calib or CalibConfig()
+    if calib_token_ids is None and method not in CALIBRATION_FREE:
+        find_text(calib.source, "validation")  # missing text fails now, not after the load
+    if Path(str(model)).expanduser().suffix == ".gguf":
+        # the quantizers read safetensors: a GGUF file is dequantized into a temporary copy
+        with _dequantized_gguf(model) as hf_dir:
+            return quantize_model(hf_dir, method, bits, group_size, sym, out_dir, calib, format,
+                                  device, calib_token_ids, act_order, damp_percent,
+                                  sink_weight, lm_head, compare_rtn, show_progress)
     start = time.perf_counter()
     if method == "fp8":  # E4M3, one scale per output channel: no bits / group size to choose
         format, bits, group_size, sym = check_fp8_settings(format, bits, sym), 8, -1, True
@@ -213,56 +222,7 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
                                 f"{method}, {fmt}): vLLM reads a quantized LM head only from "
                                 "GPTQ checkpoints (lm_head: true)")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    calib = calib or CalibConfig()
-    if calib_token_ids is None and method not in CALIBRATION_FREE:
-        find_text(calib.source, "validation")  # missing text fails now, not after the load
-    with _hf_directory(model) as hf_dir:
-        hf, tokenizer, src = _load(str(hf_dir), dev)
-        report = _quantize_loaded(hf, tokenizer, src, method, fmt, bits, group_size, sym,
-                                  out_dir, calib, dev, calib_token_ids, act_order,
-                                  damp_percent, sink_weight, lm_head, compare_rtn,
-                                  show_progress)
-    report.seconds = round(time.perf_counter() - start, 3)
-    (Path(out_dir) / "quantize_report.json").write_text(json.dumps(report.to_json(), indent=2))
-    return report
-
-
-@contextmanager
-def _hf_directory(model: str | Path) -> Iterator[str]:
-    """`model` itself, or a GGUF file dequantized into a temporary safetensors directory (the
-    quantizers read safetensors; the output is a safetensors checkpoint either way)."""
-    if Path(str(model)).expanduser().suffix != ".gguf":
-        yield str(model)
-        return
-    from llmaccel.quant.schemes import hf_source
-
-    path = Path(str(model)).expanduser()
-    if not path.is_file():
-        raise UnsupportedModelError(f"no such file or directory: {model}")
-    with tempfile.TemporaryDirectory(prefix="llmaccel-gguf-") as tmp:
-        log.info("dequantizing %s to a safetensors model first (bf16)", path.name)
-        yield str(hf_source(path, Path(tmp)))
-
-
-def _report_batches(tokenizer: Any, calib: CalibConfig, method: str) -> torch.Tensor | None:
-    """Calibration ids. Methods that need none read text only for the per-layer error
-    report: from the default dataset where it is on this machine (never downloaded), else no
-    report; a source the user named must exist."""
-    if method not in CALIBRATION_FREE or calib.source != CalibConfig().source:
-        return calibration_batches(tokenizer, calib)
-    try:
-        find_text(calib.source, "validation", download=False)
-    except DataNotFoundError:
-        log.info("no calibration text on this machine: no per-layer error report")
-        return None
-    return calibration_batches(tokenizer, calib)
-
-
-def _quantize_loaded(hf: nn.Module, tokenizer: Any, src: Path, method: str, fmt: str, bits: int,
-                     group_size: int, sym: bool, out_dir: str | Path, calib: CalibConfig,
-                     dev: torch.device, calib_token_ids: torch.Tensor | None, act_order: bool,
-                     damp_percent: float, sink_weight: float | None, lm_head: bool,
-                     compare_rtn: bool, show_progress: bool) -> QuantizeReport:
+    hf, tokenizer, src = _load(str(model), dev)
     for name in LINEARS:  # fail before calibration, not at layer 0 after minutes of it
         check_group_size(hf.model.layers[0].get_submodule(name).in_features, group_size)
     if calib_token_ids is None and tokenizer is not None:
@@ -298,7 +258,36 @@ def _quantize_loaded(hf: nn.Module, tokenizer: Any, src: Path, method: str, fmt:
             tensors.update(_quantize_lm_head(hf, inputs, fmt, spec, dev))
     qconfig = quantization_config(fmt, spec, lm_head=lm_head)
     write_checkpoint(Path(out_dir), hf, src, tensors, qconfig, tokenizer)
+    report.seconds = round(time.perf_counter() - start, 3)
+    (Path(out_dir) / "quantize_report.json").write_text(json.dumps(report.to_json(), indent=2))
     return report
+
+
+@contextmanager
+def _dequantized_gguf(model: str | Path) -> Iterator[Path]:
+    """A GGUF file dequantized into a temporary safetensors directory, removed afterwards."""
+    from llmaccel.quant.schemes import hf_source
+
+    path = Path(str(model)).expanduser()
+    if not path.is_file():
+        raise UnsupportedModelError(f"no such file or directory: {model}")
+    with tempfile.TemporaryDirectory(prefix="llmaccel-gguf-") as tmp:
+        log.info("dequantizing %s to a safetensors model first (bf16)", path.name)
+        yield hf_source(path, Path(tmp))
+
+
+def _report_batches(tokenizer: Any, calib: CalibConfig, method: str) -> torch.Tensor | None:
+    """Calibration ids. Methods that need none read text only for the per-layer error
+    report: from the default dataset where it is on this machine (never downloaded), else no
+    report; a source the user named must exist."""
+    if method not in CALIBRATION_FREE or calib.source != CalibConfig().source:
+        return calibration_batches(tokenizer, calib)
+    try:
+        find_text(calib.source, "validation", download=False)
+    except DataNotFoundError:
+        log.info("no calibration text on this machine: no per-layer error report")
+        return None
+    return calibration_batches(tokenizer, calib)
 
 
 @torch.no_grad()
