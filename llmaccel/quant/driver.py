@@ -195,15 +195,6 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
     outputs on the calibration text). Returns the report that is also saved as
     quantize_report.json.
     """
-    calib = calib or CalibConfig()
-    if calib_token_ids is None and method not in CALIBRATION_FREE:
-        find_text(calib.source, "validation")  # missing text fails now, not after the load
-    if Path(str(model)).expanduser().suffix == ".gguf":
-        # the quantizers read safetensors: a GGUF file is dequantized into a temporary copy
-        with _dequantized_gguf(model) as hf_dir:
-            return quantize_model(hf_dir, method, bits, group_size, sym, out_dir, calib, format,
-                                  device, calib_token_ids, act_order, damp_percent,
-                                  sink_weight, lm_head, compare_rtn, show_progress)
     start = time.perf_counter()
     if method == "fp8":  # E4M3, one scale per output channel: no bits / group size to choose
         format, bits, group_size, sym = check_fp8_settings(format, bits, sym), 8, -1, True
@@ -221,6 +212,15 @@ def quantize_model(model: str | Path, method: str = "gptq", bits: int | None = N
         raise QuantizationError(f"--lm-head needs method rtn or gptq in the gptq format (got "
                                 f"{method}, {fmt}): vLLM reads a quantized LM head only from "
                                 "GPTQ checkpoints (lm_head: true)")
+    calib = calib or CalibConfig()
+    if calib_token_ids is None and method not in CALIBRATION_FREE:
+        find_text(calib.source, "validation")  # missing text fails now, not after the load
+    if Path(str(model)).expanduser().suffix == ".gguf":
+        # the quantizers read safetensors: a GGUF file is dequantized into a temporary copy
+        with _dequantized_gguf(model) as hf_dir:
+            return quantize_model(hf_dir, method, bits, group_size, sym, out_dir, calib, fmt,
+                                  device, calib_token_ids, act_order, damp_percent,
+                                  sink_weight, lm_head, compare_rtn, show_progress)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     hf, tokenizer, src = _load(str(model), dev)
     for name in LINEARS:  # fail before calibration, not at layer 0 after minutes of it
