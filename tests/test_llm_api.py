@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from llmaccel import LLM, SamplingParams
-from llmaccel.engine.async_llm import AsyncLLM
+from llmaccel.engine.async_llm import AsyncLLM, RequestFailedError
 from llmaccel.engine.config import EngineConfig
 from llmaccel.engine.llm_engine import LLMEngine
 from llmaccel.errors import LLMAccelError
@@ -217,7 +217,9 @@ def test_coalesced_streams_skip_to_the_newest_output(model_dir):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_failed_step_fails_streams_and_keeps_serving(model_dir, monkeypatch, caplog):
+def test_a_transient_step_failure_loses_no_request(model_dir, monkeypatch, caplog):
+    """A step that fails once is retried (recomputed, its requests one at a time): every
+    request finishes with the tokens it would have had, and the failure is logged once."""
     llm = make_llm(model_dir, enable_prefix_caching=True)
     engine = AsyncLLM(llm.engine)
     calls = {"n": 0}
@@ -230,6 +232,7 @@ def test_failed_step_fails_streams_and_keeps_serving(model_dir, monkeypatch, cap
         return real_execute(step, *args)
 
     monkeypatch.setattr(llm.engine.runner, "execute", flaky)
+    prompts = [list(range(1, 40)), [5] * 33]
 
     async def consume(prompt):
         out = None
@@ -238,21 +241,130 @@ def test_failed_step_fails_streams_and_keeps_serving(model_dir, monkeypatch, cap
         return out.outputs[0].token_ids
 
     async def main():
-        first = await asyncio.gather(consume(list(range(1, 40))), consume([5] * 33),
-                                     return_exceptions=True)
-        after = await consume(list(range(1, 40)))  # the engine still serves
+        got = await asyncio.gather(*(consume(p) for p in prompts))
         await engine.shutdown()
-        return first, after
+        return got
 
-    with caplog.at_level("ERROR", logger="llmaccel.engine.async_llm"):
-        first, after = asyncio.run(main())
-    assert all(isinstance(r, RuntimeError) for r in first)
+    with caplog.at_level("WARNING", logger="llmaccel.engine"):
+        got = asyncio.run(main())
+    expected = make_llm(model_dir).generate(prompts, GREEDY, use_tqdm=False)
+    assert got == [e.outputs[0].token_ids for e in expected]
     logged = [r for r in caplog.records if "simulated kernel failure" in r.getMessage()]
     assert len(logged) == 1 and "2 requests" in logged[0].getMessage()  # once, with the cause
     assert llm.engine.block_manager.num_used_blocks == 0
-    assert len(llm.engine.block_manager.cache) <= 3  # only the new request's blocks, re-computed
-    expected = make_llm(model_dir).generate([list(range(1, 40))], GREEDY, use_tqdm=False)
-    assert after == expected[0].outputs[0].token_ids
+
+
+POISON = 7  # a token id whose presence in a step makes the (simulated) kernel fail
+
+
+def poisoned_execute(engine, monkeypatch):
+    real_execute = engine.runner.execute
+
+    def execute(step, *args):
+        if any(POISON in seq.prompt_token_ids for seq, _ in step.scheduled):
+            raise RuntimeError("simulated fault on this request's data")
+        return real_execute(step, *args)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_request_that_fails_a_step_fails_alone(model_dir, monkeypatch, caplog,
+                                                   async_scheduling):
+    """Among concurrent streams, the one whose data makes every step it is in fail ends with
+    RequestFailedError, logged once with the cause; the others finish exactly as they would
+    have, the engine keeps serving, and every KV block comes back."""
+    llm = make_llm(model_dir, enable_prefix_caching=True, async_scheduling=async_scheduling)
+    poisoned_execute(llm.engine, monkeypatch)
+    engine = AsyncLLM(llm.engine)
+    good = [list(range(10, 40)), [5] * 33, list(range(20, 31))]
+    bad = [1, 2, 3, POISON, 9]
+
+    async def consume(prompt, delay=0.0):
+        await asyncio.sleep(delay)
+        out = None
+        async for out in engine.generate(prompt, GREEDY):
+            pass
+        return out.outputs[0].token_ids
+
+    async def main():
+        # the bad request is in a step with others, and one arrives while it is tried alone
+        got = await asyncio.gather(consume(good[0]), consume(good[1]), consume(bad),
+                                   consume(good[2], 0.01), return_exceptions=True)
+        after = await consume(good[0])  # the engine still serves
+        await engine.shutdown()
+        return got, after
+
+    with caplog.at_level("WARNING", logger="llmaccel.engine"):
+        got, after = asyncio.run(main())
+    expected = [e.outputs[0].token_ids
+                for e in make_llm(model_dir).generate(good, GREEDY, use_tqdm=False)]
+    assert [got[0], got[1], got[3]] == expected
+    assert after == expected[0]
+    assert isinstance(got[2], RequestFailedError)
+    assert "simulated fault" in got[2].cause
+    retried = [r for r in caplog.records if "one at a time" in r.getMessage()]
+    assert retried  # it failed a step of several requests first
+    failed = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(failed) == 1 and got[2].request_id in failed[0].getMessage()
+    assert "simulated fault" in failed[0].getMessage()
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert not llm.engine.requests and not llm.engine.isolation.active
+    assert not llm.engine.scheduler.held
+
+
+def test_generate_returns_the_failed_request_with_its_error(model_dir, monkeypatch):
+    llm = make_llm(model_dir)
+    poisoned_execute(llm.engine, monkeypatch)
+    good = [list(range(10, 40)), list(range(20, 31))]
+    outs = llm.generate([good[0], [POISON, 8, 9], good[1]], GREEDY, use_tqdm=False)
+    expected = make_llm(model_dir).generate(good, GREEDY, use_tqdm=False)
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == \
+        [e.outputs[0].token_ids for e in expected]
+    assert outs[0].error is None and outs[2].error is None
+    assert outs[1].finished and "simulated fault" in outs[1].error
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_device_that_fails_every_step_fails_each_request_once(model_dir, monkeypatch,
+                                                                 caplog):
+    """A fault that is not any request's (every step fails): each request fails, once, with
+    the cause, and the engine does not loop."""
+    llm = make_llm(model_dir)
+
+    def execute(step, *args):
+        raise RuntimeError("simulated device fault")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", execute)
+    with caplog.at_level("ERROR", logger="llmaccel.engine"):
+        outs = llm.generate([[1, 2, 3], [4, 5, 6], [7, 8]], GREEDY, use_tqdm=False)
+    assert all(o.finished and "simulated device fault" in o.error for o in outs)
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 3
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.requests
+
+
+def test_a_request_whose_text_fails_fails_alone(model_dir, monkeypatch):
+    """Host work of one request (its detokenization) raising fails that request only."""
+    llm = make_llm(model_dir)
+    checker = llm.engine.stop_checker
+    real_update = checker.update_text
+
+    def update_text(seq):
+        if seq.request_id == "1" and len(seq.output_token_ids) > 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated")
+        return real_update(seq)
+
+    monkeypatch.setattr(checker, "update_text", update_text)
+    monkeypatch.setattr(checker, "defers_text", lambda seq: False)
+    prompts = [list(range(10, 40)), list(range(20, 31)), [3, 4, 5]]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    expected = make_llm(model_dir).generate(prompts, GREEDY, use_tqdm=False)
+    assert outs[1].error is not None and "UnicodeDecodeError" in outs[1].error
+    for i in (0, 2):
+        assert outs[i].error is None
+        assert outs[i].outputs[0].token_ids == expected[i].outputs[0].token_ids
+    assert llm.engine.block_manager.num_used_blocks == 0
 
 
 def test_output_kind(model_dir):

@@ -429,6 +429,46 @@ def test_an_internal_error_is_a_counted_500_without_its_text(server, monkeypatch
     wait_until(server.idle, what="an idle server")
 
 
+def test_a_request_that_fails_in_the_engine_fails_alone(server, monkeypatch):
+    """A request whose data makes the engine's step fail (here from its third token on) gets a
+    500, or, streamed, an error event, without the exception's text; requests beside it finish
+    normally."""
+    runner = server.app.state.serving.engine.engine.runner
+    real_execute = runner.execute
+
+    def execute(step, *args):
+        if any(7 in seq.prompt_token_ids and len(seq.output_token_ids) >= 2
+               for seq, _ in step.scheduled):
+            raise RuntimeError("simulated fault /secret/path")
+        return real_execute(step, *args)
+
+    before = get_metrics(server.url)
+    monkeypatch.setattr(runner, "execute", execute)
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            return await asyncio.gather(
+                post(c, C, {**body, "prompt": [10, 11, 12]}),
+                stream(c, C, {**body, "prompt": [10, 11, 12]}),
+                post(c, C, {**body, "prompt": [5, 7, 9]}),
+                stream(c, C, {**body, "prompt": [5, 7, 9]}))
+
+    (s1, ok), (s2, ok_events), (s3, bad), (s4, bad_events) = run(main())
+    monkeypatch.undo()
+    assert s1 == 200 and ok["usage"]["completion_tokens"] == 6
+    assert s2 == 200 and joined(ok_events)[0] == ok["choices"][0]["text"]
+    assert s3 == 500 and bad["error"]["code"] == 500 and "simulated" not in str(bad)
+    errors = [e for e in bad_events if e != "[DONE]" and "error" in e]
+    assert s4 == 200 and len(errors) == 1 and errors[0]["error"]["code"] == 500
+    assert "simulated" not in str(bad_events) and bad_events[-1] == "[DONE]"
+    after = get_metrics(server.url)
+    name = "llmaccel:request_success_total"
+    assert metric(after, name, finished_reason="error") - \
+        metric(before, name, finished_reason="error") == 2
+    wait_until(server.idle, what="an idle server")
+
+
 # -- concurrency, disconnects, metrics ---------------------------------------------------------
 def test_concurrent_clients_and_metrics(server, reference):
     """24 clients at once, every kind of request; then /metrics counts exactly what was sent

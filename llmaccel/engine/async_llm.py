@@ -20,6 +20,16 @@ from llmaccel.errors import LLMAccelError
 logger = logging.getLogger(__name__)
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (a fault of the engine or the device, not
+    of the request); the others went on. `cause` names the exception, which the engine
+    logged."""
+
+    def __init__(self, request_id: str, cause: str) -> None:
+        super().__init__(f"the engine failed while running request {request_id}: {cause}")
+        self.request_id, self.cause = request_id, cause
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -110,7 +120,7 @@ class AsyncLLM:
             try:
                 async with self._lock:
                     outputs = await asyncio.to_thread(self.engine.step)
-            except Exception as e:  # a failed step fails its requests, not the server
+            except Exception as e:  # noqa: BLE001 - the engine could not blame one request
                 logger.error("an engine step failed; failing %d requests: %s: %s",
                              len(self._queues), type(e).__name__, e, exc_info=e)
                 for request_id in list(self.engine.requests):
@@ -121,7 +131,8 @@ class AsyncLLM:
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
-                    queue.put_nowait(out)
+                    queue.put_nowait(out if out.error is None
+                                     else RequestFailedError(out.request_id, out.error))
             await asyncio.sleep(0)  # let new requests and aborts in between steps
 
     async def shutdown(self, abort_running: bool = True) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from llmaccel.engine.block_manager import BlockManager
 from llmaccel.engine.config import EngineConfig
+from llmaccel.engine.isolation import FailureIsolation
 from llmaccel.engine.kv_cache import allocate_kv_caches, bytes_per_block, resolve_kv_cache_dtype
 from llmaccel.engine.model_runner import ModelRunner
 from llmaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -62,6 +63,7 @@ class Request:
     pending_forks: list[Sequence] = field(default_factory=list)  # n > 1: wait for the prefill
     arrival_time: float = field(default_factory=time.monotonic)
     finished_time: float | None = None
+    error: str | None = None  # why the engine failed it (its sequences end with "error")
 
     @property
     def finished(self) -> bool:
@@ -129,6 +131,9 @@ class LLMEngine:
                                         self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._deferred: list[Sequence] = []  # sampled last step, outputs not yet built
+        self._outputs: list[RequestOutput] = []  # this step's, kept however the step ends
+        self.isolation = FailureIsolation()
+        self._causes_logged: set[tuple[str, str]] = set()
         self._ahead: _Launched | None = None  # async scheduling: the next step, launched early
         # pinned staging for early token copies (_copy_to_host): 0 for plain copies, 1 and 2
         # in turn for those the next launch makes
@@ -189,22 +194,31 @@ class LLMEngine:
             for i in range(params.n)]
         req = Request(request_id, text, ids, seqs, pending_forks=seqs[1:])
         self.requests[request_id] = req
+        self.isolation.on_add(request_id)
         self.scheduler.add(seqs[0])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        return self._end_request(request_id, "abort")
+
+    def _end_request(self, request_id: str, reason: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.isolation.forget(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+                self.scheduler.finish(seq, reason)
             if self.spec is not None:
                 self.spec.release(seq)
         for seq in req.pending_forks:
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         req.pending_forks = []
         for seq in req.seqs:  # the text of tokens not yet detokenized (all, where deferred)
-            self.stop_checker.finish_text(seq)
+            try:
+                self.stop_checker.finish_text(seq)
+            except Exception:  # noqa: BLE001 - a request failing in its detokenizer ends anyway
+                if reason != "error":
+                    raise
         return self._output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -212,6 +226,21 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step (`_step`). A step that raises fails only the request that makes it
+        fail: the engine recomputes the step's requests and tries them one at a time
+        (FailureIsolation); the failed request comes back finished, with `error` set and
+        finish_reason "error", and the others go on. Outputs are never lost to a failure."""
+        if self.isolation.active or self.isolation.held:
+            self.isolation.next_probation(self.requests.__contains__)
+            self.scheduler.held = self.isolation.held
+        try:
+            self._step()
+        except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's
+            self._recover(e)
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def _step(self) -> None:
         """Schedule and launch one forward pass; while the GPU runs it, finish the host work
         of the previous step (detokenization, stop strings, outputs); then sample.
 
@@ -236,31 +265,35 @@ class LLMEngine:
                 for seq in sched.preempted:
                     self.spec.release(seq)
             if not sched:
-                outputs = self._process_outputs()
+                self._process_outputs()
                 # Config checks guarantee any single request fits; an empty step with work
                 # waiting would loop forever, so it is a bug worth a loud error.
-                if not outputs and self.scheduler.waiting and not self.scheduler.running:
+                if not self._outputs and self.scheduler.waiting and not self.scheduler.running:
                     raise RuntimeError("the scheduler could not admit the next waiting request")
-                return outputs
+                return
             launched = self._launch(sched)
             if self.spec is not None and self.spec.pending is not None:
                 # the next round's drafts, from this verify step on the device (spec/overlap.py)
                 launched.verify_host = self.spec.overlap(
                     launched.sampling, launched.logits, launched.greedy, launched.rows_per_seq,
                     self.scheduler.running, len(self.scheduler.waiting), self._copy_to_host)
-        outputs = self._process_outputs()  # overlaps the GPU
+        self._process_outputs()  # overlaps the GPU
         if self.spec is not None:
             # so does n-gram indexing
             self.spec.index_running(self.scheduler.running, len(self.scheduler.waiting))
         kind = None if self.spec is None else self.spec.step_kind(launched.sched)
         # With speculation off for this batch (spec.off), steps run as plain decoding, async
         # scheduling included, until the running set changes or the next round probes.
-        if self.config.async_scheduling and (
+        # not while a failed step's requests are tried one at a time: a launch ahead would
+        # take the next step's failure for this one's
+        if self.config.async_scheduling and not self.isolation.active and (
                 self.spec is None or self.spec.may_launch_ahead(len(self.scheduler.running))):
             self._ahead = self._launch_ahead(launched)
             if self._ahead is not None and self.spec is not None:
                 self.spec.skip_round(len(self.scheduler.running))
         emitted = self._complete(launched)
+        if self.isolation.probation is not None:
+            self.isolation.passed(seq.request_id for seq in launched.sampling)
         if self.spec is not None:  # measured throughput of speculating or not, per batch size
             # a plain step is steady when launched ahead, or where it could not have been
             steady = ahead or not (self.config.async_scheduling and launched.plain)
@@ -269,23 +302,52 @@ class LLMEngine:
                 # teardown is host time no steady round has; neither mode's rate
                 kind = None
             self.spec.record_step(kind, emitted, time.perf_counter() - start, steady)
-        return outputs
+
+    def _recover(self, exc: Exception) -> None:
+        """After a failed step: fail the request that made it fail, if known; recompute the
+        others (the step's KV writes and the blocks it published may never have happened)."""
+        in_step = [seq.request_id for seq in self.scheduler.running]
+        if not in_step:
+            raise exc  # nothing was computing: not a request's failure
+        culprit = self.isolation.on_failure(in_step)
+        cause = f"{type(exc).__name__}: {exc}"
+        first = (type(exc).__name__, str(exc)) not in self._causes_logged
+        self._causes_logged.add((type(exc).__name__, str(exc)))
+        if culprit is None:
+            logger.warning("an engine step of %d requests failed (%s); running them again one "
+                           "at a time to find the one that fails", len(set(in_step)), cause,
+                           exc_info=exc if first else None)
+        self._ahead = None
+        if self.spec is not None:
+            self.spec.pending = None
+        for seq in self.scheduler.running:
+            if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER_TOKEN:
+                seq.output_token_ids.pop()
+            if self.spec is not None:
+                self.spec.release(seq)
+        self.scheduler.requeue_running()
+        self.block_manager.pending_copies = []
+        self.block_manager.reset_prefix_cache()
+        if culprit is not None:
+            logger.error("request %s failed in the engine and was stopped; the others go on: "
+                         "%s", culprit, cause, exc_info=exc if first else None)
+            self._fail_request(culprit, cause)
+        self.scheduler.held = self.isolation.held
+
+    def _fail_request(self, request_id: str, cause: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.finished_time, req.error = time.monotonic(), cause
+        out = self._end_request(request_id, "error")
+        if out is not None:
+            self._outputs.append(out)
 
     def _launch(self, sched: SchedulerOutput,
                 input_ids: torch.Tensor | None = None) -> _Launched:
-        try:
-            self.runner.copy_blocks(self.block_manager.take_pending_copies())
-            drafts = None if self.spec is None else self.spec.device_drafts()
-            sampling, logits, greedy = self.runner.execute(sched, input_ids, drafts)
-        except Exception:
-            # Blocks published for this step were never written: fail every request, drop
-            # the prefix cache, and let the caller report the error.
-            self._deferred = []
-            self._ahead = None
-            for request_id in list(self.requests):
-                self.abort_request(request_id)
-            self.block_manager.reset_prefix_cache()
-            raise
+        self.runner.copy_blocks(self.block_manager.take_pending_copies())
+        drafts = None if self.spec is None else self.spec.device_drafts()
+        sampling, logits, greedy = self.runner.execute(sched, input_ids, drafts)
         for seq, n in sched.scheduled:
             if not seq.is_finished:
                 seq.num_computed_tokens += n
@@ -444,8 +506,9 @@ class LLMEngine:
         return sample_with_logprobs(logits, [s.params for s in seqs],
                                     [s.generator for s in seqs], banned)
 
-    def _process_outputs(self) -> list[RequestOutput]:
-        """Host work of the previous step: text, stop strings, RequestOutputs."""
+    def _process_outputs(self) -> None:
+        """Host work of the previous step: text, stop strings, RequestOutputs (into
+        self._outputs). A request whose own host work raises fails alone."""
         seqs, self._deferred = self._deferred, []
         now = time.monotonic()
         touched: dict[str, Request] = {}
@@ -457,20 +520,29 @@ class LLMEngine:
             if req is None:
                 continue  # aborted meanwhile (abort_request reported it)
             was_running = not seq.is_finished
-            if self.stop_checker.update_text(seq) and was_running:
+            try:
+                stopped = self.stop_checker.update_text(seq)
+            except Exception as e:  # noqa: BLE001 - this request's text, no one else's
+                logger.error("request %s failed in the engine and was stopped; the others go "
+                             "on: %s: %s", seq.request_id, type(e).__name__, e, exc_info=e)
+                touched.pop(seq.request_id, None)
+                self._fail_request(seq.request_id, f"{type(e).__name__}: {e}")
+                continue
+            if stopped and was_running:
                 self.scheduler.finish(seq, seq.finish_reason)
             if seq.is_finished and self.spec is not None:
                 self.spec.release(seq)
             touched[seq.request_id] = req
-        outputs = []
         for req in touched.values():
+            if req.request_id not in self.requests:
+                continue  # failed by a later sibling's text
             if req.finished:
                 req.finished_time = now
                 del self.requests[req.request_id]
+                self.isolation.forget(req.request_id)
             elif req.seqs[0].params.output_kind == "final_only":
                 continue
-            outputs.append(self._output(req))
-        return outputs
+            self._outputs.append(self._output(req))
 
     def _output(self, req: Request) -> RequestOutput:
         first = req.seqs[0]
@@ -487,7 +559,7 @@ class LLMEngine:
                 spec.merge(s.spec_stats)
             metrics.spec_decode = spec.as_dict()
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             req.finished, first.num_cached_tokens, metrics)
+                             req.finished, first.num_cached_tokens, metrics, req.error)
 
     def get_stats(self) -> EngineStats:
         stats = self.stats.snapshot(self.scheduler, self.block_manager)

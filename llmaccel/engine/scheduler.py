@@ -40,6 +40,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: set[str] = set()  # request ids not to admit for now
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -77,8 +78,12 @@ class Scheduler:
             break  # seq itself was preempted: everything after it already went too
         if out.preempted:
             return out  # blocks are short: admit nobody this step
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0  # held requests (FailureIsolation) are passed over, not waited for
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if self.held and seq.request_id in self.held:
+                i += 1
+                continue
             self.bm.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             fits = self.enable_chunked_prefill or n == seq.num_uncomputed_tokens
@@ -90,7 +95,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 if self.bm.cache is not None:
                     self.bm.cache.record_lookup(len(seq.prompt_token_ids), seq.num_cached_tokens)
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
@@ -116,6 +121,19 @@ class Scheduler:
             self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
             out.scheduled.append((seq, 1))
         return out
+
+    def requeue_running(self) -> list[Sequence]:
+        """Send every running sequence back to the front of the queue, in order, holding no
+        blocks: each is recomputed when admitted again (after a failed step, whose KV writes
+        may not have happened)."""
+        seqs, self.running = self.running, []
+        for seq in reversed(seqs):
+            seq.spec_token_ids, seq.spec_sibling_ids = [], []
+            self.bm.free(seq)
+            seq.status = SequenceStatus.WAITING
+            seq.num_preemptions += 1
+            self.waiting.appendleft(seq)
+        return seqs
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -33,6 +33,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+# A 5xx body never carries exception text (it may hold paths, prompts or internals).
+INTERNAL_ERROR = "internal server error (the server log has the details)"
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     kind = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param,
@@ -83,7 +87,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         # A bug or a failed engine step: still OpenAI's shape, without the exception's text
         # (it may hold paths or data of other requests); the server log has the traceback.
-        return error_response(500, "internal server error (the server log has the details)")
+        return error_response(500, INTERNAL_ERROR)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(Exception, on_unexpected)

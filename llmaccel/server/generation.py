@@ -13,6 +13,7 @@ from typing import TypeVar
 import anyio
 from starlette.requests import Request
 
+from llmaccel.engine.async_llm import RequestFailedError
 from llmaccel.engine.outputs import RequestOutput
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.errors import LLMAccelError
@@ -52,7 +53,9 @@ class EngineStream:
             with anyio.CancelScope(shield=True):
                 await gen.aclose()
                 await state.engine.abort(request_id)
-            if not isinstance(e, LLMAccelError):  # accepted, then gone before its first token
+            if isinstance(e, RequestFailedError):
+                state.metrics.on_finish(timer, "error")
+            elif not isinstance(e, LLMAccelError):  # accepted, then gone before its first token
                 state.metrics.on_finish(timer, "abort")
             raise
         finally:
@@ -73,7 +76,12 @@ class EngineStream:
             return out
         if self.finished:
             raise StopAsyncIteration
-        out = await self._gen.__anext__()
+        try:
+            out = await self._gen.__anext__()
+        except RequestFailedError:
+            self.finished = True  # the engine has let it go already: nothing to abort
+            self.state.metrics.on_finish(self.timer, "error")
+            raise
         self._record(out)
         return out
 

@@ -14,10 +14,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from llmaccel.engine.async_llm import RequestFailedError
 from llmaccel.engine.outputs import RequestOutput
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.errors import LLMAccelError
-from llmaccel.server.errors import error_body
+from llmaccel.server.errors import INTERNAL_ERROR, error_body
 from llmaccel.server.generation import (ClientGone, EngineStream, close_streams, collect,
                                         start_streams, unless_disconnected)
 from llmaccel.server.state import ServingState
@@ -48,10 +49,11 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse_error(exc: Exception) -> str:
     """An error after the stream began: an error event (vLLM's way), then [DONE]."""
-    status = 400 if isinstance(exc, LLMAccelError) else 500
-    if status == 500:
+    if isinstance(exc, LLMAccelError):
+        return f"data: {json.dumps(error_body(400, str(exc) or type(exc).__name__))}\n\n"
+    if not isinstance(exc, RequestFailedError):  # the engine logged that one already
         logger.error("request failed mid-stream: %s", exc, exc_info=exc)
-    return f"data: {json.dumps(error_body(status, str(exc) or type(exc).__name__))}\n\n"
+    return f"data: {json.dumps(error_body(500, INTERNAL_ERROR))}\n\n"
 
 
 class EngineStreamingResponse(StreamingResponse):
