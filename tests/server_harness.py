@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -89,6 +92,52 @@ class ServerThread:
         state = self.app.state.serving
         return (not self.engine.engine.has_unfinished_requests() and state.in_flight == 0
                 and state.waiting == 0 and self.used_blocks == 0)
+
+
+class ServerProcess:
+    """`python -m llmaccel serve` in a process of its own: what a latency measurement needs
+    (a server thread would share this process's interpreter lock with the clients)."""
+
+    def __init__(self, model_dir: Path, *args: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmaccel", "serve", str(model_dir), "--port", str(self.port),
+             "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
+             "--num-gpu-blocks", "256", "--log-level", "warning", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        def up() -> bool:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                return httpx.get(self.url + "/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        try:
+            wait_until(up, 120, "the server process to start")
+        except BaseException:
+            self.stop()
+            raise
+
+    def idle(self) -> bool:
+        """Nothing running or waiting, no KV block in use (from /metrics)."""
+        text = get_metrics(self.url)
+        return all(metric(text, "llmaccel:" + name) == 0 for name in (
+            "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+
+    def stop(self) -> str:
+        """SIGTERM, then its output."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.stdout.read()
 
 
 def sse_events(lines) -> list[dict | str]:
