@@ -10,6 +10,7 @@ import json
 import signal
 import socket
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -887,6 +888,44 @@ def test_oversized_bodies_get_413_unread_and_long_texts_400_untokenized(model_di
         assert metric(text, "llmaccel:http_responses_total", route=C, status="413") == 3
     finally:
         srv.stop()
+
+
+def test_a_slow_tokenization_does_not_stall_other_requests(server, monkeypatch):
+    """Prompts are tokenized off the event loop, a long one in a lane of its own: while one
+    takes seconds, a short request is answered as fast as on an idle server."""
+    import llmaccel.server.state as state_module
+
+    state = server.app.state.serving
+
+    class SlowTokenizer:
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def __call__(self, text, *args, **kwargs):
+            if "w99" in text:
+                time.sleep(3.0)
+            return self.real(text, *args, **kwargs)
+
+    # this model's context holds too few characters for a long prompt: lower the threshold
+    monkeypatch.setattr(state_module, "LARGE_TEXT_CHARS", len("w1 w2"))
+    monkeypatch.setattr(state, "_tokenizers", tuple(SlowTokenizer(t) for t in state._tokenizers))
+    body = {"model": "tiny", "max_tokens": 2}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            slow = asyncio.ensure_future(post(c, C, {**body, "prompt": "w99 w1"}))
+            await asyncio.sleep(0.3)  # the slow one is being tokenized
+            start = time.perf_counter()
+            status, _ = await post(c, C, {**body, "prompt": "w1 w2"})
+            quick = time.perf_counter() - start
+            return status, quick, await slow
+
+    status, quick, (slow_status, _) = run(main())
+    assert status == 200 and slow_status == 200
+    assert quick < 1.5, f"a short request took {quick:.1f}s behind a slow tokenization"
 
 
 def test_connections_without_a_request_head_are_closed(model_dir):

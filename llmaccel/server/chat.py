@@ -30,9 +30,10 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     check_chat(req, state.settings.max_logprobs)
     check_stop_token_ids(req, state.vocab_size)
     messages = message_dicts(req.messages)
+    chars = sum(len(m["content"]) for m in messages)
     state.check_chars("".join(m["content"] for m in messages), "messages")
-    prompt = await state.run_blocking(chat_prompt, messages, state.tokenizer,
-                                      state.settings.chat_template, req.add_generation_prompt)
+    prompt = await state.tokenize(chars, lambda tok: chat_prompt(
+        messages, tok, state.settings.chat_template, req.add_generation_prompt))
     max_tokens = chat_max_tokens(req)
     check_context(len(prompt), max_tokens, state.max_model_len, "messages")
     k = chat_top_logprobs(req)

@@ -29,10 +29,12 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     if req.stop and state.tokenizer is None:
         raise bad_request("stop strings need a tokenizer, which this model has none of: use "
                           "stop_token_ids", "stop")
+    chars = 0
     for text in [req.prompt] if isinstance(req.prompt, str) else req.prompt:
         if isinstance(text, str):
             state.check_chars(text, "prompt")
-    prompts = await state.run_blocking(completion_prompts, req.prompt, state.tokenizer)
+            chars += len(text)
+    prompts = await state.tokenize(chars, lambda tok: completion_prompts(req.prompt, tok))
     for p in prompts:
         check_context(len(p), req.max_tokens, state.max_model_len, "prompt")
     params = to_sampling_params(req, req.max_tokens, req.logprobs)

@@ -4,12 +4,13 @@ accounting behind admission control and graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from llmaccel.engine.async_llm import AsyncLLM
 from llmaccel.server.choices import TokenNames
@@ -20,6 +21,7 @@ from llmaccel.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+LARGE_TEXT_CHARS = 16384  # a text past this many characters is tokenized in the large lane
 
 
 class Reservation:
@@ -58,9 +60,13 @@ class ServingState:
         self._idle = asyncio.Event()
         self._idle.set()
         self._ids = itertools.count()
-        # One thread for tokenization and chat templates: off the event loop, and never two
-        # encodes at once on the shared (Rust-backed) tokenizer.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmaccel-tokenize")
+        # Tokenization and chat templates run off the event loop in two lanes, one thread and
+        # one tokenizer each (a fast tokenizer must not encode in two threads at once): texts
+        # over LARGE_TEXT_CHARS queue in their own lane, so a huge prompt never holds up the
+        # short ones behind it.
+        self._lanes = (ThreadPoolExecutor(1, thread_name_prefix="llmaccel-tokenize"),
+                       ThreadPoolExecutor(1, thread_name_prefix="llmaccel-tokenize-large"))
+        self._tokenizers = (self.tokenizer, copy.deepcopy(self.tokenizer))
 
     # -- names -------------------------------------------------------------------------------
     def resolve_model(self, name: str | None) -> str:
@@ -110,8 +116,11 @@ class ServingState:
     def check_chars(self, text: str, param: str) -> None:
         check_prompt_chars(text, self.max_model_len, self.longest_token, param)
 
-    async def run_blocking(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def tokenize(self, chars: int, fn: Callable[[Any], T]) -> T:
+        """fn(tokenizer) in the tokenizer lane for a text of `chars` characters."""
+        lane = int(chars > LARGE_TEXT_CHARS)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._lanes[lane], fn, self._tokenizers[lane])
 
     # -- shutdown ----------------------------------------------------------------------------
     async def drain(self, timeout_s: float | None = None) -> None:
@@ -133,4 +142,5 @@ class ServingState:
                            self.in_flight)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for lane in self._lanes:
+            lane.shutdown(wait=False, cancel_futures=True)
