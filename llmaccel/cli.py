@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from typing import Optional
@@ -323,6 +322,7 @@ from llmaccel.server.command import serve  # noqa: E402 - next to its registrati
 
 app.command("serve")(serve)
 
+from llmaccel import envs
 from llmaccel.pipeline.command import run  # noqa: E402 - next to its registration
 
 app.command("run")(run)
@@ -344,7 +344,7 @@ def main() -> None:
         err_console.print("interrupted")
         sys.exit(130)
     except Exception as e:  # a bug: say so in one line; LLMACCEL_DEBUG=1 shows the traceback
-        if os.environ.get("LLMACCEL_DEBUG"):
+        if envs.LLMACCEL_DEBUG:
             raise
         err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} "
                           "(set LLMACCEL_DEBUG=1 for the traceback)", highlight=False,

@@ -29,6 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from urllib.parse import urlparse
 
+from llmaccel import envs
 from llmaccel.errors import LLMAccelError
 
 SPLITS = ("train", "validation", "test")
@@ -69,20 +70,19 @@ def user_cache_dir() -> Path:
     """`<cache>/data`: $LLMACCEL_CACHE or the platform's user cache directory."""
     from platformdirs import user_cache_dir as platform_cache
 
-    return Path(os.environ.get("LLMACCEL_CACHE") or platform_cache("llmaccel")) / "data"
+    return (envs.LLMACCEL_CACHE or Path(platform_cache("llmaccel"))) / "data"
 
 
 def shared_data_dir() -> Path | None:
     """`../shared/data` beside a source checkout, if it exists and the lookup is on."""
-    if os.environ.get("LLMACCEL_NO_SHARED_DATA", "").strip() not in ("", "0"):
+    if envs.LLMACCEL_NO_SHARED_DATA:
         return None
     path = Path(__file__).resolve().parents[1].parent / "shared" / "data"
     return path if path.is_dir() else None
 
 
 def _search_dirs() -> list[tuple[str, Path | None]]:
-    env = os.environ.get("LLMACCEL_DATA_DIR")
-    return [("LLMACCEL_DATA_DIR", Path(env).expanduser() if env else None),
+    return [("LLMACCEL_DATA_DIR", envs.LLMACCEL_DATA_DIR),
             ("../shared/data", shared_data_dir()),
             ("user cache", user_cache_dir())]
 

@@ -142,7 +142,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[
 @pytest.mark.parametrize("method", ["draft", "head"])
 def test_chained_drafting_drafts_what_single_steps_draft(pairs, method, device, monkeypatch):
     """On the GPU the engine captures the chains itself (real CUDA graphs, fp32), and
-    LLMACCEL_DRAFT_CHAIN=0 gives the single-step graphs to compare with."""
+    draft_chain=False gives the single-step graphs to compare with."""
     target, models = pairs
     base = [11, 12, 13, 14, 15] * 8
     prompts = [base + [3, 4], base + [7], [5, 6, 7, 8] * 3, list(range(30, 52)), [9, 2, 9]]
@@ -158,11 +158,10 @@ def test_chained_drafting_drafts_what_single_steps_draft(pairs, method, device, 
     results = {}
     # rounds launched during the previous one (spec/overlap.py) pick k before the previous
     # round's acceptance: tests/test_spec_overlap.py compares those
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "0")
     for chained in (False, True):
-        monkeypatch.setenv("LLMACCEL_DRAFT_CHAIN", "1" if chained else "0")
+        cfg = {**spec, "draft_overlap": False, "draft_chain": chained}
         llm = LLM(target, dtype="float32", device=device, skip_tokenizer_init=True,
-                  block_size=BLOCK, enable_prefix_caching=True, speculative_config=spec)
+                  block_size=BLOCK, enable_prefix_caching=True, speculative_config=cfg)
         if device == "cpu":
             graphs_on_cpu(llm.engine.spec.draft.runner, 3 if chained else 0)
         else:

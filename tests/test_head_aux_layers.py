@@ -155,9 +155,9 @@ def test_fused_head_drafts_for_the_target_in_the_engine(aux_head, target_dir, ov
     max_tokens = [16, 12, 8]
     target = _target(target_dir)
     expected = hf_greedy(target, prompts, max_tokens)
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+    overlap_cfg = {"draft_overlap": overlap}
     llm = LLM(str(target_dir), dtype="float32", device="cpu", skip_tokenizer_init=True,
-              block_size=16, speculative_config={"method": "head", "model": str(out),
+              block_size=16, speculative_config={**overlap_cfg, "method": "head", "model": str(out),
                                                  "num_speculative_tokens": 3,
                                                  "adaptive": False, "draft_vocab_size": 0})
     if overlap:  # overlap needs the head's chain as a graph: emulated on the CPU
@@ -244,13 +244,13 @@ def test_fused_head_under_cuda_graphs_on_gpu(aux_head, target_dir, overlap, monk
     from llmaccel import LLM, SamplingParams
 
     _, out, blocks = aux_head
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+    overlap_cfg = {"draft_overlap": overlap}
     prompts = [blocks[-1, :9].tolist(), blocks[-2, :5].tolist(), [7, 99, 3, 150, 42]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = dict(dtype="float32", device="cuda", skip_tokenizer_init=True, block_size=16)
     want = [o.outputs[0].token_ids for o in
             LLM(str(target_dir), **kw).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(target_dir), speculative_config={
+    llm = LLM(str(target_dir), speculative_config={**overlap_cfg, 
         "method": "head", "model": str(out), "num_speculative_tokens": 3, "adaptive": False,
         "draft_vocab_size": 0, "auto_disable": False}, **kw)
     assert llm.engine.spec.draft.runner.graphs is not None

@@ -183,11 +183,11 @@ def test_prev_token_head_drafts_for_the_target_in_the_engine(prev_head, target_d
     max_tokens = [24, 20, 16]
     target = _target(target_dir)
     expected = hf_greedy(target, prompts, max_tokens)
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if mode == "overlap" else "0")
+    overlap_cfg = {"draft_overlap": mode == "overlap"}
     llm = LLM(str(target_dir), dtype="float32", device="cpu", skip_tokenizer_init=True,
-              block_size=16, speculative_config={"method": "head", "model": str(loud),
-                                                 "num_speculative_tokens": 3,
-                                                 "adaptive": False, "draft_vocab_size": 0})
+              block_size=16, speculative_config={
+                  **overlap_cfg, "method": "head", "model": str(loud),
+                  "num_speculative_tokens": 3, "adaptive": False, "draft_vocab_size": 0})
     if mode != "eager":
         width = -(-llm.engine.model_config.max_model_len // 16)
         graphs_on_cpu(llm.engine.spec.draft.runner, 2, width)
@@ -269,13 +269,13 @@ def test_prev_token_head_under_cuda_graphs_on_gpu(prev_head, target_dir, overlap
     from llmaccel import LLM, SamplingParams
 
     _, _, loud, blocks = prev_head
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+    overlap_cfg = {"draft_overlap": overlap}
     prompts = [blocks[-1, :9].tolist(), blocks[-2, :5].tolist(), [7, 99, 3, 150, 42]]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     kw = dict(dtype="float32", device="cuda", skip_tokenizer_init=True, block_size=16)
     want = [o.outputs[0].token_ids for o in
             LLM(str(target_dir), **kw).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(target_dir), speculative_config={
+    llm = LLM(str(target_dir), speculative_config={**overlap_cfg, 
         "method": "head", "model": str(loud), "num_speculative_tokens": 3, "adaptive": False,
         "draft_vocab_size": 0, "auto_disable": False}, **kw)
     assert llm.engine.spec.draft.runner.graphs is not None

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llmaccel.engine.sampler import greedy_with_logprobs
+from llmaccel.kernels.greedy_select import greedy_with_logprobs
 
 triton = pytest.importorskip("triton")
 
@@ -40,9 +40,9 @@ def test_greedy_gpu(rows, vocab, dtype):
 def test_greedy_ids_into_writes_the_mapped_argmax_twice(rows, vocab, chunk, mapped):
     """A chained draft step's pick (greedy_ids_into): the first-occurrence argmax, through a
     draft vocabulary's ids where given, into a float64 row and an int64 row, as the torch
-    reference (models/transformer.write_greedy_ids on the CPU) writes them."""
+    reference (kernels/greedy_select.write_greedy_ids on the CPU) writes them."""
     from llmaccel.kernels.greedy import greedy_ids_into
-    from llmaccel.models.transformer import write_greedy_ids
+    from llmaccel.kernels.greedy_select import write_greedy_ids
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(rows + vocab)

@@ -167,10 +167,10 @@ def test_fused_catch_up_drafts_the_rounds_of_the_torch_path(pair, monkeypatch):
     monkeypatch.setattr(HeadProposer, "fused_catch_up", counted)
     got = {}
     for on in (False, True):
-        monkeypatch.setenv("LLMACCEL_FUSED_CATCH_UP", "1" if on else "0")
         for batch in (1, 3):
             calls.clear()
             llm = _engine(d, True, monkeypatch)
+            llm.engine.spec.draft.fused_catch_up_enabled = on  # off: the torch path
             rounds = _record_rounds(llm)
             outs = [o.outputs[0].token_ids for o in
                     llm.generate(prompts[:batch], params, use_tqdm=False)]
@@ -184,22 +184,22 @@ def test_fused_catch_up_drafts_the_rounds_of_the_torch_path(pair, monkeypatch):
         assert got[True, batch] == got[False, batch]
 
 
-def test_chain_positions_once_or_per_step_draft_the_same(pair, monkeypatch):
+def test_chain_positions_at_once_equal_placing_them_step_by_step(pair, monkeypatch):
     """CUDAGraphRunner._chain_rows (every chained step's positions, lengths and slots at once)
-    and the step's tokens written by one call (write_greedy_ids) against placing them step
-    by step and copying the tokens (LLMACCEL_CHAIN_ROWS_ONCE=0,
-    LLMACCEL_CHAIN_TOKEN_KERNEL=0): the same rounds."""
+    gives each step what _place_rows gives it step by step, rows past their count included."""
     d, hf, tensors = pair
-    prompts = [[11, 12, 13, 14, 15] * 6 + [3, 4], list(range(30, 52))]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    runs = []
-    for value in ("0", "1"):
-        monkeypatch.setenv("LLMACCEL_CHAIN_ROWS_ONCE", value)
-        monkeypatch.setenv("LLMACCEL_CHAIN_TOKEN_KERNEL", value)
-        llm = _engine(d, True, monkeypatch)
-        graphs = llm.engine.spec.draft.runner.graphs
-        assert graphs.chain_rows_once == graphs.chain_token_kernel == (value == "1")
-        rounds = _record_rounds(llm)
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        runs.append((sorted(rounds), outs))
-    assert runs[0] == runs[1] and len(runs[0][0]) > 5
+    llm = _engine(d, True, monkeypatch)
+    graphs = llm.engine.spec.draft.runner.graphs
+    bs, steps = 3, 4
+    g = torch.Generator().manual_seed(0)
+    graphs.block_tables[:bs].copy_(torch.randint(0, 60, graphs.block_tables[:bs].shape,
+                                                 generator=g))
+    graphs.inputs[6, :bs].copy_(torch.tensor([5, 17, 30]))  # start positions
+    graphs.inputs[7, :bs].copy_(torch.tensor([4, 2, 0]))    # steps whose KV is written
+    pos, lens, slots = graphs._chain_rows(bs, steps)
+    start, count = graphs.inputs[6, :bs], graphs.inputs[7, :bs]
+    for s in range(steps):
+        graphs._place_rows(bs, start - 1 + count.clamp(max=s + 1), count > s)
+        assert torch.equal(pos[s], graphs.inputs[1, :bs])
+        assert torch.equal(lens[s], graphs.seq_lens[:bs])
+        assert torch.equal(slots[s], graphs.inputs[2, :bs])

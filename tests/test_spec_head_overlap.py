@@ -34,11 +34,11 @@ def pair(tmp_path_factory):
 
 
 def _engine(d, overlap: bool, monkeypatch, **kw) -> LLM:
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+    overlap_cfg = {"draft_overlap": overlap}
     spec = {"method": "head", "model": str(d / "head"), "num_speculative_tokens": K,
             "adaptive": False}
     llm = LLM(str(d / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True,
-              block_size=16, speculative_config=spec, **kw)
+              block_size=16, speculative_config={**spec, **overlap_cfg}, **kw)
     width = -(-llm.engine.model_config.max_model_len // 16)
     graphs_on_cpu(llm.engine.spec.draft.runner, K - 1, width)
     return llm
@@ -184,8 +184,8 @@ def test_head_overlap_under_cuda_graphs(pair, monkeypatch):
             "adaptive": False, "auto_disable": False, "draft_cost_ratio": 0.0}
     runs = []
     for overlap in (False, True):
-        monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
-        llm = LLM(str(d / "target"), speculative_config=spec, **kw)
+        overlap_cfg = {"draft_overlap": overlap}
+        llm = LLM(str(d / "target"), speculative_config={**spec, **overlap_cfg}, **kw)
         assert llm.engine.spec.draft.runner.graphs is not None
         rounds = _record_rounds(llm)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -215,12 +215,12 @@ def test_lookup_first_drops_overlapped_drafts_where_lookup_matches(pair, monkeyp
     groups = [prompts] if batch > 1 else [[p] for p in prompts]
     runs = {}
     for overlap in (False, True):
-        monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+        overlap_cfg = {"draft_overlap": overlap}
         spec = {"method": "head", "model": str(d / "head"), "num_speculative_tokens": K,
                 "adaptive": False, "ngram_first": True, "prompt_lookup_min": 2,
                 "prompt_lookup_num_tokens": 5}
         llm = LLM(str(d / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True,
-                  block_size=16, speculative_config=spec)
+                  block_size=16, speculative_config={**spec, **overlap_cfg})
         graphs_on_cpu(llm.engine.spec.draft.runner, K - 1,
                       -(-llm.engine.model_config.max_model_len // 16))
         rounds = _record_rounds(llm)

@@ -33,7 +33,7 @@ CASES = [(mode, None) for mode in MODES] + [(mode, 7) for mode in list(MODES)[:2
 def test_lookup_drafts_where_it_matches_and_the_head_elsewhere(pair, mode, lookup_k,
                                                                 monkeypatch):
     d, hf, tensors = pair
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1")  # on: ngram_first must keep it off
+    overlap_cfg = {"draft_overlap": True}  # on: ngram_first must keep it off
     base = [11, 12, 13, 14, 15] * 12
     # The last: this target's first token after it is 98 (found by search over the second
     # token; checked below), so its first round looks up "5 98" and finds a long span.
@@ -47,7 +47,7 @@ def test_lookup_drafts_where_it_matches_and_the_head_elsewhere(pair, mode, looku
     spec = {"method": "head", "model": str(d / "head"), "num_speculative_tokens": K,
             "adaptive": False, "ngram_first": True, "prompt_lookup_min": 2,
             "prompt_lookup_max": 3, "prompt_lookup_num_tokens": lookup_k}
-    llm = LLM(str(d / "target"), speculative_config=spec, **kw)
+    llm = LLM(str(d / "target"), speculative_config={**spec, **overlap_cfg}, **kw)
     rounds = _record_rounds(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want

@@ -8,7 +8,7 @@ eagerly (tests/cpu_graphs.py), which is what these tests use:
 - stops inside accepted drafts (drafts dropped when the running set changes), aborts while
   drafts are in flight and adaptive k stay lossless, and every block comes back;
 - the device-side inputs of one launch against a hand computation;
-- LLMACCEL_DRAFT_OVERLAP=0 turns it off; a GPU variant runs under CUDA graphs."""
+- draft_overlap=False turns it off; a GPU variant runs under CUDA graphs."""
 
 from __future__ import annotations
 
@@ -43,11 +43,11 @@ def pair(tmp_path_factory):
 
 def _engine(target: str, draft: str, overlap: bool, monkeypatch, adaptive: bool = False,
             **kw) -> LLM:
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+    overlap_cfg = {"draft_overlap": overlap}
     spec = {"method": "draft", "model": draft, "num_speculative_tokens": K,
             "adaptive": adaptive}
     llm = LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True, block_size=4,
-              speculative_config=spec, **kw)
+              speculative_config={**spec, **overlap_cfg}, **kw)
     width = -(-llm.engine.model_config.max_model_len // 4)  # block-table entries per row
     graphs_on_cpu(llm.engine.spec.draft.runner, K - 1, width)
     return llm
@@ -190,9 +190,9 @@ def test_overlap_under_cuda_graphs(pair, monkeypatch):
             "auto_disable": False, "draft_cost_ratio": 0.0}
     runs = []
     for overlap in (False, True):
-        monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+        overlap_cfg = {"draft_overlap": overlap}
         llm = LLM(target, dtype="float32", device="cuda", skip_tokenizer_init=True,
-                  enable_prefix_caching=True, speculative_config=spec)
+                  enable_prefix_caching=True, speculative_config={**spec, **overlap_cfg})
         # every runner captures on the process's one stream (another stream replayed 10%
         # slower on an H100: benchmarks/results/2026-11-26-capture-modes-h100.md)
         assert (llm.engine.runner.graphs._capture_stream
@@ -329,12 +329,12 @@ def test_lookup_first_with_overlap_drafts_as_without(pair, monkeypatch):
     want = [_generate(plain, [p], params)[0] for p in prompts[:2]]
     runs = {}
     for overlap in (False, True):
-        monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+        overlap_cfg = {"draft_overlap": overlap}
         spec = {"method": "draft", "model": draft, "num_speculative_tokens": K,
                 "adaptive": False, "ngram_first": True, "prompt_lookup_min": 1,
                 "prompt_lookup_num_tokens": 6}
         llm = LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
-                  block_size=4, speculative_config=spec)
+                  block_size=4, speculative_config={**spec, **overlap_cfg})
         graphs_on_cpu(llm.engine.spec.draft.runner, K - 1,
                       -(-llm.engine.model_config.max_model_len // 4))
         rounds = _record(llm)

@@ -77,11 +77,11 @@ def test_rounds_switched_off_and_on_stay_lossless(pair, head, topk, overlap, mon
     plain = LLM(str(d / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True,
                 block_size=16)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+    overlap_cfg = {"draft_overlap": overlap}
     spec_cfg = {"method": "head", "model": str(d / head), "num_speculative_tokens": K,
                 "adaptive": False, "draft_topk": topk}
     llm = LLM(str(d / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True,
-              block_size=16, speculative_config=spec_cfg)
+              block_size=16, speculative_config={**spec_cfg, **overlap_cfg})
     if overlap:
         graphs_on_cpu(llm.engine.spec.draft.runner, K - 1,
                       -(-llm.engine.model_config.max_model_len // 16))

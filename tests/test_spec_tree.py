@@ -178,11 +178,11 @@ def _record_tree_rounds(llm):
 
 
 def _engine(d, topk: int, overlap: bool, monkeypatch, **kw) -> LLM:
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+    overlap_cfg = {"draft_overlap": overlap}
     spec = {"method": "head", "model": str(d / "head"), "num_speculative_tokens": K,
             "adaptive": False, "draft_topk": topk}
     llm = LLM(str(d / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True,
-              block_size=16, speculative_config=spec, **kw)
+              block_size=16, speculative_config={**spec, **overlap_cfg}, **kw)
     if overlap:  # the graph runner's code path (run eagerly): what overlap needs
         graphs_on_cpu(llm.engine.spec.draft.runner, K - 1,
                       -(-llm.engine.model_config.max_model_len // 16))
@@ -265,7 +265,7 @@ def test_tree_under_cuda_graphs_on_gpu(pair, monkeypatch, overlap):
     the head's chain graphs keep runners-up; in fp32 outputs stay the target's, siblings are
     accepted, rounds draft as the reference does (near ties aside)."""
     d, hf, tensors = pair
-    monkeypatch.setenv("LLMACCEL_DRAFT_OVERLAP", "1" if overlap else "0")
+    overlap_cfg = {"draft_overlap": overlap}
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     kw = dict(dtype="float32", device="cuda", skip_tokenizer_init=True, block_size=16,
               enable_prefix_caching=True)
@@ -273,7 +273,7 @@ def test_tree_under_cuda_graphs_on_gpu(pair, monkeypatch, overlap):
             LLM(str(d / "target"), **kw).generate(PROMPTS, params, use_tqdm=False)]
     spec = {"method": "head", "model": str(d / "head"), "num_speculative_tokens": K,
             "adaptive": False, "auto_disable": False, "draft_topk": 3}
-    llm = LLM(str(d / "target"), speculative_config=spec, **kw)
+    llm = LLM(str(d / "target"), speculative_config={**spec, **overlap_cfg}, **kw)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.tree_rows
     rounds = _record_tree_rounds(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

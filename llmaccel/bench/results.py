@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from llmaccel import envs
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,8 @@ def make_record(meta: RunMeta, workload: str, model: str, backend: str, config: 
 def current_commit() -> str:
     """$LLMACCEL_COMMIT (copies of the tree without .git, as on the GPU machine), else git's
     HEAD, else "unknown"."""
-    if os.environ.get("LLMACCEL_COMMIT"):
-        return os.environ["LLMACCEL_COMMIT"]
+    if envs.LLMACCEL_COMMIT:
+        return envs.LLMACCEL_COMMIT
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True,
                              text=True, cwd=Path(__file__).resolve().parents[2], timeout=10)

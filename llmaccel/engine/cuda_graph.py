@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
 import gc
 import logging
-import os
 
 import torch
 
-from llmaccel.engine.sampler import USE_GREEDY_KERNEL, greedy_with_logprobs
+from llmaccel.kernels.greedy_select import greedy_with_logprobs
 from llmaccel.kernels.stage_inputs import StagedCopy
 from llmaccel.models.attention import AttentionMetadata
 from llmaccel.models.transformer import TransformerForCausalLM
@@ -50,9 +48,8 @@ logger = logging.getLogger(__name__)
 # replays a second graph of its size that computes the LM head and greedy for SUBSET_ROWS
 # rows only, not for every row: W1's 128-token prompt on llama-3.2-3b ran the head over 128
 # rows, a 128 x 128256 x 3072 product (the largest one of the int4 prefill, 2026-11-27-s29-
-# prefill-profile-*). Captured for sizes from SUBSET_MIN_ROWS (smaller graphs' heads cost
-# little); LLMACCEL_HEAD_SUBSET=0 turns it off.
-HEAD_SUBSET = os.environ.get("LLMACCEL_HEAD_SUBSET", "1") == "1"
+# prefill profile). Captured for sizes from SUBSET_MIN_ROWS (smaller graphs' heads cost
+# little).
 SUBSET_ROWS = 8
 SUBSET_MIN_ROWS = 32
 
@@ -177,8 +174,8 @@ class CUDAGraphRunner:
         self._copy_out: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # the head-on-SUBSET_ROWS-rows variants (HEAD_SUBSET), per size from SUBSET_MIN_ROWS
-        self.subset_sizes = {bs for bs in self.sizes if HEAD_SUBSET and bs >= SUBSET_MIN_ROWS}
+        # the head-on-SUBSET_ROWS-rows variants, per size from SUBSET_MIN_ROWS
+        self.subset_sizes = {bs for bs in self.sizes if bs >= SUBSET_MIN_ROWS}
         self.subset_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.subset_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = None
@@ -194,18 +191,6 @@ class CUDAGraphRunner:
         self.chain_topk = 1
         self.last_chain_siblings: torch.Tensor | None = None
         self.last_rows_siblings: torch.Tensor | None = None  # run_on_device's, [rows, w]
-        # A chained step picks its tokens with model.greedy_draft (no logprobs; a head's
-        # over its draft vocabulary); LLMACCEL_GREEDY_DRAFT=0: over the whole vocabulary's
-        # logits, as before session 35 (the A/B of benchmarks/profile_spec.py)
-        self.greedy_draft = os.environ.get("LLMACCEL_GREEDY_DRAFT", "1") == "1"
-        # A chain's positions, lengths and slots computed once for all its steps
-        # (`_chain_rows`); LLMACCEL_CHAIN_ROWS_ONCE=0: placed step by step, as before session
-        # 39 (the A/B)
-        self.chain_rows_once = os.environ.get("LLMACCEL_CHAIN_ROWS_ONCE", "1") == "1"
-        # A chained step's tokens written by the argmax's merge kernel into the chain's output
-        # and the next input ids (models/transformer.write_greedy_ids);
-        # LLMACCEL_CHAIN_TOKEN_KERNEL=0: picked, then copied twice (the A/B)
-        self.chain_token_kernel = os.environ.get("LLMACCEL_CHAIN_TOKEN_KERNEL", "1") == "1"
 
     def _meta(self, bs: int, seq_lens: torch.Tensor | None = None,
               slots: torch.Tensor | None = None) -> AttentionMetadata:
@@ -228,7 +213,7 @@ class CUDAGraphRunner:
             hidden = hidden.index_select(0, self.inputs[3, :subset])
         logits = self.model.compute_logits(hidden)
         # Greedy sampling rides along in the graph: most decode batches need nothing else.
-        return logits, greedy_with_logprobs(logits, use_kernel=USE_GREEDY_KERNEL)
+        return logits, greedy_with_logprobs(logits, use_kernel=True)
 
     def _chain_forward(self, bs: int, steps: int) -> torch.Tensor:
         """`steps` greedy decode steps of bs rows, each fed the last one's tokens -> the
@@ -236,30 +221,20 @@ class CUDAGraphRunner:
         runners-up: row steps + s * (topk - 1) + r holds step s's (r + 2)-th best token (tree
         drafts, spec/tree.py). Row r starts at position inputs[6, r] with input id
         inputs[0, r] and writes KV for its first inputs[7, r] steps only."""
-        start, count = self.inputs[6, :bs], self.inputs[7, :bs]
         w = self.chain_topk - 1
         out = torch.empty(steps * (1 + w), bs, dtype=torch.float64, device=self.device)
-        rows = self._chain_rows(bs, steps) if self.chain_rows_once else None
+        # positions, lengths and slots of every step, computed once
+        rows = self._chain_rows(bs, steps)
         for s in range(steps):
-            if rows is None:  # the A/B's old path: each step places its rows itself
-                # a row past its count stays on its last written position (valid KV to attend)
-                pos = start - 1 + count.clamp(max=s + 1)
-                self._place_rows(bs, pos, count > s)
-                positions, meta = self.inputs[1, :bs], self._meta(bs)
-            else:
-                positions, lens, slots = rows[0][s], rows[1][s], rows[2][s]
-                meta = self._meta(bs, lens, slots)
-            hidden = self.model(self.inputs[0, :bs], positions, meta)
-            if not w and self.greedy_draft and self.chain_token_kernel:
+            positions, lens, slots = rows[0][s], rows[1][s], rows[2][s]
+            hidden = self.model(self.inputs[0, :bs], positions, self._meta(bs, lens, slots))
+            if not w:
                 # the step's tokens straight into its output row and the next input ids
                 self.model.greedy_draft_into(hidden, out[s], self.inputs[0, :bs])
                 self.model.prepare_chained_step(bs)
                 continue
-            # tokens only, a head's over its draft vocabulary alone; the A/B's old path is
-            # the base class's pick over the whole vocabulary's logits
-            pick = (self.model.greedy_draft if self.greedy_draft
-                    else functools.partial(TransformerForCausalLM.greedy_draft, self.model))
-            tokens, ups = pick(hidden, w)
+            # tokens and runners-up only (no logprobs), a head's over its draft vocabulary
+            tokens, ups = self.model.greedy_draft(hidden, w)
             out[s].copy_(tokens)
             if w:
                 out[steps + s * w:steps + (s + 1) * w].copy_(ups.T)
@@ -272,7 +247,7 @@ class CUDAGraphRunner:
         """Every chained step's positions, context lengths and KV slots at once, [steps, bs]
         each, as `_place_rows` gives them step by step: one set of small kernels per chain
         instead of one per step (on an H200 a chained head step of the 1.5B spent ~25 of its
-        ~120 us in such kernels: benchmarks/results/2026-12-01-s39-head-kernels-h200.txt)."""
+        ~120 us in such kernels)."""
         start, count = self.inputs[6, :bs], self.inputs[7, :bs]
         done = torch.arange(1, steps + 1, device=self.device)[:, None]  # steps taken, s + 1
         # a row past its count stays on its last written position (valid KV to attend)
@@ -312,22 +287,11 @@ class CUDAGraphRunner:
         """One warm-up run of `fn` (Triton compiles, cuBLAS picks its kernels), then its
         graph in the shared pool -> (graph, fn's outputs as captured).
 
-        Every graph of every runner in the process is captured on one side stream per device.
-        On an H100 a 0.5B model's batch-1 decode graph replayed 10% slower when captured on
-        a second stream: with a new stream per graph (0.99 against 0.91 ms), and in the
-        speculative engine's draft runner with one stream per runner (1.00 against 0.91 ms),
-        though its kernels were the same (benchmarks/results/2026-11-26-capture-modes-h100.md;
-        the mechanism is not established). To measure the alternatives,
-        LLMACCEL_CAPTURE_STREAM=runner takes one stream per runner and `each` a new stream
-        per graph."""
-        mode = os.environ.get("LLMACCEL_CAPTURE_STREAM", "process")
-        if mode not in ("process", "runner", "each"):
-            raise ValueError(f"LLMACCEL_CAPTURE_STREAM={mode!r}: expected process, runner or each")
-        if mode == "process":
-            self._capture_stream = _process_capture_stream(self.device)
-        elif self._capture_stream is None or mode == "each":
-            self._capture_stream = torch.cuda.Stream(self.device)
-        stream = self._capture_stream
+        Every graph of every runner in the process is captured on one side stream per device:
+        on an H100 a 0.5B model's batch-1 decode graph replayed 10% slower when captured on
+        a stream of its own or one per runner (0.99 and 1.00 against 0.91 ms), though its
+        kernels were the same (docs/performance.md)."""
+        stream = self._capture_stream = _process_capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             fn()

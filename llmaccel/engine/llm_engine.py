@@ -14,8 +14,7 @@ from llmaccel.engine.isolation import FailureIsolation
 from llmaccel.engine.kv_cache import allocate_kv_caches, bytes_per_block, resolve_kv_cache_dtype
 from llmaccel.engine.model_runner import ModelRunner
 from llmaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmaccel.engine.sampler import (SampleResult, greedy_with_logprobs, make_generator,
-                                     sample_with_logprobs)
+from llmaccel.engine.sampler import SampleResult, make_generator, sample_with_logprobs
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
 from llmaccel.engine.sequence import Sequence, SequenceStatus
@@ -24,6 +23,7 @@ from llmaccel.engine.speculative import SpecDecoder
 from llmaccel.engine.stats import EngineStats
 from llmaccel.engine.stop_checker import StopChecker
 from llmaccel.errors import LLMAccelError
+from llmaccel.kernels.greedy_select import greedy_with_logprobs
 from llmaccel.models.config import make_model_config
 from llmaccel.models.loader import get_model
 from llmaccel.models.tokenizer import eos_token_ids, get_tokenizer
@@ -148,11 +148,12 @@ class LLMEngine:
             k = config.speculative_config.num_speculative_tokens
             if self.draft_model is not None:
                 draft = DraftModelProposer(self.draft_model, num_blocks, bs, mc.max_model_len,
-                                           self.kv_cache_dtype, device, sizes, k)
+                                           self.kv_cache_dtype, device, sizes, k,
+                                           draft_chain=spec_cfg.draft_chain)
             elif self.draft_head is not None:
                 draft = HeadProposer(self.draft_head, self.model, num_blocks, bs,
                                      mc.max_model_len, self.kv_cache_dtype, device, sizes, k,
-                                     draft_topk=topk)
+                                     draft_topk=topk, draft_chain=spec_cfg.draft_chain)
             self.spec = SpecDecoder(config.speculative_config, mc.max_model_len,
                                     self.stop_checker, draft)
             self.spec.move_slots = self.runner.move_slots

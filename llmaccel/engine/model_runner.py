@@ -11,7 +11,6 @@ else (long prefill chunks, CPU) runs eagerly with the prefill kernel.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -81,7 +80,7 @@ class ModelRunner:
                                               -(-max_model_len // block_size), self.device,
                                               block_size, tree_rows)
                 self.graphs.capture()
-                if chain_steps > 0 and os.environ.get("LLMACCEL_DRAFT_CHAIN", "1") == "1":
+                if chain_steps > 0:
                     self.graphs.capture_chains(chain_steps, CHAIN_MAX_ROWS, chain_topk)
         self.tree_rows = tree_rows
         self.chain_topk = chain_topk

@@ -3,19 +3,11 @@ generator per sequence so a seeded request samples the same tokens whatever shar
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from llmaccel.engine.sampling_params import SamplingParams
-from llmaccel.kernels import triton_available
-
-# The chunked Triton argmax+logprob (kernels/greedy.py) in the decode graphs and chained
-# draft steps instead of torch's one-block-per-row reductions: measured 1541 -> 1364 us per
-# llama-3.2-1b batch-1 step on an H100. LLMACCEL_GREEDY_KERNEL=0 switches it off (to
-# measure both).
-USE_GREEDY_KERNEL = os.environ.get("LLMACCEL_GREEDY_KERNEL", "1") == "1"
 
 
 @dataclass
@@ -55,20 +47,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         row = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
         out[i] = torch.multinomial(row.softmax(-1), 1, generator=generators[i])[0]
     return out
-
-
-def greedy_with_logprobs(logits: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
-    """[B, vocab] -> [2, B] float64: argmax ids (exact in float64) and their logprobs, stacked
-    so one transfer brings both to the host. Graph-capturable (no host sync).
-    `use_kernel`: the chunked Triton pair (`kernels/greedy.py`), for which this torch code is
-    the reference; the decode graphs and draft steps pass USE_GREEDY_KERNEL (on a GPU)."""
-    if use_kernel and logits.is_cuda and triton_available():
-        from llmaccel.kernels.greedy import greedy_sample
-        return greedy_sample(logits)
-    logits = logits.float()
-    tokens = logits.argmax(-1)
-    chosen = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(-1)
-    return torch.stack([tokens.double(), chosen.double()])
 
 
 def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams],

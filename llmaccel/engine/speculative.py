@@ -25,7 +25,7 @@ import time
 import torch
 
 from llmaccel.engine.block_manager import BlockManager
-from llmaccel.engine.sampler import greedy_with_logprobs
+from llmaccel.kernels.greedy_select import greedy_with_logprobs
 from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.adaptive import AcceptanceTracker, best_k
 from llmaccel.spec.config import SpeculativeConfig, SpeculativeConfigError

@@ -23,11 +23,12 @@ import ctypes
 import functools
 import glob
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
+
+from llmaccel import envs
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
 
 def available(device: torch.device | str | None = None) -> bool:
     """CUDA C kernels can be compiled and launched on `device` (default: the current one)."""
-    if os.environ.get("LLMACCEL_CUDA_KERNELS", "1") == "0" or torch.version.cuda is None:
+    if not envs.LLMACCEL_CUDA_KERNELS or torch.version.cuda is None:
         return False
     if not torch.cuda.is_available():
         return False

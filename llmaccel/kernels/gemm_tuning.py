@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from llmaccel.kernels.gemm import GemmConfig, pick_config
 from llmaccel.kernels.gemv_fp8 import GemvFp8Config, valid_config
+from llmaccel import envs
 from llmaccel.kernels.gemv_w4 import GemvW4Config, _valid_block_k
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -52,9 +52,8 @@ def _load(path: str) -> dict[str, Any]:
 
 
 def table_path(device: torch.device | None = None) -> Path | None:
-    env = os.environ.get("LLMACCEL_GEMM_CONFIGS")
-    if env:
-        return Path(env)
+    if envs.LLMACCEL_GEMM_CONFIGS is not None:
+        return envs.LLMACCEL_GEMM_CONFIGS
     if not torch.cuda.is_available():
         return None
     index = device.index if device is not None and device.index is not None else \

@@ -5,7 +5,7 @@ the argmax mapped through a draft vocabulary's ids and written where the chain w
 torch's one-row reductions over a 128k vocabulary run in one thread block each (~25 us for
 argmax or logsumexp at batch 1). Here each program reduces one chunk of one row (max, first
 argmax, sum of exp against the chunk max) and a second kernel merges a row's chunks, so every
-SM helps at batch 1. Reference: `llmaccel.engine.sampler.greedy_with_logprobs` (torch path).
+SM helps at batch 1. Reference: `llmaccel.kernels.greedy_select.greedy_with_logprobs` (torch path).
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmaccel import envs
+
 logger = logging.getLogger(__name__)
 
 PDL_MIN_CAPABILITY = (9, 0)
@@ -109,10 +111,10 @@ def supported(device: torch.device | str) -> bool:
 
 def configure(device: torch.device | str, requested: bool | None = None) -> bool:
     """Decide PDL for the kernels of this process (call before capturing CUDA graphs).
-    `requested` None: LLMACCEL_PDL if set, else the default (off). Returns the decision."""
+    `requested` None: LLMACCEL_PDL if set, else the default (on). Returns the decision."""
     if requested is None:
-        env = os.environ.get("LLMACCEL_PDL")
-        requested = env == "1" if env is not None else DEFAULT_ON
+        requested = envs.LLMACCEL_PDL
+        requested = DEFAULT_ON if requested is None else requested
     use = False
     if requested and supported(device):
         why = _probe(torch.device(device))

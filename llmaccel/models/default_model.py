@@ -8,7 +8,6 @@ it (no code of that package runs), verify the checksum and cache the file.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from platformdirs import user_cache_dir
 
+from llmaccel import envs
 from llmaccel.errors import ModelNotFoundError
 
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -28,7 +28,7 @@ _SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 def cache_dir() -> Path:
     """Where llmaccel keeps downloaded models ($LLMACCEL_CACHE, else the user cache dir)."""
-    return Path(os.environ.get("LLMACCEL_CACHE") or user_cache_dir("llmaccel")) / "models"
+    return (envs.LLMACCEL_CACHE or Path(user_cache_dir("llmaccel"))) / "models"
 
 
 def _sha256(path: Path) -> str:

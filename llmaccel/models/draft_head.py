@@ -54,8 +54,8 @@ from llmaccel.models.attention import get_attention_backend
 from llmaccel.models.layers.linear import Linear
 from llmaccel.models.layers.quantization import dense_linear
 from llmaccel.models.layers.rotary import RotaryEmbedding, rope_parameters
-from llmaccel.models.transformer import (DecoderLayer, TransformerForCausalLM, greedy_ids,
-                                         write_greedy_ids)
+from llmaccel.kernels.greedy_select import greedy_ids, write_greedy_ids
+from llmaccel.models.transformer import DecoderLayer, TransformerForCausalLM
 
 HEAD_MARKER = "llmaccel_draft_head"
 DRAFT_VOCAB_FILE = "draft_vocab.json"

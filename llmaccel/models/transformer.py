@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from llmaccel.kernels.greedy_select import greedy_ids, write_greedy_ids
 from llmaccel.models.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from llmaccel.models.layers.activation import SiluAndMul
 from llmaccel.models.layers.embedding import VocabEmbedding
@@ -244,36 +245,6 @@ class TransformerModel(nn.Module):
             return self.norm(residual)
         x, _ = self.norm(x, residual)
         return x
-
-
-def write_greedy_ids(logits: torch.Tensor, ids: torch.Tensor | None, out_f64: torch.Tensor,
-                     out_i64: torch.Tensor) -> None:
-    """Each row's argmax over `logits` [rows, V], mapped through `ids` [V] where given (a
-    draft vocabulary's token ids), into out_f64 and out_i64 [rows]: a chained draft step's
-    tokens, as its output and as the next step's input ids. On a GPU one kernel pair
-    (kernels/greedy.greedy_ids_into); this torch code is its reference."""
-    from llmaccel.engine.sampler import USE_GREEDY_KERNEL
-    from llmaccel.kernels import triton_available
-
-    if USE_GREEDY_KERNEL and logits.is_cuda and triton_available():
-        from llmaccel.kernels.greedy import greedy_ids_into
-
-        greedy_ids_into(logits, ids, out_f64, out_i64)
-        return
-    tokens = greedy_ids(logits).long()
-    if ids is not None:
-        tokens = ids[tokens]
-    out_f64.copy_(tokens)
-    out_i64.copy_(tokens)
-
-
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] -> argmax ids [rows], float64: the sampler's greedy, through the chunked
-    Triton kernel where the decode graphs use it (torch's argmax reduces a row in one
-    block, slow for one row of tens of thousands)."""
-    from llmaccel.engine.sampler import USE_GREEDY_KERNEL, greedy_with_logprobs
-
-    return greedy_with_logprobs(logits, use_kernel=USE_GREEDY_KERNEL)[0]
 
 
 class TransformerForCausalLM(nn.Module):

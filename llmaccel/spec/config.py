@@ -64,6 +64,11 @@ class SpeculativeConfig:
     # requests. 1: a plain chain. A verify step runs 1 + k * topk rows per sequence (at most
     # MAX_TREE_ROWS, the decode rows a step gives one sequence).
     draft_topk: int = 1
+    # draft / head: launch the next round's drafts while the verify step runs (spec/overlap.py;
+    # greedy rounds of a steady batch). False drafts after verification, every round.
+    draft_overlap: bool = True
+    # draft / head: with CUDA graphs, a round's k - 1 chained draft steps replay as one graph.
+    draft_chain: bool = True
 
     def __post_init__(self) -> None:
         checks = [

@@ -22,7 +22,6 @@ first 1 + accepted write KV (`overlap_catch_up`).
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -60,19 +59,19 @@ class HeadProposer(DraftModelProposer):
                  num_blocks: int, block_size: int, max_model_len: int,
                  kv_cache_dtype: torch.dtype, device: torch.device,
                  cudagraph_capture_sizes: list[int] | None = None,
-                 num_speculative_tokens: int = 0, draft_topk: int = 1) -> None:
+                 num_speculative_tokens: int = 0, draft_topk: int = 1,
+                 draft_chain: bool = True) -> None:
         if target.feature_cache is None:
             raise ValueError("the target keeps no feature cache for the draft head")
         rows = max(cudagraph_capture_sizes) if cudagraph_capture_sizes else DEFAULT_STATIC_ROWS
         # before the head's graphs are captured: they read and write these buffers
         head.model.allocate_buffers(rows, target.feature_cache.dtype, device)
         super().__init__(head, num_blocks, block_size, max_model_len, kv_cache_dtype, device,
-                         cudagraph_capture_sizes, num_speculative_tokens, draft_topk)
+                         cudagraph_capture_sizes, num_speculative_tokens, draft_topk,
+                         draft_chain)
         self.target = target
-        # heads without aux layers (their features go through `fuse` first);
-        # LLMACCEL_FUSED_CATCH_UP=0 keeps the torch path (the A/B)
-        self.fused_catch_up_enabled = (head.model.fuse is None and os.environ.get(
-            "LLMACCEL_FUSED_CATCH_UP", "1") == "1")
+        # heads without aux layers (their features go through `fuse` first)
+        self.fused_catch_up_enabled = head.model.fuse is None
         if self.runner.graphs is not None and self.fused_catch_up_enabled:
             warm_up(max(1, num_speculative_tokens), head.model.hidden_size,
                     head.model.prev_token, target.feature_cache.dtype, device)

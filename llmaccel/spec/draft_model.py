@@ -27,7 +27,7 @@ import torch
 from llmaccel.engine.block_manager import BlockManager
 from llmaccel.engine.kv_cache import allocate_kv_caches
 from llmaccel.engine.model_runner import ModelRunner
-from llmaccel.engine.sampler import greedy_with_logprobs
+from llmaccel.kernels.greedy_select import greedy_with_logprobs
 from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.config import SpeculativeConfigError
@@ -122,17 +122,20 @@ class DraftModelProposer:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int,
                  kv_cache_dtype: torch.dtype, device: torch.device,
                  cudagraph_capture_sizes: list[int] | None = None,
-                 num_speculative_tokens: int = 0, draft_topk: int = 1) -> None:
-        """`num_speculative_tokens`: the most drafts a step asks for; with CUDA graphs, the
-        k - 1 steps after the catch-up run as one chained graph (`_chain`). `draft_topk` > 1:
-        tree drafts (spec/tree.py), each step's runners-up kept beside its draft."""
+                 num_speculative_tokens: int = 0, draft_topk: int = 1,
+                 draft_chain: bool = True) -> None:
+        """`num_speculative_tokens`: the most drafts a step asks for; with CUDA graphs and
+        `draft_chain`, the k - 1 steps after the catch-up run as one chained graph (`_chain`).
+        `draft_topk` > 1: tree drafts (spec/tree.py), each step's runners-up kept beside its
+        draft."""
         self.model = model
         self.draft_topk = draft_topk
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, allocate_kv_caches(model, num_blocks, block_size,
                                                             kv_cache_dtype, device),
                                   block_size, max_model_len, cudagraph_capture_sizes,
-                                  chain_steps=max(0, num_speculative_tokens - 1),
+                                  chain_steps=max(0, num_speculative_tokens - 1)
+                                  if draft_chain else 0,
                                   chain_topk=draft_topk)
         # pinned, for DeviceDrafts.host; two, used in turn: with overlapped drafting the next
         # round's drafts are copied out before this round's are read (spec/overlap.py)

@@ -42,21 +42,14 @@ written past the accepted tokens is stale and is overwritten later, as after any
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
 
-from llmaccel.engine.sampler import greedy_with_logprobs
+from llmaccel.kernels.greedy_select import greedy_with_logprobs
 from llmaccel.engine.sequence import Sequence
 from llmaccel.spec.draft_model import PENDING_DRAFT
-
-
-def overlap_enabled() -> bool:
-    """LLMACCEL_DRAFT_OVERLAP=0 turns overlapped drafting off (to measure both:
-    benchmarks/spec_bench.py --draft-overlap on,off); read every round."""
-    return os.environ.get("LLMACCEL_DRAFT_OVERLAP", "1") == "1"
 
 
 @dataclass(eq=False)
@@ -254,7 +247,7 @@ def launch_next_round(spec, sampling: list[Sequence], logits: torch.Tensor,
     host (`copy_to_host` -> (host tensor, event)), queued before the drafts: a read of the
     device tensor would wait for the drafts queued behind the step."""
     drafts = spec.pending
-    if (drafts is None or not overlap_enabled() or waiting
+    if (drafts is None or not spec.config.draft_overlap or waiting
             or not getattr(spec.draft, "supports_overlap", False)
             or spec.config.draft_confidence_threshold > 0.0
             or sampling != running
