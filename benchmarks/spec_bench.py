@@ -168,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-chain", default="on",
                     help="draft/head: comma-separated on,off -- the k - 1 draft steps after the "
                          "catch-up as one chained CUDA graph (on, the default) or one launch "
-                         "each (off: LLMACCEL_DRAFT_CHAIN=0), one engine each")
+                         "each (draft_chain), one engine each")
     ap.add_argument("--draft-overlap", default="on",
                     help="draft/head: comma-separated on,off -- the next round's drafts launched "
                          "with this round's verify step (on, the default; spec/overlap.py) or "
-                         "after verification (off: LLMACCEL_DRAFT_OVERLAP=0), one engine each")
+                         "after verification (draft_overlap), one engine each")
     ap.add_argument("--draft-topk", default="1",
                     help="head: candidates per draft depth (tree verification, "
                          "spec/tree.py; 1 = a chain), comma-separated: one engine each")
@@ -291,10 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             spec["prompt_lookup_num_tokens"] = lookup_k
         if args.prompt_lookup_min is not None and (method == "ngram" or first == "on"):
             spec["prompt_lookup_min"] = args.prompt_lookup_min
-        # read when the draft's runner is made (engine/model_runner.py)
-        os.environ["LLMACCEL_DRAFT_CHAIN"] = "1" if chain == "on" else "0"
-        # read every round (spec/overlap.py)
-        os.environ["LLMACCEL_DRAFT_OVERLAP"] = "1" if overlap == "on" else "0"
+        if method != "ngram":
+            spec["draft_chain"] = chain == "on"
+            spec["draft_overlap"] = overlap == "on"
         if method == "draft":
             spec["model"] = args.draft
         elif method == "head":
