@@ -288,7 +288,7 @@ def test_gpu_silu_out_epilogue(cfg, n_out):
 
 
 def test_tuned_tile_from_the_table(tmp_path, monkeypatch):
-    """A "w4cuda:1:N:K" entry of the GPU's table (exp_w4_cuda.py --out-table) wins over the
+    """A "w4cuda:1:N:K" entry of the GPU's table (bench_w4_cuda_gemv.py --out-table) wins over the
     default tile; one that does not fit K is ignored; other shapes keep the default."""
     import json
 

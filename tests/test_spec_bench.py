@@ -117,55 +117,6 @@ def test_engines_time_in_turns():
         assert abs(median * 1e3 - sorted(walls)[1]) < 0.1
 
 
-def test_plot_w5_writes_a_png(tmp_path):
-    """plot_w5: W5 speedup records -> a PNG; other records are ignored, none is an error."""
-    import json
-
-    import plot_w5
-    import pytest
-
-    recs = [{"workload": "W5", "metric": "speedup", "value": v, "device": "cpu",
-             "config": {"method": "ngram", "switch": "auto", "kind": "code", "batch": b,
-                        "spec_steps": s}}
-            for b, v, s in ((1, 1.6, 10), (4, 1.3, 10), (64, 1.0, 0))]
-    recs.append({"workload": "W1", "metric": "out_tok_s", "value": 1.0, "config": {}})
-    src = tmp_path / "w5.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    out = tmp_path / "w5.png"
-    assert plot_w5.main([str(src), "--out", str(out)]) == 0
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(plot_w5.load([str(src)])) == 3
-    other = tmp_path / "other.jsonl"
-    other.write_text(json.dumps(recs[-1]) + "\n")
-    with pytest.raises(SystemExit, match="no W5"):
-        plot_w5.main([str(other), "--out", str(tmp_path / "x.png")])
-    # --bound: draft records with a bound as bars; records without one are an error
-    with pytest.raises(ValueError, match="no records with a speedup bound"):
-        plot_w5.main([str(src), "--bound", "--out", str(tmp_path / "b.png")])
-    drafts = [{"workload": "W5", "metric": "speedup", "value": v, "speedup_bound": 1.4,
-               "device": "cpu", "config": {"method": "draft", "kind": "code", "batch": 1,
-                                           "draft_overlap": o, "draft_chain": "on"}}
-              for v, o in ((1.2, "off"), (1.3, "on"))]
-    src.write_text("".join(json.dumps(r) + "\n" for r in drafts))
-    assert plot_w5.main([str(src), "--bound", "--out", str(tmp_path / "b.png")]) == 0
-    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # --bars: a group per configuration at one batch size; several batch sizes are an error
-    assert plot_w5.config_label({"method": "head", "k": 4, "ngram_first": True,
-                                 "prompt_lookup_num_tokens": 7}) == "head k=4\nlookup first, up to 7"
-    assert plot_w5.config_label({"method": "ngram", "k": 7, "ngram_first": False}) == "ngram k=7"
-    assert plot_w5.config_label({"method": "head", "k": 5, "draft_vocab_size": 24150}) == \
-        "head k=5\nvocab 24150"
-    # engines of one configuration: their median, min and max, not the last record alone
-    assert plot_w5.bar_stats([2.075, 2.036, 2.026]) == (2.036, 2.026, 2.075, 3)
-    assert plot_w5.bar_stats([1.0, 3.0]) == (2.0, 1.0, 3.0, 2)
-    assert plot_w5.bar_stats([]) == (0.0, 0.0, 0.0, 0)
-    assert plot_w5.main([str(src), "--bars", "--out", str(tmp_path / "bars.png")]) == 0
-    assert (tmp_path / "bars.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    with pytest.raises(ValueError, match="one batch size"):
-        plot_w5.main([str(src), "--bars", "--out", str(tmp_path / "bars2.png")])
-
-
 def test_first_difference_names_the_position_and_plain_decodings_logprobs(tmp_path):
     """A speculative run's tokens that leave plain decoding's: the first differing request and
     position, both tokens, and plain decoding's top logprobs there (from the prompt and the

@@ -17,7 +17,7 @@ def test_split_is_the_last_fraction():
 def test_cap_keeps_the_newest_blocks_and_trains_on_the_rest():
     blocks = torch.arange(200).reshape(100, 2)
     train, held = split_heldout(blocks, 0.1, max_blocks=3)
-    assert torch.equal(held, blocks[-3:])  # the newest text (head_gpu.sh puts it last)
+    assert torch.equal(held, blocks[-3:])  # the newest text (written last)
     assert torch.equal(train, blocks[:-3])
     # a cap above the tenth changes nothing
     assert len(split_heldout(blocks, 0.1, max_blocks=50)[1]) == 10

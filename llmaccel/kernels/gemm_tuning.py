@@ -104,7 +104,7 @@ def fused_config(kind: str, m: int, n: int, k: int, device: torch.device | None 
     else the dense batch-1 entry's tile; None for more rows. Tiles tuned for other row counts
     are not borrowed: the 16-row dense tiles fused into 2-16-row decode layers ran the
     linear layers of a qwen2.5-1.5b step at 3.3-6.8 ms against 1.6 ms for one row and ~1.5 ms
-    of cuBLAS at 32 rows (H100, benchmarks/profile_rows.py, 2026-11-23-W5-step-cost-h100)."""
+    of cuBLAS at 32 rows (H100)."""
     path = table_path(device)
     if path is None or m != 1:
         return None
@@ -126,7 +126,7 @@ def gemv_w4_config(n: int, k: int, group: int, device: torch.device | None = Non
 
 def gemv_w4_cuda_config(n: int, k: int, device: torch.device | None = None):
     """The tuned tile of the CUDA C batch-1 int4 GEMV (`kernels/gemv_w4_cuda.py`, entries
-    "w4cuda:1:N:K" from `benchmarks/exp_w4_cuda.py --out-table`), or None when the table has
+    "w4cuda:1:N:K" from `benchmarks/bench_w4_cuda_gemv.py --out-table`), or None when the table has
     none or it does not fit K."""
     path = table_path(device)
     return None if path is None else _gemv_w4_cuda_lookup(str(path), n, k)

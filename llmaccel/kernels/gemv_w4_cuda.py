@@ -66,7 +66,7 @@ def default_config(n: int, k: int) -> CudaGemvW4Config:
 
 def tile_for(n: int, k: int, device: torch.device | None = None) -> tuple[CudaGemvW4Config, bool]:
     """(the tile for an N x K layer, whether it is tuned): the GPU table's "w4cuda:1:N:K"
-    entry (benchmarks/exp_w4_cuda.py --out-table), else `default_config`."""
+    entry (benchmarks/bench_w4_cuda_gemv.py --out-table), else `default_config`."""
     from llmaccel.kernels.gemm_tuning import gemv_w4_cuda_config
 
     tuned = gemv_w4_cuda_config(n, k, device)

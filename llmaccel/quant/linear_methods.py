@@ -427,7 +427,7 @@ class PackedLinearMethod(LinearMethodBase):
         """silu_and_mul(layer(x)) for one row of a [gate; up] int4 layer in the CUDA C GEMV,
         the activation in its epilogue (one kernel fewer a layer), or None where that GEMV
         does not run. The Triton GEMV's SiLU epilogue is not used: it matched the GEMV +
-        silu_and_mul pair alone on an H100 (13.2 against 14.0 us, benchmarks/exp_silu_out.py)
+        silu_and_mul pair alone on an H100 (13.2 against 14.0 us)
         but whole llama-3.2-3b decode steps ran slower with it, 14% with the dependent released
         after the wait and W1 1.6% slower with it released at the end
         (2026-11-25-quant-decode-s19-h100.md, 2026-11-26-quant-decode-s21.md)."""

@@ -25,7 +25,7 @@ def init_attention_scores(head: DraftHead) -> None:
     for the training dynamics: session 36's trained heads put 0.92 of each query's attention
     (mean over heads) on one sink row and the rest on its own row, so the layer read no
     context, although the untrained copied head and the target's last layer both looked at
-    the copy source (benchmarks/diag_head_copy.py). Small random q/k start the scores near
+    the copy source. Small random q/k start the scores near
     zero: attention near uniform."""
     attn = head.layers[0].self_attn
     for proj in (attn.q_proj, attn.k_proj):

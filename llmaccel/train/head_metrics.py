@@ -4,7 +4,7 @@ Rewriting code, quoting and editing are full of copies: the next token is what f
 same tokens earlier in the context. A prompt lookup (vLLM's n-gram proposer) finds those; a
 head can only if its one attention layer reads the context. Session 36 found trained heads
 whose attention had collapsed onto one sink row (0.92 of each query's weight, mean over heads)
-and which therefore missed trivial copies (benchmarks/diag_head_copy.py). Two measures make
+and which therefore missed trivial copies. Two measures make
 that visible during training rather than after a W5 run:
 
 - copy positions: where an n-gram lookup in the block proposes the target's next token. The

@@ -193,7 +193,7 @@ def train_head(cfg: DistillConfig, target: Target, train: torch.Tensor, held: to
                caches: tuple[FeatureCache, FeatureCache] | None = None):
     """Train a head on the target's features, keep the best evaluation, save it in cfg.out.
     `caches`: the (train, held) blocks' feature caches, already built (several heads trained
-    on one set of blocks build them once: benchmarks/exp_head_sweep.py)."""
+    on one set of blocks build them once)."""
     from llmaccel.train.distill_common import finish, train_loop
 
     model = target.model

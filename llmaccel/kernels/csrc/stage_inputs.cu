@@ -4,7 +4,7 @@
 // ids of an async step (the previous step's argmax, on the device) are converted to int64 on
 // the way. This replaces three host-to-device copies and a copy kernel, which ran one after
 // another on the stream between two decode graphs (about 23 us of a 1.1 ms int4 step on an
-// H100, benchmarks/profile_step_gaps.py).
+// H100).
 //
 // Layout (as cuda_graph.py's buffers): inputs int64 [in_rows, n] (row stride n), seq_lens int32
 // [n], block tables int32 [n, w]. The first bs columns of every input row, bs seq lens, and

@@ -1,14 +1,14 @@
 """Experiment: the CUDA C batch-1 W4A16 GEMV (`kernels/gemv_w4_cuda.py`) against the Triton
 GEMV (`kernels/gemv_w4.py`, the GPU table's tile) and cuBLAS bf16, on the llama-3.2-3b shapes.
 
-    python benchmarks/exp_w4_cuda.py --out DIR
+    python benchmarks/bench_w4_cuda_gemv.py --out DIR
 
 1. Per shape: every CUDA tile (rows x chunks) checked against `gemm.linear_ref`, then timed as
    one call inside a replayed CUDA graph of calls cycling through > 256 MB of weights
    (`tune_gemm.time_graph`), with PDL as the engine launches (both kernels).
 2. A chain like a decode step's GEMVs: 28 layers of qkv -> o -> gate_up -> down, distinct
    weights per layer, one graph; each kernel's best tile. Prints us per layer and TB/s.
-Writes exp_w4_cuda.jsonl under --out.
+Writes bench_w4_cuda_gemv.jsonl under --out.
 """
 
 from __future__ import annotations
@@ -79,12 +79,12 @@ def main() -> int:
     table: dict = {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    fh = open(out / "exp_w4_cuda.jsonl", "w")
+    fh = open(out / "bench_w4_cuda_gemv.jsonl", "w")
 
     def emit(rec):
         rec.update(device=torch.cuda.get_device_name(), torch=torch.__version__, pdl=use_pdl,
                    commit=os.environ.get("LLMACCEL_COMMIT", "unknown"),
-                   command="python benchmarks/exp_w4_cuda.py")
+                   command="python benchmarks/bench_w4_cuda_gemv.py")
         fh.write(json.dumps(rec) + "\n")
         fh.flush()
         recs.append(rec)
