@@ -40,7 +40,7 @@ def _str(name: str) -> Callable[[], str | None]:
     return lambda: os.environ.get(name) or None
 
 
-# name -> (reader, meaning). The README's list of variables is made from this table.
+# name -> (reader, meaning)
 environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     "LLMACCEL_CACHE": (_path("LLMACCEL_CACHE"),
                        "Where downloaded models and datasets are cached (default: the "

@@ -48,18 +48,17 @@ CASES = [
         HEADS_PAD=8, DIM_PAD=64, FP8=False, SOFT_ROUND=False), False),
     ("rms_norm", rmsnorm._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=2048), True),
     ("silu_and_mul", activation._silu_and_mul_kernel, dict(BLOCK=1024), False),
-    # the decode attention without early reads (strict), with its step inputs read early, and
-    # with the first tile's K/V of earlier steps read early too (both are prefetches the rule
-    # of kernels/pdl.py allows: written two or more launches back), and the tree-verification
+    # the decode attention, which reads its step inputs before the wait, with the first
+    # tile's K/V of earlier steps read early too (both are prefetches the rule of
+    # kernels/pdl.py allows: written two or more launches back), and the tree-verification
     # variant that reads a row's newest key from its own slot (a step input as well)
     *[(f"paged_decode{tag}", paged_attention._paged_decode_kernel, dict(
         GROUP=4, GROUP_PAD=16, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=16, BLOCK_N=32,
         NUM_SPLITS=16, PRECISION="tf32", KV_FP8=False, FUSED_COMBINE=True, SPLITS_PAD=16,
-        EARLY_INPUTS=early, EARLY_KV=early_kv, LAST_FROM_SLOT=tree), early or early_kv)
-      for tag, early, early_kv, tree in (("", False, False, False),
-                                         ("-early-inputs", True, False, False),
-                                         ("-early-kv", True, True, False),
-                                         ("-early-kv-tree", True, True, True))],
+        EARLY_KV=early_kv, LAST_FROM_SLOT=tree), True)
+      for tag, early_kv, tree in (("", False, False),
+                                  ("-early-kv", True, False),
+                                  ("-early-kv-tree", True, True))],
     ("combine_splits", paged_attention._combine_splits_kernel, dict(
         HEAD_DIM=64, DIM_PAD=64, NUM_SPLITS=16, SPLITS_PAD=16), False),
     ("greedy_chunk", greedy._chunk_kernel, dict(CHUNK=4096), False),

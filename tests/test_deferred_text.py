@@ -107,19 +107,6 @@ def test_stop_strings_are_still_found_token_by_token(model_dir):
     assert out.text == text[:text.index(stop)]
 
 
-def test_defer_text_off_detokenizes_as_it_goes(model_dir, monkeypatch):
-    """LLMACCEL_DEFER_TEXT=0 (the A/B switch): final-only text grows step by step again, and
-    ends the same."""
-    import llmaccel.engine.stop_checker as stop_checker
-
-    want = _run(_engine(model_dir), "final_only")["done"]
-    monkeypatch.setattr(stop_checker, "DEFER_TEXT", False)
-    got = _run(_engine(model_dir), "final_only")
-    assert any(got["running_texts"])
-    assert {k: v.outputs[0].text for k, v in got["done"].items()} == {
-        k: v.outputs[0].text for k, v in want.items()}
-
-
 @pytest.mark.parametrize("min_tokens,stop_ids,ignore_eos,eos", [
     (0, [], False, {2}), (3, [], False, {2}), (3, [], True, {2}), (3, [7], True, {2}),
     (3, [], False, set()), (3, [7], False, set())])

@@ -230,16 +230,15 @@ def test_pdl_kernels_compile_for_hopper_and_wait_before_touching_data():
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          env=env, timeout=600)
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 15, out.stderr[-2000:]
+    assert len(results) == 14, out.stderr[-2000:]
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
     assert all(r["loads_before_wait"] > 0 for r in results if r["kernel"].startswith("linear"))
-    # the decode attention: nothing before the wait unless asked; its step inputs, then also
-    # the first tile's K and V of earlier steps, when asked
+    # the decode attention: its step inputs before the wait, then also the first tile's K and
+    # V of earlier steps, when asked
     early = {r["kernel"]: r["loads_before_wait"] for r in results
              if r["kernel"].startswith("paged_decode")}
-    assert (early["paged_decode"] == 0
-            < early["paged_decode-early-inputs"] < early["paged_decode-early-kv"]
+    assert (0 < early["paged_decode"] < early["paged_decode-early-kv"]
             < early["paged_decode-early-kv-tree"]), early
     # bf16 rope compiled as launched (no FP fusion) rounds each product: no FMA contraction
     rope = [r for r in results if r["kernel"] in ("rotary", "rotary_and_cache")]

@@ -302,7 +302,7 @@ def test_engine_takes_it_for_2_to_128_rows(monkeypatch):
             linear_methods._use_w4_gemm(narrow, torch.empty(m, 8), None)]
     assert rows == [2, 64, 127]
     layer = wide
-    monkeypatch.setattr(linear_methods, "W4_GEMM", False)
+    monkeypatch.setattr(linear_methods, "W4_GEMM_MAX_M", 1)  # an empty range: never
     assert not linear_methods._use_w4_gemm(layer, torch.empty(2, 8), None)
 
 

@@ -341,5 +341,5 @@ def test_engine_takes_it_for_64_to_256_rows(monkeypatch):
             if linear_methods._use_w4_wgmma(layer, torch.empty(m, 8), None)]
     assert rows == [64, 128, 200, 256]
     assert len(calls) == 1  # decided once for the layer, dtype and bias
-    monkeypatch.setattr(linear_methods, "W4_WGMMA", False)
+    monkeypatch.setattr(linear_methods, "W4_WGMMA_MAX_M", 0)  # an empty range: never
     assert not linear_methods._use_w4_wgmma(layer, torch.empty(128, 8), None)

@@ -417,7 +417,7 @@ def test_gpu_engine_rope_epilogue_same_tokens(shape, monkeypatch):
     the cache write in its epilogue (taken on every layer) gives the same greedy tokens as the
     GEMV, then the Triton rope and cache write (Qwen2: with the qkv bias)."""
     from llmaccel import LLM, SamplingParams
-    from llmaccel.models.layers import quantization as lq
+    from llmaccel.models import transformer
     from llmaccel.quant.presets import preset_config
 
     if not cuda_rtc.available():
@@ -432,8 +432,11 @@ def test_gpu_engine_rope_epilogue_same_tokens(shape, monkeypatch):
 
     monkeypatch.setattr(linear_methods.PackedLinearMethod, "apply_qkv_rope", spy)
     tokens = {}
+    real_qkv_rope = transformer.qkv_rope
     for fused in (True, False):
-        monkeypatch.setattr(lq, "QKV_ROPE_EPILOGUE", fused)
+        # unfused: the GEMV, then rope and the cache write
+        monkeypatch.setattr(transformer, "qkv_rope",
+                            real_qkv_rope if fused else lambda layer, x, rope: None)
         llm = LLM(shape, load_format="dummy", dtype="bfloat16", max_model_len=512,
                   hf_overrides={"quantization_config": preset_config("gptq-int4-g128")},
                   skip_tokenizer_init=True, enable_prefix_caching=False,

@@ -116,17 +116,16 @@ def test_paged_decode_gpu_one_long_sequence(block_size):
 
 @pytest.mark.parametrize("num_splits", [2, 5])
 def test_fused_combine_equals_the_combine_kernel(num_splits, monkeypatch):
-    """The last split merging in the decode kernel (FUSED_COMBINE) gives the separate combine
-    kernel's output, and leaves its arrival counters at 0 for the next call."""
+    """The last split merging in the decode kernel gives the separate combine kernel's output,
+    and leaves its arrival counters at 0 for the next call."""
     from llmaccel.kernels import paged_attention as pa
     from llmaccel.kernels.paged_attention import paged_decode_attention
 
     q, cache, bt, sl = _case([1, 37, 90], 6, 2, 32, 16, torch.float32, _device(), seed=4)
-    monkeypatch.setattr(pa, "FUSED_COMBINE", False)
     pa._counters.clear()
-    want = paged_decode_attention(q, cache, bt, sl, 0.3, num_splits=num_splits, block_n=16)
+    want = paged_decode_attention(q, cache, bt, sl, 0.3, num_splits=num_splits, block_n=16,
+                                  _fused_combine=False)
     assert not pa._counters  # the two-kernel path takes no counters
-    monkeypatch.setattr(pa, "FUSED_COMBINE", True)
     for _ in range(2):  # the second call relies on the first having reset the counters
         got = paged_decode_attention(q, cache, bt, sl, 0.3, num_splits=num_splits, block_n=16)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

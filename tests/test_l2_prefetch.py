@@ -18,8 +18,8 @@ import torch
 from nvrtc_helpers import use_nvrtc
 from tiny_models import make_tiny_model, tiny_configs
 
-from llmaccel.kernels import cuda_rtc
-from llmaccel.kernels.l2_prefetch import MAX_RANGES, cap_bytes, kernel_args, ranges_of
+from llmaccel.kernels import cuda_rtc, l2_prefetch
+from llmaccel.kernels.l2_prefetch import MAX_RANGES, kernel_args, ranges_of
 from llmaccel.models.config import make_model_config
 from llmaccel.models.l2_prefetch import decode_order, link_l2_prefetch, streamed_weights
 from llmaccel.models.loader import get_model
@@ -57,13 +57,6 @@ def test_kernel_args_pad_and_check():
         kernel_args(((4096, 500),))
     with pytest.raises(ValueError, match="at most"):
         kernel_args(((16, 16),) * (MAX_RANGES + 1))
-
-
-def test_cap_from_the_environment(monkeypatch):
-    monkeypatch.setenv("LLMACCEL_L2_PREFETCH_MB", "0.5")
-    assert cap_bytes() == 2**19
-    monkeypatch.setenv("LLMACCEL_L2_PREFETCH_MB", "0")
-    assert cap_bytes() == 0
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -208,7 +201,7 @@ def test_gpu_engine_links_every_layer_and_tokens_match_without(monkeypatch):
         pytest.skip("no CUDA C kernels here")
     tokens = {}
     for mib in ("24", "0"):
-        monkeypatch.setenv("LLMACCEL_L2_PREFETCH_MB", mib)
+        monkeypatch.setattr(l2_prefetch, "CAP_BYTES", int(mib) << 20)
         llm = LLM("llama-3.2-1b", load_format="dummy", dtype="bfloat16", max_model_len=512,
                   hf_overrides={"quantization_config": preset_config("gptq-int4-g128")},
                   skip_tokenizer_init=True, enable_prefix_caching=False,

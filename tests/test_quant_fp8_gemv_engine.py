@@ -64,12 +64,12 @@ def _spy(monkeypatch) -> list[tuple[str, ...]]:
 def test_fp8_model_on_the_gemv_matches_the_w8a8_reference(fused, silu_epilogue, prequant,
                                                           fp8_dir, monkeypatch):
     """Fused decode layers, or unfused ones with SiLU-and-mul in the gate_up GEMV's epilogue
-    (LLMACCEL_GEMV_SILU_EPILOGUE, on by default) or after it; with prequant tiles the
-    RMSNorm kernels hand the qkv and gate_up GEMVs their rows quantized (`rms_norm_fp8`,
-    LLMACCEL_NORM_QUANT): the W8A8 reference's logits."""
-    from llmaccel.models.layers import quantization
+    (what the engine does) or after it; with prequant tiles the RMSNorm kernels hand the qkv
+    and gate_up GEMVs their rows quantized (`rms_norm_fp8`): the W8A8 reference's logits."""
+    from llmaccel.models import transformer
 
-    monkeypatch.setattr(quantization, "SILU_EPILOGUE", silu_epilogue)
+    if not silu_epilogue:  # the two steps: the GEMV, then silu_and_mul
+        monkeypatch.setattr(transformer, "gate_up_silu", lambda layer, x, x_scale=None: None)
     tile = GemvFp8Config(8, 64, 2, 2, prequant=prequant)
     _, ref = load_model(str(fp8_dir), dtype="float32", device="cpu")
     _, ours = load_model(str(fp8_dir), dtype="float32", device="cpu")

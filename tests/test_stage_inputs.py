@@ -147,8 +147,11 @@ def test_gpu_engine_same_tokens_with_and_without_the_kernel(monkeypatch):
     if not cuda_rtc.available():
         pytest.skip("no CUDA C kernels here")
     tokens = {}
+    real_available = stage_inputs.StagedCopy.available
     for on in (True, False):
-        monkeypatch.setattr(stage_inputs, "ENABLED", on)
+        # off: the torch copies the runner makes where the kernel cannot run
+        monkeypatch.setattr(stage_inputs.StagedCopy, "available", staticmethod(
+            real_available if on else lambda host, device: False))
         llm = LLM("llama-3.2-1b", load_format="dummy", dtype="bfloat16", max_model_len=512,
                   skip_tokenizer_init=True, enable_prefix_caching=False,
                   gpu_memory_utilization=0.3,

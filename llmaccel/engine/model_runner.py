@@ -37,8 +37,7 @@ DECODE_ROWS_MAX = 16
 PREFILL_ROWS_KV_BYTES = 512 << 20
 # Chained draft steps (cuda_graph.py: k - 1 greedy steps in one graph) for draft steps of up
 # to this many rows; larger draft batches loop over single-step graphs (their GPU time, not
-# the host's launches, bounds them). LLMACCEL_DRAFT_CHAIN=0 when a runner is made turns chains
-# off (to measure both: benchmarks/spec_bench.py --draft-chain on,off).
+# the host's launches, bounds them). SpeculativeConfig.draft_chain=False turns chains off.
 CHAIN_MAX_ROWS = 64
 
 

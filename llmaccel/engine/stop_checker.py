@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from llmaccel.engine.detokenizer import detokenize_incrementally, detokenize_rest
 from llmaccel.engine.sequence import Sequence
-
-# LLMACCEL_DEFER_TEXT=0: every sequence detokenized token by token, as before `defers_text`
-# (for A/B runs of large-batch generation).
-DEFER_TEXT = os.environ.get("LLMACCEL_DEFER_TEXT", "1") != "0"
-
 
 class StopChecker:
     def __init__(self, eos_token_ids: set[int], max_model_len: int, tokenizer=None) -> None:
@@ -55,7 +48,7 @@ class StopChecker:
         and only its final output is wanted (LLM.generate). Its text is made once, when it
         finishes (`finish_text`), not token by token: at 256 running sequences the step-by-step
         decode was ~40% of the engine's host time per step (benchmarks/host_overhead.py)."""
-        return DEFER_TEXT and not seq.params.stop and seq.params.output_kind == "final_only"
+        return not seq.params.stop and seq.params.output_kind == "final_only"
 
     def finish_text(self, seq: Sequence) -> None:
         """The text of the tokens not yet detokenized, all at once (a finished or aborted

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +26,6 @@ import torch
 from llmaccel.kernels import cuda_rtc, l2_prefetch, pdl
 
 MIN_CAPABILITY = (8, 9)
-# Which kernel an untuned call takes: "cc" (CUDA cores, gemv_fp8_cc.cu) or "mma" (tensor
-# cores, gemv_fp8.cu); LLMACCEL_CUDA_FP8_MODE picks, to measure both.
-MODE = os.environ.get("LLMACCEL_CUDA_FP8_MODE", "cc")
 MAX_WARPS = 32
 MAX_LOADS = 16  # 16-byte loads per lane and row group (4 registers each)
 _LOAD_CHOICES = (8, 4, 6, 12, 16, 10, 7, 5, 14, 3, 2, 9, 11, 13, 15, 1)
@@ -76,9 +72,10 @@ def default_cc_config(n: int, k: int) -> CudaGemvFp8Config | None:
 
 
 def chosen_config(n: int, k: int) -> CudaGemvFp8Config | None:
-    """The tile an untuned call takes: the CUDA-core kernel's (MODE "cc") where it fits, else
-    the tensor-core kernel's."""
-    return (MODE == "cc" and default_cc_config(n, k)) or default_config(n, k)
+    """The tile an untuned call takes: the CUDA-core kernel's (gemv_fp8_cc.cu) where it fits,
+    else the tensor-core kernel's (gemv_fp8.cu; slower where both fit: ptxas lowers its e4m3
+    mma to fp16 HMMA)."""
+    return default_cc_config(n, k) or default_config(n, k)
 
 
 @functools.lru_cache(maxsize=1)

@@ -15,8 +15,6 @@ instruction takes). A kernel takes at most `MAX_RANGES`; an empty slot is (0, 0)
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
 
 import torch
 
@@ -24,29 +22,22 @@ MAX_RANGES = 2
 Range = tuple[int, int]
 
 
+# From an H100: 2 MiB per GEMV issued by its last 66 blocks took a llama-3.2-3b int4 decode
+# step from 1099 to 1072 us (FP8: 1708 to 1662). Prefetching more hurt: 8 MiB or more, or any
+# cap issued by every block, slowed the GEMV chains 4-12% (the prefetch competes with the
+# kernel's own loads); a larger cap across the attention alone (qkv -> o) changed nothing.
+CAP_BYTES = 2 << 20
+TAIL_BLOCKS = 66
+
+
 def cap_bytes() -> int:
-    """The most bytes one GEMV prefetches for the next, from LLMACCEL_L2_PREFETCH_MB (0 turns
-    prefetching off)."""
-    return int(float(os.environ.get("LLMACCEL_L2_PREFETCH_MB", DEFAULT_MB)) * 2**20)
+    """The most bytes one GEMV prefetches for the next."""
+    return CAP_BYTES
 
 
-# The defaults, from an H100 (2026-11-26-l2-prefetch-step-inputs-h100.md): 2 MiB per GEMV
-# issued by its last 66 blocks took a llama-3.2-3b int4 decode step from 1099 to 1072 us
-# (FP8: 1708 to 1662). Prefetching more hurt: 8 MiB or more, or any cap issued by every block,
-# slowed the GEMV chains 4-12% (the prefetch competes with the kernel's own loads); a larger
-# cap across the attention alone (qkv -> o) changed nothing.
-DEFAULT_MB = "2"
-
-
-@functools.lru_cache(maxsize=1)
 def tail_blocks() -> int:
-    """How many of a GEMV's last blocks issue its prefetch, from LLMACCEL_L2_PREFETCH_TAIL
-    (0: every block); read once (every eager GEMV launch asks: `tail_blocks.cache_clear()`
-    after changing it)."""
-    return int(os.environ.get("LLMACCEL_L2_PREFETCH_TAIL", DEFAULT_TAIL))
-
-
-DEFAULT_TAIL = "66"
+    """How many of a GEMV's last blocks issue its prefetch (0: every block)."""
+    return TAIL_BLOCKS
 
 
 def ranges_of(tensors: list[torch.Tensor], cap: int, cuda_only: bool = True

@@ -28,7 +28,6 @@ element: k_scale is folded into the softmax scale, v_scale multiplies the normal
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -72,10 +71,8 @@ def _paged_decode_kernel(
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr, FUSED_COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    EARLY_INPUTS: tl.constexpr, EARLY_KV: tl.constexpr, LAST_FROM_SLOT: tl.constexpr,
+    EARLY_KV: tl.constexpr, LAST_FROM_SLOT: tl.constexpr,
 ):
-    if not (EARLY_INPUTS or EARLY_KV):
-        pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -124,8 +121,7 @@ def _paged_decode_kernel(
                      other=0.0).to(q_dtype)
         block = tl.load(BlockTables + seq * stride_bt + (pos + BLOCK_N) // BLOCK_SIZE,
                         mask=pos + BLOCK_N < end, other=0)
-    if EARLY_INPUTS or EARLY_KV:
-        pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
 
     g = tl.arange(0, GROUP_PAD)
     g_mask = g < GROUP
@@ -248,18 +244,11 @@ def _combine_splits_kernel(
              mask=d_mask)
 
 
-# The last split of a (sequence, KV head) merges the splits in the decode kernel itself
-# (LLMACCEL_ATTN_FUSED_COMBINE=0: the separate combine kernel, to measure it).
-FUSED_COMBINE = os.environ.get("LLMACCEL_ATTN_FUSED_COMBINE", "1") == "1"
-# The decode kernel reads the step's context lengths and block tables before its PDL wait
-# (LLMACCEL_ATTN_EARLY_INPUTS=0: after it, as before, to measure it). H100 W1 on the 3B
-# shape, same call: bf16 decode 362.5 against 359.5 tok/s, TTFT 4.02 against 4.25 ms; int4
-# 916.4 against 914.5 (2026-11-27-s28-int4-w1-h100.md).
-EARLY_INPUTS = os.environ.get("LLMACCEL_ATTN_EARLY_INPUTS", "1") == "1"
-# With `kv_fresh_from` (the CUDA-graph decode steps pass it), the kernel also loads its first
-# tile's K/V from earlier steps before the PDL wait (LLMACCEL_ATTN_EARLY_KV=0: after it, to
-# measure it).
-EARLY_KV = os.environ.get("LLMACCEL_ATTN_EARLY_KV", "1") == "1"
+# The last split of a (sequence, KV head) merges the splits in the decode kernel itself (the
+# separate combine kernel remains for calls without counters). The decode kernel reads the
+# step's context lengths and block tables before its PDL wait (H100 W1 on the 3B shape: bf16
+# decode 362.5 against 359.5 tok/s, TTFT 4.02 against 4.25 ms), and with `kv_fresh_from` (the
+# CUDA-graph decode steps pass it) also its first tile's K/V from earlier steps.
 # Arrival counters of the fused combine, one int32 per (sequence, KV head), per KV cache (so
 # two models' attention, e.g. a draft's on another stream, never share one). Zeroed once
 # outside graph capture; each call leaves them at 0 again.
@@ -320,7 +309,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            block_n: int | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0,
                            kv_fresh_from: torch.Tensor | None = None,
-                           last_slots: torch.Tensor | None = None) -> torch.Tensor:
+                           last_slots: torch.Tensor | None = None,
+                           _fused_combine: bool = True) -> torch.Tensor:
     """q [B, H, d]; kv_cache [2, num_blocks, block_size, kv_heads, d]; block_tables
     [B, max_blocks] int32; seq_lens [B] int32 -> [B, H, d].
 
@@ -354,7 +344,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         raise ValueError(f"kv_fresh_from must be [{num_seqs}] int32/int64 on {q.device}, got "
                          f"{tuple(kv_fresh_from.shape)} {kv_fresh_from.dtype} on "
                          f"{kv_fresh_from.device}")
-    early_kv = EARLY_KV and kv_fresh_from is not None
+    early_kv = kv_fresh_from is not None
     if last_slots is not None and (last_slots.shape != (num_seqs,)
                                    or last_slots.device != q.device
                                    or last_slots.dtype != torch.int64):
@@ -379,7 +369,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part_out, part_lse = out, out
         part_strides = (0, 0, 0, 0, 0)
     else:
-        if FUSED_COMBINE:
+        if _fused_combine:  # False: the separate combine kernel (its test compares them)
             counters = _combine_counters(kv_cache, num_seqs * num_kv_heads)
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                                device=q.device)
@@ -398,8 +388,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         # fp32 models get full-precision dots (the default would round inputs to TF32).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         USE_PDL=pdl.enabled(), FUSED_COMBINE=counters is not None,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), EARLY_INPUTS=EARLY_INPUTS,
-        EARLY_KV=early_kv, LAST_FROM_SLOT=last_slots is not None, **pdl.launch_kwargs(),
+        SPLITS_PAD=triton.next_power_of_2(num_splits), EARLY_KV=early_kv, LAST_FROM_SLOT=last_slots is not None, **pdl.launch_kwargs(),
     )
     if num_splits > 1 and counters is None:
         _combine_splits_kernel[(num_seqs, num_heads)](

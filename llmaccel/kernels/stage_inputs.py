@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
 from llmaccel.kernels import cuda_rtc
 
-# LLMACCEL_STAGE_KERNEL=0 copies the inputs with torch (three copies and a copy kernel), to
-# measure the kernel against it.
-ENABLED = os.environ.get("LLMACCEL_STAGE_KERNEL", "1") == "1"
 _IDS_KIND = {torch.int64: 1, torch.float64: 2, torch.int32: 3}
 THREADS = 256
 
@@ -58,7 +54,7 @@ class StagedCopy:
 
     @staticmethod
     def available(host: tuple[torch.Tensor, ...], device: torch.device) -> bool:
-        return (ENABLED and device.type == "cuda" and all(t.is_pinned() for t in host)
+        return (device.type == "cuda" and all(t.is_pinned() for t in host)
                 and cuda_rtc.available(device))
 
     def __call__(self, bs: int, cols: int, ids: torch.Tensor | None = None,

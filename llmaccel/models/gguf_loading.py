@@ -20,13 +20,9 @@ and loads run as before, only slower; results never depend on it.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-
-# LLMACCEL_FAST_GGUF=0: transformers' and gguf-py's own code (for A/B timing)
-ENABLED = os.environ.get("LLMACCEL_FAST_GGUF", "1") != "0"
 
 _lock = threading.RLock()
 _readers: dict[tuple[str, int, int], object] = {}
@@ -48,9 +44,6 @@ def release_readers() -> None:
 @contextlib.contextmanager
 def fast_gguf() -> Iterator[None]:
     """While active, gguf-py's GGUFReader and dequantize as described above."""
-    if not ENABLED:
-        yield
-        return
     try:
         import gguf
         from gguf import GGMLQuantizationType
@@ -89,4 +82,4 @@ def fast_gguf() -> Iterator[None]:
             gguf.GGUFReader, gguf.dequantize = orig_reader, orig_dequantize
 
 
-__all__ = ["ENABLED", "fast_gguf", "release_readers"]
+__all__ = ["fast_gguf", "release_readers"]

@@ -5,7 +5,7 @@ down; then the LM head; then the next step's first qkv. Each layer gets `l2_pref
 ranges of the next layer's weight and scales (cut to `cap_bytes()`), which its quantized
 method's CUDA C GEMV passes to the kernel (int4: `quant/linear_methods.py`, FP8:
 `quant/fp8_linear.py`). Layers whose batch-1 product is not one of those kernels (cuBLAS, the
-Triton GEMVs) ignore it. LLMACCEL_L2_PREFETCH_MB=0 turns it off.
+Triton GEMVs) ignore it.
 """
 
 from __future__ import annotations
@@ -62,5 +62,5 @@ def link_l2_prefetch(model: nn.Module, cap: int | None = None, cuda_only: bool =
         linked += bool(ranges)
     if linked:
         logger.info("L2 prefetch: each batch-1 CUDA C GEMV prefetches the next layer's weights "
-                    "(up to %.0f MiB; LLMACCEL_L2_PREFETCH_MB)", cap / 2**20)
+                    "(up to %.0f MiB)", cap / 2**20)
     return linked

@@ -7,7 +7,6 @@ checkpoints map one-to-one, except that q/k/v and gate/up are fused (see `load_w
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
@@ -330,12 +329,10 @@ class TransformerForCausalLM(nn.Module):
     def set_fused_kernels(self, enabled: bool, fuse_decode: bool | None = None) -> None:
         """Route RMSNorm, rotary, SiLU-and-mul and the linear layers (where tuned faster, see
         kernels/gemm_tuning.py) through Triton kernels (CUDA) or the PyTorch code (CPU,
-        reference). With `fuse_decode` (default: on with the kernels, LLMACCEL_FUSED_DECODE=0
-        turns it off) decode-size steps also fold norms, SiLU-and-mul and residual adds into
-        the dense GEMVs and rope into the K/V cache write (`DecoderLayer.forward_fused`)."""
-        if fuse_decode is None:
-            fuse_decode = os.environ.get("LLMACCEL_FUSED_DECODE", "1") == "1"
-        fuse_decode = enabled and fuse_decode
+        reference). With `fuse_decode` (default: on with the kernels) decode-size steps also
+        fold norms, SiLU-and-mul and residual adds into the dense GEMVs and rope into the K/V
+        cache write (`DecoderLayer.forward_fused`)."""
+        fuse_decode = enabled and (fuse_decode is None or fuse_decode)
         for module in self.modules():
             if hasattr(module, "use_triton"):
                 module.use_triton = enabled

@@ -18,7 +18,6 @@ output's rounding, which is what the GPU test bounds.
 
 from __future__ import annotations
 
-import os
 
 from collections.abc import Callable
 from functools import cache
@@ -144,17 +143,14 @@ def _gemv_config(layer: nn.Module):
     return tuned or (untuned_gemv_fp8() if layer.weight.is_cuda else None)
 
 
-# Batch-1 FP8 products on the CUDA C GEMV (`kernels/gemv_fp8_cuda.py`; LLMACCEL_CUDA_FP8=0 turns
-# it off). Its CUDA-core kernel (csrc/gemv_fp8_cc.cu, the default) streamed a llama-3.2-3b
-# layer's four GEMVs at 2.67 TB/s against the Triton GEMV's 2.0, and W1 FP8 ran 572 against
-# 495 tok/s on an H100 (2026-11-26-fp8-cc-h100.md). The tensor-core kernel
-# (LLMACCEL_CUDA_FP8_MODE=mma) was slower than Triton: ptxas lowers its e4m3 mma to fp16 HMMA.
-CUDA_FP8 = os.environ.get("LLMACCEL_CUDA_FP8", "1") == "1"
+# Batch-1 FP8 products on the CUDA C GEMV (`kernels/gemv_fp8_cuda.py`) where CUDA C kernels
+# run. Its CUDA-core kernel (csrc/gemv_fp8_cc.cu) streamed a llama-3.2-3b layer's four GEMVs at
+# 2.67 TB/s against the Triton GEMV's 2.0, and W1 FP8 ran 572 against 495 tok/s on an H100.
 
 
 def _cuda_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
     """This one-row product can take the CUDA C FP8 GEMV."""
-    if not CUDA_FP8 or not layer.weight.is_cuda or x.numel() != x.shape[-1]:
+    if not layer.weight.is_cuda or x.numel() != x.shape[-1]:
         return False
     from llmaccel.kernels.gemv_fp8_cuda import supports
 
@@ -163,7 +159,7 @@ def _cuda_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
 
 def _cuda_gemv_possible(layer: nn.Module) -> bool:
     """For choices made before x exists (and the log): bf16 activations assumed."""
-    if not CUDA_FP8 or not layer.weight.is_cuda:
+    if not layer.weight.is_cuda:
         return False
     x = torch.empty(layer.input_size, dtype=torch.bfloat16, device=layer.weight.device)
     return _cuda_gemv(layer, x)

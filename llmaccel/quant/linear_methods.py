@@ -21,7 +21,6 @@ for checking the kernel. The engine logs which of the two each layer uses.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -109,41 +108,27 @@ def _gemv_w4_config(layer: nn.Module, k: int, device: torch.device):
             or default_gemv_w4_config(layer.output_size, k, layer.kernel_group_size))
 
 
-# Fused decode layers (norms and SiLU-and-mul in the GEMV prologues, residual adds in the
-# epilogues) through the CUDA C GEMV: off unless LLMACCEL_CUDA_FUSED_DECODE=1. Every block
-# recomputes the whole row's norm or SiLU, which made those GEMVs 20-40% slower than the
-# saved kernels were worth: W1 int4 on the 3B shape 587 tok/s fused against 701 unfused on an
-# H100 (2026-11-26-w4-cuda-gemv-h100.md).
-FUSED_CUDA = os.environ.get("LLMACCEL_CUDA_FUSED_DECODE", "0") == "1"
-# SiLU-and-mul in the epilogue of the CUDA C GEMV of an unfused int4 gate_up layer at batch 1
-# (LLMACCEL_CUDA_SILU_OUT=0 turns it off, to measure it).
-CUDA_SILU_OUT = os.environ.get("LLMACCEL_CUDA_SILU_OUT", "1") == "1"
 
 
 # Batches of this many rows or more dequantize the layer's weight to the activation dtype
 # (one memory-bound kernel, `gemm.dequantize_packed`) and run cuBLAS, per bit width. On an
 # H100, over a llama-3.2-3b layer's four shapes, against the fused Triton GEMM with the table's
-# tiles (2026-11-26-w4-prefill-h100.md):
+# tiles:
 # - int4: 1.04x at 16 rows, 1.57x at 32, 1.61x at 128, 4.2x at 512;
 # - int8: 0.80x at 32 and 0.77x at 128, 1.18x at 256, 1.68x at 512.
-# LLMACCEL_DEQUANT_GEMM_MIN_M sets one threshold for both (0: never).
-_DEQUANT_ENV = os.environ.get("LLMACCEL_DEQUANT_GEMM_MIN_M")
-DEQUANT_GEMM_MIN_M = ({4: 32, 8: 256} if _DEQUANT_ENV is None
-                      else {4: int(_DEQUANT_ENV), 8: int(_DEQUANT_ENV)})
+DEQUANT_GEMM_MIN_M = {4: 32, 8: 256}
 
 
 # Batches of 2 to W4_GEMM_MAX_M rows take the tensor-core W4A16 GEMM in CUDA C
 # (`kernels/gemm_w4_cuda.py`), which reads the codes directly, where it can run; above it (and
 # where it cannot) the dequantize + cuBLAS pair or the Triton kernel, as before. On the
-# llama-3.2-3b shapes (H100, 2026-11-27-w4-gemm-h100.md) it ran 1.3-2.6x the Triton kernel at
-# 2-16 rows, a layer's four products in 174 us against 183 for dequantize + cuBLAS at 128 rows
-# (W1's int4 TTFT 7.0 -> 6.7 ms), and 286 against 200 us at 256 rows.
-# LLMACCEL_W4_GEMM=0 turns it off; LLMACCEL_W4_GEMM_MAX_M moves the bound.
-W4_GEMM = os.environ.get("LLMACCEL_W4_GEMM", "1") == "1"
-W4_GEMM_MAX_M = int(os.environ.get("LLMACCEL_W4_GEMM_MAX_M", "128"))
+# llama-3.2-3b shapes (H100) it ran 1.3-2.6x the Triton kernel at 2-16 rows, a layer's four
+# products in 174 us against 183 for dequantize + cuBLAS at 128 rows (W1's int4 TTFT 7.0 ->
+# 6.7 ms), and 286 against 200 us at 256 rows.
+W4_GEMM_MAX_M = 128
 # From this many rows, layers of at most W4_GEMM_NARROW_N columns take dequantize + cuBLAS
 # instead: their tiles give the GEMM few blocks. The LEAN tiles against the pair at 128 rows,
-# same call (H100, 2026-11-27-s28-int4-w1-h100.md, run 6), us: qkv (5120 columns) 28.6 vs
+# same call (H100), us: qkv (5120 columns) 28.6 vs
 # 23.1, o (3072) 20.2 vs 18.1, down (3072) 51.3 vs 48.6; gate_up (16384) 49.7 vs 93.6. At 64
 # rows the GEMM won on all four (20.3 vs 22.7 ... 33.1 vs 44.3); 65-127 rows were not
 # measured, so they keep it.
@@ -154,17 +139,15 @@ W4_GEMM_NARROW_N = 8192
 # From W4_WGMMA_MIN_M to W4_WGMMA_MAX_M rows, int4 layers on an sm_90 GPU take the wgmma W4A16
 # GEMM (`kernels/gemm_w4_wgmma.py`) where it can run (K and the group multiples of its 64-k
 # step, or per channel), before the mma.sync GEMM and dequantize + cuBLAS. H100,
-# llama-3.2-3b shapes, fp32 scales as the engine keeps GPTQ's fp16 ones, us (run 9 of
-# 2026-11-27-s29-wgmma-h100.md; mma.sync GEMM / dequantize + cuBLAS / wgmma): 64 rows qkv
+# llama-3.2-3b shapes, fp32 scales as the engine keeps GPTQ's fp16 ones, us (mma.sync GEMM /
+# dequantize + cuBLAS / wgmma): 64 rows qkv
 # 21.0 / 22.9 / 15.8, o 13.5 / 15.8 / 13.9, gate_up 33.6 / 92.9 / 23.0, down 32.6 / 44.7 /
 # 25.4; 128 rows qkv 29.4 / 23.5 / 22.2, o 20.6 / 18.6 / 15.5, gate_up 48.9 / 94.5 / 33.7, down
 # 52.0 / 49.0 / 43.6; 256 rows qkv 47.3 / 30.4 / 32.7, o 28.8 / 19.7 / 21.9, gate_up 93.1 / 98.3
 # / 44.1, down 73.6 / 54.4 / 53.0 (a layer's four: 200 / 203 / 152). Below 64 rows (32: level
-# with the mma.sync GEMM, run 2) and above 256 it was not chosen or not measured.
-# LLMACCEL_W4_WGMMA=0 turns it off; LLMACCEL_W4_WGMMA_MIN_M / _MAX_M move the bounds.
-W4_WGMMA = os.environ.get("LLMACCEL_W4_WGMMA", "1") == "1"
-W4_WGMMA_MIN_M = int(os.environ.get("LLMACCEL_W4_WGMMA_MIN_M", "64"))
-W4_WGMMA_MAX_M = int(os.environ.get("LLMACCEL_W4_WGMMA_MAX_M", "256"))
+# with the mma.sync GEMM) and above 256 it was not chosen or not measured.
+W4_WGMMA_MIN_M = 64
+W4_WGMMA_MAX_M = 256
 
 
 def _kernel_takes(layer: nn.Module, kernel: str, x2: torch.Tensor,
@@ -187,12 +170,12 @@ def _kernel_takes(layer: nn.Module, kernel: str, x2: torch.Tensor,
 
 
 def _use_w4_wgmma(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (W4_WGMMA and W4_WGMMA_MIN_M <= x2.shape[0] <= W4_WGMMA_MAX_M
+    return (W4_WGMMA_MIN_M <= x2.shape[0] <= W4_WGMMA_MAX_M
             and _kernel_takes(layer, "gemm_w4_wgmma", x2, bias))
 
 
 def _use_w4_gemm(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if not (W4_GEMM and 2 <= x2.shape[0] <= W4_GEMM_MAX_M):
+    if not 2 <= x2.shape[0] <= W4_GEMM_MAX_M:
         return False
     if x2.shape[0] >= W4_GEMM_NARROW_MIN_M and layer.output_size <= W4_GEMM_NARROW_N:
         return False
@@ -202,7 +185,7 @@ def _use_w4_gemm(layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) 
 def _use_cuda_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Batch-1 int4 layers take the CUDA C GEMV (`kernels/gemv_w4_cuda.py`) where it can run:
     on an H100 it streamed a llama-3.2-3b layer's four GEMVs in 29 us against the Triton
-    GEMV's 43 (2026-11-26-w4-cuda-gemv-h100.md). LLMACCEL_CUDA_KERNELS=0 turns it off."""
+    GEMV's 43. LLMACCEL_CUDA_KERNELS=0 turns it off."""
     if not layer.kernel_weight.is_cuda:
         return False
     from llmaccel.kernels.gemv_w4_cuda import supports
@@ -234,7 +217,7 @@ def _w4_gemm_available(layer: nn.Module) -> bool:
 
 def _w4_wgmma_available(layer: nn.Module) -> bool:
     """For the log: whether this layer's prefill-sized calls will take the wgmma GEMM."""
-    if not (layer.kernel_weight.is_cuda and W4_WGMMA and W4_WGMMA_MIN_M <= W4_WGMMA_MAX_M):
+    if not (layer.kernel_weight.is_cuda and W4_WGMMA_MIN_M <= W4_WGMMA_MAX_M):
         return False
     dt = torch.bfloat16 if layer.kernel_scales.dtype == torch.float32 else \
         layer.kernel_scales.dtype
@@ -245,9 +228,7 @@ def _w4_wgmma_available(layer: nn.Module) -> bool:
 
 def _qkv_layer(layer: nn.Module) -> bool:
     """A fused [q; k; v] projection (for the log: it takes the rope epilogue at decode)."""
-    from llmaccel.models.layers.quantization import QKV_ROPE_EPILOGUE
-
-    return (QKV_ROPE_EPILOGUE and len(getattr(layer, "output_sizes", ())) == 3
+    return (len(getattr(layer, "output_sizes", ())) == 3
             and getattr(layer, "prefix", "").endswith("qkv_proj"))
 
 
@@ -288,7 +269,7 @@ class PackedLinearMethod(LinearMethodBase):
                            + (", rope and the K/V cache write in its epilogue"
                               if _qkv_layer(layer) else "")
                            + (", SiLU-and-mul in its epilogue" if _gate_up_layer(layer)
-                              and CUDA_SILU_OUT else "") + ")")
+                              else "") + ")")
             elif self.bits == 4 and _gemv_w4_config(layer, layer.input_size,
                                                     layer.kernel_weight.device) is not None:
                 tuned = _tuned_w4(layer)
@@ -390,20 +371,15 @@ class PackedLinearMethod(LinearMethodBase):
     def fused_decode_config(self, layer: nn.Module, m: int, kind: str):
         """The W4A16 GEMV tile for a fused decode layer (norm / SiLU-and-mul / residual folded
         into the GEMV), or None: 4-bit kernel layout, one row, no act-order permutation (the
-        prologue would have to gather). With LLMACCEL_CUDA_FUSED_DECODE=1 where the CUDA C
-        GEMV runs, its tile (`kernels/gemv_w4_cuda.py`; off by default: measured slower, see
-        FUSED_CUDA); else a Triton tile for this fusion in the GPU's table
-        (`kernels/gemv_w4.py`). benchmarks/tune_fused_decode_quant.py writes one only where the
+        prologue would have to gather): a Triton tile for this fusion in the GPU's table
+        (`kernels/gemv_w4.py`). Not the CUDA C GEMV: its blocks each recompute the whole
+        row's norm or SiLU, 587 against 701 tok/s unfused (W1 int4, 3B, H100). benchmarks/tune_fused_decode_quant.py writes one only where the
         fused chain measured faster than the unfused one; on an H100 it was slower (the Triton
         int4 GEMV has about four instructions per weight to spend and the prologue's per-input
         work exceeds them), so there the Triton path runs int4 layers unfused."""
         if (self.bits != 4 or m != 1 or not hasattr(layer, "kernel_weight")
                 or layer.kernel_perm is not None or not kind):
             return None
-        if FUSED_CUDA and _cuda_gemv_available(layer):
-            from llmaccel.kernels.gemv_w4_cuda import tile_for
-
-            return tile_for(layer.output_size, layer.input_size, layer.kernel_weight.device)[0]
         from llmaccel.kernels.gemm_tuning import fused_w4_config
 
         return fused_w4_config(kind, layer.output_size, layer.input_size,
@@ -411,12 +387,6 @@ class PackedLinearMethod(LinearMethodBase):
 
     def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                     config, **fusion) -> torch.Tensor:
-        from llmaccel.kernels.gemv_w4_cuda import CudaGemvW4Config, w4a16_gemv_cuda
-
-        if isinstance(config, CudaGemvW4Config):
-            return w4a16_gemv_cuda(x, layer.kernel_weight, layer.kernel_scales,
-                                   layer.kernel_zeros, layer.kernel_group_size, bias, config,
-                                   prefetch=layer_ranges(layer), **fusion)
         from llmaccel.kernels.gemv_w4 import w4a16_gemv
 
         return w4a16_gemv(x, layer.kernel_weight, layer.kernel_scales, layer.kernel_zeros,
@@ -431,7 +401,7 @@ class PackedLinearMethod(LinearMethodBase):
         but whole llama-3.2-3b decode steps ran slower with it, 14% with the dependent released
         after the wait and W1 1.6% slower with it released at the end
         (2026-11-25-quant-decode-s19-h100.md, 2026-11-26-quant-decode-s21.md)."""
-        if (x_scale is not None or not CUDA_SILU_OUT or not hasattr(layer, "kernel_weight")
+        if (x_scale is not None or not hasattr(layer, "kernel_weight")
                 or layer.kernel_perm is not None or not _use_cuda_gemv(layer, x, bias)):
             return None
         from llmaccel.kernels.gemv_w4_cuda import w4a16_gemv_cuda

@@ -66,8 +66,8 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     # Rope and the K/V cache write in one kernel (kernels/rotary.py) when the layer's rotary
-    # runs on Triton; LLMACCEL_FUSED_DECODE=0 (TransformerForCausalLM.set_fused_kernels)
-    # turns it off with the other decode fusions.
+    # runs on Triton; TransformerForCausalLM.set_fused_kernels(fuse_decode=False) turns it
+    # off with the other decode fusions.
     fuse_rope_cache = True
 
     def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):

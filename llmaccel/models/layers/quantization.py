@@ -7,7 +7,6 @@ the product (`apply`). The model definition stays the same for bf16, int8, int4 
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -109,19 +108,13 @@ def fused_linear(layer: nn.Module, x: torch.Tensor, config, **fusion) -> torch.T
     return layer.quant_method.apply_fused(layer, x, layer.bias, config, **fusion)
 
 
-# SiLU-and-mul in the epilogue of a quantized gate_up GEMV at batch 1 (one kernel less per
-# layer where the decode layer runs unfused); LLMACCEL_GEMV_SILU_EPILOGUE=0 turns it off, to
-# measure it.
-SILU_EPILOGUE = os.environ.get("LLMACCEL_GEMV_SILU_EPILOGUE", "1") == "1"
-
-
 def gate_up_silu(layer: nn.Module, x: torch.Tensor,
                  x_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """silu_and_mul(layer(x)) in one kernel, for a [gate; up] layer whose quantized method has
     a batch-1 GEMV with the activation in its epilogue (`apply_silu_out`); None where it has
     none (more than one row, Triton off, no tuned GEMV for the shape), and the caller runs the
     two steps. With `x_scale` x is the row FP8-quantized already (`QuantizedRow`)."""
-    if (not SILU_EPILOGUE or not getattr(layer, "use_triton", False)
+    if (not getattr(layer, "use_triton", False)
             or x.numel() != x.shape[-1] or len(layer.output_sizes) != 2
             or layer.output_sizes[0] != layer.output_sizes[1]):
         return None
@@ -129,26 +122,16 @@ def gate_up_silu(layer: nn.Module, x: torch.Tensor,
     return None if apply_silu_out is None else apply_silu_out(layer, x, layer.bias, x_scale)
 
 
-# Rope and the paged K/V cache write in the epilogue of a quantized qkv GEMV at batch-1
-# decode (one kernel less per layer); LLMACCEL_QKV_ROPE_EPILOGUE=0 turns it off, to measure it.
-QKV_ROPE_EPILOGUE = os.environ.get("LLMACCEL_QKV_ROPE_EPILOGUE", "1") == "1"
-
-
 def qkv_rope(layer: nn.Module, x: torch.Tensor, rope) -> torch.Tensor | None:
     """q for one decode token of a [q; k; v] layer whose quantized method has a batch-1 GEMV
     with rope and the K/V cache write in its epilogue (`apply_qkv_rope`; `rope` is a
     `kernels.gemv_w4_cuda.RopeCache`), the rotated k and v written to the cache; None where
     it has none, and the caller runs the GEMV, then rope and the cache write."""
-    if (not QKV_ROPE_EPILOGUE or not getattr(layer, "use_triton", False)
+    if (not getattr(layer, "use_triton", False)
             or not isinstance(x, torch.Tensor) or x.numel() != x.shape[-1]):
         return None
     apply_qkv_rope = getattr(layer.quant_method, "apply_qkv_rope", None)
     return None if apply_qkv_rope is None else apply_qkv_rope(layer, x, layer.bias, rope)
-
-
-# RMSNorm and the FP8 quantization of its row in one kernel, before a batch-1 FP8 GEMV that
-# takes its row quantized; LLMACCEL_NORM_QUANT=0 turns it off, to measure it.
-NORM_QUANT = os.environ.get("LLMACCEL_NORM_QUANT", "1") == "1"
 
 
 @dataclass
@@ -162,7 +145,7 @@ class QuantizedRow:
 def wants_quantized_row(norm: nn.Module, layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether `norm` should quantize its output row for `layer` (one row, Triton kernels on,
     and `layer`'s method runs that product as a GEMV on a quantized row)."""
-    if not NORM_QUANT or x.numel() != x.shape[-1] or not getattr(norm, "use_triton", False):
+    if x.numel() != x.shape[-1] or not getattr(norm, "use_triton", False):
         return False
     wants = getattr(layer.quant_method, "wants_quantized_input", None)
     return wants is not None and wants(layer)
