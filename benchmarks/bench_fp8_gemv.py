@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from llmaccel.bench.results import current_commit
 
 MIN_CYCLE_BYTES = 256 * 2**20  # weight bytes cycled through per timing: > 5x the H100's L2
 MAX_COPIES = 96
@@ -189,7 +190,7 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
         "speedup_vs_bf16": round(cublas_us / best_us, 2),
         **pre,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
-        "torch": torch.__version__, "commit": os.environ.get("LLMACCEL_COMMIT", "unknown"),
+        "torch": torch.__version__, "commit": current_commit(),
         "command": "python benchmarks/bench_fp8_gemv.py" + (" --quick" if quick else ""),
     }
     entry = {"backend": "triton", "config": best.__dict__, "us": round(best_us, 2),

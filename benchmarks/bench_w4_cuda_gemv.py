@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tune_gemm import projection_shapes  # noqa: E402  (this folder: sys.path[0])
+from llmaccel.bench.results import current_commit
 
 SHAPES = projection_shapes("llama-3.2-3b")  # the layer shapes (N, K) of the 3B model
 GROUP = 128
@@ -83,7 +83,7 @@ def main() -> int:
 
     def emit(rec):
         rec.update(device=torch.cuda.get_device_name(), torch=torch.__version__, pdl=use_pdl,
-                   commit=os.environ.get("LLMACCEL_COMMIT", "unknown"),
+                   commit=current_commit(),
                    command="python benchmarks/bench_w4_cuda_gemv.py")
         fh.write(json.dumps(rec) + "\n")
         fh.flush()
@@ -219,7 +219,7 @@ def main() -> int:
 
         path = write_table(args.out_table, torch.cuda.get_device_name(), table,
                            torch=torch.__version__,
-                           commit=os.environ.get("LLMACCEL_COMMIT", "unknown"))
+                           commit=current_commit())
         print(f"wrote {len(table)} w4cuda entries into {path}")
     print("\n| shape | triton us | best cuda | cuda us | x | asym us | no-PDL us |")
     print("|---|---|---|---|---|---|---|")

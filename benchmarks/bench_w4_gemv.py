@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from llmaccel.bench.results import current_commit
 
 MIN_CYCLE_BYTES = 256 * 2**20  # weight bytes cycled through per timing: > 5x the H100's L2
 MAX_COPIES = 96
@@ -167,7 +168,7 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
         "speedup_vs_old": round(out["sym"]["old_us"] / sym_us[cfg], 2),
         "speedup_vs_bf16": round(cublas_us / sym_us[cfg], 2),
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
-        "torch": torch.__version__, "commit": os.environ.get("LLMACCEL_COMMIT", "unknown"),
+        "torch": torch.__version__, "commit": current_commit(),
         "command": "python benchmarks/bench_w4_gemv.py" + (" --quick" if quick else ""),
     }
     entry = {"backend": "triton", "config": cfg.__dict__, "us": round(sym_us[cfg], 2),

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-kw", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="extra EngineConfig keywords for our engine")
     p.add_argument("--variant", default=None,
-                   help="a label for our engine's rows (e.g. the LLMACCEL_* kernel settings "
+                   help="a label for our engine's rows (e.g. the kernel settings "
                         "this process runs with), to compare runs appended to one file")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     p.add_argument("--hf-cb-repeats", type=int, default=None,

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from step_trace import StepTrace, brief  # noqa: E402
 
+from llmaccel.bench.results import current_commit
 from llmaccel.bench.spec_prompts import CODE, PROMPTS, PROSE  # noqa: E402,F401
 
 
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         plain_kw["cudagraph_capture_sizes"] = tuple(
             capture_sizes(spec_cfg, torch.device("cuda")))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    commit = os.environ.get("LLMACCEL_COMMIT", "unknown")
+    commit = current_commit()
     command = "python benchmarks/spec_bench.py " + " ".join(
         sys.argv[1:] if argv is None else argv)
     records, rows = [], []

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
+from llmaccel.bench.results import current_commit
 from llmaccel import LLM
 from llmaccel.bench.engine_runs import EngineSettings, engine_kwargs
 from llmaccel.engine.cuda_graph import default_capture_sizes, replay_ms
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     qs = list(range(1, args.k + 2))
     rows_needed = sorted({b * q for b in batches for q in qs})
-    commit = os.environ.get("LLMACCEL_COMMIT", "unknown")
+    commit = current_commit()
     command = "python benchmarks/spec_step_cost.py " + " ".join(
         sys.argv[1:] if argv is None else argv)
     device = torch.cuda.get_device_name()

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import time
 
 import torch
 
+from llmaccel.bench.results import current_commit
 from llmaccel.engine.cuda_graph import replay_ms
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemm import GemmConfig, pick_config, triton_linear
@@ -145,7 +145,7 @@ def main() -> None:
     dev = torch.device("cuda")
     use_pdl = pdl.configure(dev, requested=not args.no_pdl)
     gpu = torch.cuda.get_device_name()
-    commit = os.environ.get("LLMACCEL_COMMIT", "unknown")
+    commit = current_commit()
     entries: dict[str, dict] = {}
     out = []
     for name in args.models.split(","):

@@ -28,12 +28,12 @@ import argparse
 import importlib.util
 import itertools
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from llmaccel.bench.results import current_commit
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemm import pack_int4_rows
 from llmaccel.kernels.gemm_tuning import (
@@ -221,7 +221,7 @@ def main() -> None:
                 "gbps": round(r["bytes"] / r["best_us"] / 1e3, 1),
                 "speedup_vs_unfused": round(r["unfused_us"] / r["best_us"], 3),
                 "device": gpu, "torch": torch.__version__,
-                "commit": os.environ.get("LLMACCEL_COMMIT", "unknown"),
+                "commit": current_commit(),
                 "command": f"python benchmarks/tune_fused_decode_quant.py --formats {fmt} "
                            f"--models {name}"})
             print(f"{fmt} {name}: unfused {r['unfused_us']:.1f} us, fused {r['best_us']:.1f} us "

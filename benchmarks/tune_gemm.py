@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from llmaccel.bench.results import current_commit
 from llmaccel.kernels.gemm import GemmConfig, pack_int4_rows, triton_linear
 from llmaccel.kernels.gemm_tuning import write_table
 from llmaccel.models.shapes import SHAPES
@@ -148,7 +148,7 @@ def main() -> None:
     dev = torch.device("cuda")
     t0 = time.time()
     gpu = torch.cuda.get_device_name()
-    commit = os.environ.get("LLMACCEL_COMMIT", "unknown")
+    commit = current_commit()
     entries: dict[str, dict] = {}
     records: list[dict] = []
     shapes = linear_shapes(args.models.split(","))
