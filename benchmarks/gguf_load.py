@@ -4,7 +4,7 @@ parse, torch dequantization, `models/gguf_loading.py`) against transformers' own
 fresh process, alternating.
 
     python benchmarks/gguf_load.py --gguf ~/.cache/shared-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
-        --repeats 2 --out benchmarks/results/2026-12-01-s40-gguf-load-cpu.jsonl
+        --repeats 2 --out gguf-load-cpu.jsonl
 """
 
 from __future__ import annotations

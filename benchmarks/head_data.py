@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                          "only the chat template's first tokens, so caching them buys little)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the engine's running-batch cap (EngineConfig.max_num_seqs; default "
-                         "256, where session 34's H200 run made ~17.5k tokens/s)")
+                         "256, where an H200 made ~17.5k tokens/s)")
     ap.add_argument("--max-step-tokens", type=int, default=None,
                     help="the engine's per-step token budget (max_num_batched_tokens) and CUDA "
                          "graphs captured up to as many rows: every step of decodes plus "

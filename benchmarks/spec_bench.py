@@ -2,7 +2,7 @@
 
     python benchmarks/spec_bench.py --target ./qwen2.5-coder-1.5b.gguf \\
         --draft ./qwen2.5-coder-0.5b.gguf --methods draft,ngram --batches 1,4,16,64 \\
-        --name 2026-11-24-W5-qwen-coder-h100 --out benchmarks/results
+        --name W5-qwen-coder-h100 --out results
 
 For each method, batch size and prompt kind (code: rewrite a given function; prose: summarize
 or quote a given paragraph, both grounded in their input), the same requests run without and
@@ -10,8 +10,8 @@ with speculation (greedy, EOS ignored, `--max-tokens` each), timed end to end af
 the plain engine's timed runs alternating with the speculative engine's (both stay loaded).
 Records: `out_tok_s` of both, `speedup`, `acceptance_rate`, `mean_accepted_len`, the mean k
 drafted per speculative step, how many engine steps ran without speculation (the engine's
-automatic off switch), and for the draft model the bound E[tokens per step] / (1 + k c) of
-issue 6 over the speculative steps (measured tokens per step and mean k), with c = the draft's
+automatic off switch), and for the draft model the bound E[tokens per step] / (1 + k c) over
+the speculative steps (measured tokens per step and mean k), with c = the draft's
 decode step time over the target's, both measured here at the same batch size (plain decoding
 of each model alone, in turns). Greedy outputs are compared with and without speculation.
 """
@@ -48,12 +48,12 @@ def _run_alternating(engines, prompts, params, repeats: int
     timed runs' steps by class (step_trace.py: summed over the repeats) and each run's wall
     (ms). The engines' timed runs alternate (plain, speculative, plain, ...): whatever drifts
     over a cell (GPU clocks, the host) falls on both alike. Run one after the other, engines
-    doing the same plain decoding measured 4-11% apart on an H100 (2026-11-24-W5-s9b-h100:
-    speculation switched off at those batch sizes, step for step the same work)."""
+    doing the same plain decoding measured 4-11% apart on an H100 (speculation
+    switched off at those batch sizes, step for step the same work)."""
     # Warm-up: one whole untimed run of the batch per engine. Triton compiles kernel variants
     # on first use (the prefill/extend shapes of this batch, and a speculative engine's
     # overlapped rounds at each k its adaptive k reaches), which must not land in the timed
-    # runs. An 8-token warm-up left them there: session 41's first head engine timed 613 and
+    # runs. An 8-token warm-up left them there: a first head engine timed 613 and
     # 376 ms for its first two runs against 149-151 ms for the rest, and its automatic switch
     # learned from those slow rounds. Prefix caching is off (see main), so the timed runs
     # recompute their prompts.
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs per cell (the median wall counts): short runs vary")
     ap.add_argument("--no-draft-alone", action="store_true",
-                    help="skip timing the draft model alone (no bound for issue 6's target; "
+                    help="skip timing the draft model alone (no bound; "
                          "saves loading a third model)")
     ap.add_argument("--monitor-log", action="store_true",
                     help="write every step the off switch saw per cell to NAME-monitor.jsonl")
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                     rec["config"]["switch_changes"] = sw.num_switches - switches
                 if method == "draft" and (kind, b) in cost_c and steps:
                     c = cost_c[kind, b]  # per-step time ratio, same batch
-                    # issue 6's bound E[tokens per step] / (1 + k c) of the speculative steps,
+                    # the bound E[tokens per step] / (1 + k c) of the speculative steps,
                     # with the measured tokens per step and the mean k drafted
                     bound = (emitted / steps) / (1 + mean_k * c)
                     rec["config"]["cost_ratio_c"] = round(c, 4)

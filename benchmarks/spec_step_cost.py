@@ -1,9 +1,9 @@
-"""Step-cost curve for speculative decoding (issue 6, W5): the GPU time of one captured decode
+"""Step-cost curve for speculative decoding (W5): the GPU time of one captured decode
 graph over B x q rows -- B sequences each verifying q tokens (the last one and q - 1 drafts) --
 against B x 1 rows (a plain decode step), on named shapes with random weights.
 
     python benchmarks/spec_step_cost.py --shapes llama-3.2-3b,qwen2.5-1.5b,qwen2.5-0.5b \\
-        --batches 1,4,16,64 --k 4 --name 2026-11-24-W5-step-cost-h100 --out benchmarks/results
+        --batches 1,4,16,64 --k 4 --name W5-step-cost-h100 --out results
     python benchmarks/spec_step_cost.py --shapes qwen2.5-1.5b,qwen2.5-0.5b \\
         --quantization bf16,gptq-int4-g128,fp8 ...     # quantized targets (the draft in bf16)
 

@@ -12,7 +12,7 @@ runner's host path, eager on the CPU).
 
     python benchmarks/step_shapes.py --requests 2048 --max-num-seqs 256 --step-tokens 0,768
 
-Prompt and answer lengths are drawn at random around those of session 41's text (prompts
+Prompt and answer lengths are drawn at random around those of the committed head text (prompts
 100-400 tokens, answers 16-256, ~157 on average). Not a timing: it says how many steps would
 run eagerly, not what they cost.
 """
@@ -33,7 +33,7 @@ from host_overhead import TEXT, _default_model, stub_model  # noqa: E402
 def lengths(n: int, seed: int) -> list[tuple[int, int]]:
     """(prompt tokens, answer tokens) per request: prompts uniform in 100-400; answers
     uniform in 16-256 for two thirds of the requests (they end early) and 256 (cut at
-    max_tokens) for the rest, ~157 on average as in session 41's text."""
+    max_tokens) for the rest, ~157 on average as in the committed head text."""
     rng = random.Random(seed)
     return [(rng.randint(100, 400), 256 if rng.random() < 1 / 3 else rng.randint(16, 256))
             for _ in range(n)]

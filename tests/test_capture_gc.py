@@ -1,6 +1,6 @@
 """engine/cuda_graph.gc_paused: Python's cyclic collector runs before CUDA graph captures and
 never during them (a collection mid-capture can free a dead engine's CUDA objects, which
-invalidates the capture; session 35 saw it fail the head's captures 1 run in 3 on an H200)."""
+invalidates the capture; it failed a head's captures 1 run in 3 on an H200)."""
 
 from __future__ import annotations
 

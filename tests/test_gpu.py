@@ -183,7 +183,7 @@ def test_smollm2_gpu_greedy_equals_cpu_reference():
 
 
 def test_smollm2_gpu_bf16_greedy_follows_cpu_reference():
-    """The issue's bf16 tolerance: bf16 greedy on the GPU (the default fast path) gives the fp32
+    """The bf16 tolerance: bf16 greedy on the GPU (the default fast path) gives the fp32
     CPU reference's 64 tokens on 4 prompts, or first differs where the reference's top two
     logits (nearly) tie: a gap under 2 bf16 steps at the logits' magnitude. Prints each
     prompt's match length and the gap at its first divergence (the figures for the notes)."""

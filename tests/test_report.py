@@ -378,8 +378,8 @@ def test_command_prints_paths_and_raises_user_errors(runs: dict[str, Path],
 
 # -- real committed results ---------------------------------------------------------------------
 def test_real_result_files(tmp_path: Path) -> None:
-    w1 = RESULTS / "2026-11-23-W1-quant-llama-3.2-3b-h100.jsonl"
-    w6 = RESULTS / "2026-11-23-W6-quant-qwen2.5-coder-0.5b.jsonl"
+    w1 = REPO / "tests" / "data" / "w1-quant-llama-3.2-3b-h100.jsonl"  # an H100's W1 records
+    w6 = RESULTS / "W6" / "2026-11-23-W6-quant-qwen2.5-coder-0.5b.jsonl"
     out = write_report([str(w1), str(w6)], tmp_path / "real")
     md = out.markdown.read_text()
     assert "## W1 — llama-3.2-3b" in md and "## W6 — qwen2.5-coder-0.5b" in md

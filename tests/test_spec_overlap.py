@@ -194,7 +194,7 @@ def test_overlap_under_cuda_graphs(pair, monkeypatch):
         llm = LLM(target, dtype="float32", device="cuda", skip_tokenizer_init=True,
                   enable_prefix_caching=True, speculative_config={**spec, **overlap_cfg})
         # every runner captures on the process's one stream (another stream replayed 10%
-        # slower on an H100: benchmarks/results/2026-11-26-capture-modes-h100.md)
+        # slower on an H100: docs/performance.md)
         assert (llm.engine.runner.graphs._capture_stream
                 is llm.engine.spec.draft.runner.graphs._capture_stream is not None)
         rounds = _record(llm)

@@ -157,7 +157,7 @@ def test_probe_schedules_are_per_batch_size():
     """Each batch-size bucket keeps its own probe schedule and switching cost: rounds at
     batch 1, whose switches are free, neither reset nor shorten the long wait of batch 64,
     whose switches are dear (with one global schedule, a batch of 64 on an H100 was probed
-    every 32 rounds: 2026-11-23-W5-trace-ngram-h100)."""
+    every 32 rounds)."""
     from llmaccel.spec.switch import PROBE_EVERY, PROBE_EVERY_MAX
 
     spec, run = _off_at_batch_1(0.0, batches=(1, 64))

@@ -15,7 +15,7 @@ from llmaccel.spec.costs import StepCosts, ThroughputMonitor
 from llmaccel.spec.switch import SpecSwitch, StepKind
 
 K = 4
-SPEC_MS, PLAIN_MS = 3.39, 1.83  # a head round and a plain step on an H100 (session 31)
+SPEC_MS, PLAIN_MS = 3.39, 1.83  # a head round and a plain step on an H100
 
 
 def _tokens(rng: random.Random, accept: list[float]) -> int:

@@ -12,8 +12,8 @@ Both engines run through the offline API (`LLM.generate`: add every request, ste
 done), as vLLM's offline speculative-decoding benchmarks do. W5 measures the engine's decode
 speedup; through AsyncLLM (one thread hop and one streamed output per request per step,
 incremental detokenization) the same H100 cells were 5-15% slower at batch 4-64 and varied by
-up to 25% between repeats, which swamped speedups near 1 (the Qwen study's first W5 runs,
-benchmarks/results/2026-11-25-qwen-coder-study-h100-wip/NOTES.md). W3 measures the server.
+up to 25% between repeats, which swamped speedups near 1 (the Qwen study's first W5 runs).
+W3 measures the server.
 """
 
 from __future__ import annotations

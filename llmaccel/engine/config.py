@@ -38,8 +38,7 @@ class EngineConfig:
     # Launch the next decode step before this one's tokens reach the host (its input ids come
     # from this step's greedy output on the device), so the GPU never waits on the scheduler:
     # vLLM's --async-scheduling. Applies to greedy steps of an unchanged running set; other
-    # steps run as usual. On by default: measured +2-6% W1 tok/s on an H100
-    # (benchmarks/results/2026-11-23-W1-h100-summary.md).
+    # steps run as usual. On by default: measured +2-6% W1 tok/s on an H100.
     async_scheduling: bool = True
     # Speculative decoding (vLLM's speculative_config; a dict of SpeculativeConfig's fields is
     # taken too). With it, steps are not launched ahead (the next step's input depends on how

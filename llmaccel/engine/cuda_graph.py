@@ -21,7 +21,7 @@ Each step's greedy token is the next step's input id, and positions, context len
 slots advance on the device (slot = block_table[pos // block_size] * block_size + pos %
 block_size), so the host prepares and launches one replay per round instead of k - 1. For a
 one-layer draft head (0.2-0.3 ms of GPU per step on an H100) that cut a round by 8-11%; a
-0.5B draft model's GPU-bound steps gained nothing (2026-11-24-W5-head-h100-summary-s12.md).
+0.5B draft model's GPU-bound steps gained nothing.
 Rows draft different counts (adaptive k): a row past its count writes no KV (slot -1) and
 re-reads its last position; its later outputs are ignored.
 """
@@ -47,8 +47,7 @@ logger = logging.getLogger(__name__)
 # A step that samples few of its rows (a short prefill run as rows: one row per sequence)
 # replays a second graph of its size that computes the LM head and greedy for SUBSET_ROWS
 # rows only, not for every row: W1's 128-token prompt on llama-3.2-3b ran the head over 128
-# rows, a 128 x 128256 x 3072 product (the largest one of the int4 prefill, 2026-11-27-s29-
-# prefill profile). Captured for sizes from SUBSET_MIN_ROWS (smaller graphs' heads cost
+# rows, a 128 x 128256 x 3072 product (the largest one of the int4 prefill). Captured for sizes from SUBSET_MIN_ROWS (smaller graphs' heads cost
 # little).
 SUBSET_ROWS = 8
 SUBSET_MIN_ROWS = 32
@@ -88,7 +87,7 @@ def gc_paused():
     thresholds, so it can run in the middle of a capture, and what it frees then, a dead
     engine held by reference cycles (pinned host buffers whose events are queried, graphs
     destroyed), makes such calls. torch.cuda.graph no longer collects before capturing
-    (torch.compiler.config.force_cudagraph_gc is off by default). On an H200 (session 35),
+    (torch.compiler.config.force_cudagraph_gc is off by default). On an H200,
     test processes that built a second engine after dropping the first failed 1 in 3 runs
     while capturing the head's graphs: CUBLAS_STATUS_INTERNAL_ERROR / EXECUTION_FAILED
     from an fp32 GEMM inside the capture, then cudaErrorStreamCaptureInvalidated; never

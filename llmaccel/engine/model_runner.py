@@ -30,7 +30,7 @@ DECODE_ROWS_MAX = 16
 # largest graph and its rows read at most this many bytes of K/V per layer: row j of a run
 # attends over the first start + j + 1 positions by itself, so the reads grow with the square
 # of a prompt's length, where the prefill kernel reads each key tile once per query tile. On
-# an H200 (2026-11-23-prefill-graphs-budgets), rows reading up to 302 MB per layer (a 3B model,
+# an H200, rows reading up to 302 MB per layer (a 3B model,
 # 128 new tokens after 512 cached) still took 5.2 ms against 10.1 ms eagerly: the eager path
 # spends ~0.3 ms of host time per layer, which pays for ~1 GB of K/V reads per layer at the
 # ~3 TB/s the rows reached. 512 MiB keeps a margin for slower memory (0: never).

@@ -317,8 +317,8 @@ class SpecDecoder:
         indexes up to date, so the next speculative round (a probe after plain rounds, the
         first round after a prefill) only indexes the tokens of the last few steps. Without
         this, a probe at batch 64 indexed every prompt and all tokens decoded since, ~10-20
-        ms of host time before its verify step on an H100 host (2026-11-23-W5-ngram-s7-h100,
-        a step trace: 10.3 ms idle before each such verify): a probe cost several
+        ms of host time before its verify step on an H100 host (a
+        step trace: 10.3 ms idle before each such verify): a probe cost several
         plain steps. Indexing stops at a sequence's next-to-last token (NgramIndex.update),
         so a placeholder for a token still being computed is never read.
 

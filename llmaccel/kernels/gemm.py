@@ -215,7 +215,7 @@ def pick_config(m: int, n: int, k: int, bits: int, group: int) -> GemmConfig:
     if m <= 2 and bits == 8:
         # W8A16 decode: 4 rows by up to 1024 columns, the H100 table's tile for 6 of the 8
         # llama-3.2 shapes at m = 1; the 16 x 128 tile below ran an untuned H200's batch-1
-        # int8 decode at 0.32x bf16 (2026-11-26-W1-quant-untuned-int8-old-tile-*-h200.md)
+        # int8 decode at 0.32x bf16
         return GemmConfig(block_m=max(1, triton.next_power_of_2(m)), block_n=4,
                           block_k=max(16, min(1024, _pow2_floor(group))), use_dot=False,
                           num_warps=4, num_stages=4)

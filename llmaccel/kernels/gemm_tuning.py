@@ -177,7 +177,7 @@ def fused_w4_config(kind: str, n: int, k: int, group: int,
     """The tile of an int4 fused decode GEMV, or None. Only a table entry counts: the tuner
     writes one only where the fused chain beat the unfused one (on an H100 it did not: the
     prologue's per-input work made the int4 GEMVs instruction-bound, see
-    benchmarks/results/2026-11-23-fused-decode-quant-h100.md); a tile that does not fit the
+    docs/performance.md); a tile that does not fit the
     group size counts as none."""
     entry = _fused_quant_entry("w4", kind, n, k, device)
     if entry is None:

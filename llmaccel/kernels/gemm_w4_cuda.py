@@ -81,8 +81,7 @@ class GemmW4Config:
                 and self.shared_bytes(1, True) <= MAX_SHARED)  # the most side bytes
 
 
-# Tiles, from the sweeps on the llama-3.2-3b shapes (H100; 2026-11-27-w4-gemm-h100.md, and
-# run 6 in 2026-11-27-s28-int4-w1-h100.md):
+# Tiles, from the sweeps on the llama-3.2-3b shapes (H100):
 # all LEAN, which was faster on every shape and row count (8-128 rows: 4-20%). Up to 16 rows one
 # m16 tile a warp and 32 columns a block, or 64 where 32 would take more than one wave of
 # blocks; above, the tallest block that still gives the grid two blocks an SM, else 32 x 64.
@@ -243,7 +242,7 @@ def w4a16_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     # grid's blocks (up to 72 KiB of shared memory and 255 registers a thread each) would sit
     # on the SMs in their wait while the kernel before them still needs them. The slow
     # prefill that suggested this turned out to be the tile choice (profiles with and without
-    # it: 2026-11-27-w4-gemm-prefill-profile-*-h100.txt); kept as the safe choice, and its
+    # it); kept as the safe choice, and its
     # effect on 2-16-row decode steps (gate_up's 256 blocks on the 3B shape) is not measured.
     if cfg.splitk > 1 and grid > SPLITK_MAX_TILES:
         raise ValueError(f"split-K GEMM of {grid} tiles: at most {SPLITK_MAX_TILES}")

@@ -85,8 +85,7 @@ class WgmmaW4Config:
 
 def config_for(m: int, n: int, k: int, group: int = -1, sms: int = 132) -> WgmmaW4Config:
     """The tile for m rows of an N x K layer (group: the quantization group, -1 per channel),
-    from the H100 sweeps on the llama-3.2-3b shapes at 64, 128 and 256 rows (runs 6 and 7 in
-    2026-11-27-s29-wgmma-h100.md): 128 k a stage where the group allows it; wide layers (gate_up
+    from the H100 sweeps on the llama-3.2-3b shapes at 64, 128 and 256 rows: 128 k a stage where the group allows it; wide layers (gate_up
     from 65 rows, anything of 4096+ columns above 128) take two warpgroups on one x tile of 128
     rows (256 for gate_up above 128) and 64 k a stage; the rest x tiles of 64 rows up to 64,
     or up to 128 for layers under 4096 columns, else 128. K is split where the grid is small

@@ -65,7 +65,7 @@ def default_config(n: int, k: int) -> CudaGemvFp8Config | None:
 
 def default_cc_config(n: int, k: int) -> CudaGemvFp8Config | None:
     """The CUDA-core kernel's untuned tile: 2 rows per block, the fastest or within 0.3% of it
-    on all four llama-3.2-3b shapes on an H100 (2026-11-26-fp8-cc-h100.md); None where K is
+    on all four llama-3.2-3b shapes on an H100; None where K is
     not a multiple of 16 or needs over 1024 threads."""
     cfg = CudaGemvFp8Config(cc_rows=2)
     return cfg if cfg.fits(k) else None

@@ -5,7 +5,7 @@ no fused prologue or epilogue): x [..., K] holding one row, weight int32 [N, K/8
 [N, G] (bf16, fp16 or fp32), uint8 zeros [N, G] or None (zero point 8), optional bias.
 Differs in shape of work: each thread issues all of its weight loads at once, before the
 programmatic-dependent-launch wait (see the .cu file), which Triton's tiles could not do
-without losing speed (2026-11-26-quant-decode-s21.md).
+without losing speed.
 
 `supports` says whether a call can take this kernel (CUDA C kernels available, bf16/fp16
 activations, K and the group a multiple of 32, 16-byte aligned rows); callers fall back to
@@ -53,8 +53,7 @@ class CudaGemvW4Config:
 
 
 def default_config(n: int, k: int) -> CudaGemvW4Config:
-    """The untuned tile, from an H100 sweep on the llama-3.2-3b shapes
-    (2026-11-26-w4-cuda-gemv-h100.md): codes as subnormals (MATH 1, as fast or faster on every
+    """The untuned tile, from an H100 sweep on the llama-3.2-3b shapes: codes as subnormals (MATH 1, as fast or faster on every
     shape), 2 rows per block for the smallest matrices (o, 9.4M weights), 4 above (qkv,
     gate_up, down, the LM head); one chunk per thread, more only where K needs over 1024
     threads."""

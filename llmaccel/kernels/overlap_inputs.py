@@ -6,7 +6,7 @@ the device. Written as torch ops this took ~35 small kernels per round between t
 and the head's catch-up graph (the acceptance, the catch-up's ids, positions, slots and
 features, the prev-token ids, the context lengths) and ~5 more between the catch-up and the
 chain, each a launch from the host: on an H200 the 1.5B's round spent ~0.13 ms of GPU time
-and most of its host time there (benchmarks/results/2026-12-01-s39-head-kernels-h200.txt).
+and most of its host time there.
 
 `catch_up_inputs`, per sequence i (one program each), from its row of `meta` (the layout
 `launch_lookahead` builds: the verify's argmax rows o + min(j, k) for j <= kmax, this round's
@@ -173,7 +173,7 @@ def warm_up(kmax: int, hidden: int, prev: bool, feat_dtype: torch.dtype,
             device: torch.device) -> None:
     """Compile both kernels for every k up to `kmax` on scratch buffers (they run outside the
     CUDA graphs, so nothing else compiles them before a request's first overlapped round:
-    ~2 s of Triton compilation on that round, seen in session 39's first timed W5 run)."""
+    ~2 s of Triton compilation on that round, seen in a first timed W5 run)."""
     if triton is not None and device.type == "cuda":
         run_every_k(kmax, hidden, prev, feat_dtype, device)
 

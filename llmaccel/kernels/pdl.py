@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 PDL_MIN_CAPABILITY = (9, 0)
 # Whether PDL is on (where supported) when neither the caller nor LLMACCEL_PDL says: set from
-# measurement (benchmarks/results/2026-11-22-W1-fusion-h100-summary.md: graph replay -3%).
+# measurement (graph replay -3% on an H100, docs/performance.md).
 DEFAULT_ON = True
 _enabled = False
 

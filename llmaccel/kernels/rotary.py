@@ -9,7 +9,7 @@ Rounding follows `llmaccel.models.layers.rotary.RotaryEmbedding`: the fp32 cos/s
 cast to the input dtype, and each product and the sum are rounded to that dtype, so bf16/fp16
 results match the layer. That needs the launches' `enable_fp_fusion=False`: Triton narrows the
 math to bf16 and with FP fusion turned x1 * cos - x2 * sin into one FMA, which on an H100 left
-17% of bf16 outputs one ulp off the layer (benchmarks/results/2026-11-26-qkv-rope-h100.md).
+17% of bf16 outputs one ulp off the layer.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def gguf_to_hf_dir(gguf: str | Path, out_dir: str | Path, dtype: torch.dtype = t
     mapping, with models/gguf_loading's one metadata parse and torch dequantization), cast to
     `dtype` as they arrive: no fp32 transformers model of the whole checkpoint is built
     first, as `from_pretrained(gguf_file=...)` did (Qwen2.5-Coder-1.5B to bf16: 107 s before,
-    77-83 s after, on 2 cores: benchmarks/results/2026-12-01-s40-summary-cpu.md). The config
+    77-83 s after, on 2 cores). The config
     is written without the quantization_config transformers attaches to GGUF models."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM

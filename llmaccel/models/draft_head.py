@@ -16,8 +16,8 @@ the head's training text; `draft_vocab_size` keeps the first N) the head scores 
 tokens: their rows of the target's LM head are copied into a smaller matrix, and the logits of
 every other token are -inf. The LM head is most of a head step's weight reads (Qwen2.5-1.5B:
 151,936 x 1,536): on an H100 a chained head step took 0.31 ms with the whole vocabulary and
-0.17 ms with a 21.5k one (benchmarks/results/2026-11-24-W5-head-h100-summary-s12.md; before
-draft steps were chained, per-step launches hid the difference, session 11). Drafts outside
+0.17 ms with a 21.5k one (before draft steps were chained, per-step launches hid the
+difference). Drafts outside
 the vocabulary are never proposed; verification stays exact whatever is drafted.
 
 With EAGLE-3's multi-layer features (the marker's `aux_hidden_state_layers`, written by

@@ -124,7 +124,7 @@ class DraftStage(_Section):
     num_speculative_tokens: int = Field(4, ge=1)
     # vLLM's disable_by_batch_size, per method ({ngram: 64, model: 4}): at or above this many
     # requests the engine decodes plainly. A measured crossover for the target; unset, the
-    # engine's automatic switch alone decides (it misses some crossovers: issue 6's notes).
+    # engine's automatic switch alone decides (it misses some crossovers).
     disable_by_batch_size: dict[Literal["ngram", "model", "head"], int] = Field(
         default_factory=dict)
     # the head's training: None (the recipe's `data`), a text file, a dataset, or self[:N]

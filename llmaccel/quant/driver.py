@@ -164,7 +164,7 @@ def _rel_error(ys: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
 
 # Methods whose weights need no calibration: their calibration text only feeds the per-layer
 # error report, so the CLI reads less of it by default. SmolLM2-135M to FP8 on 2 CPU cores:
-# 40 s with 16 sequences of 512 tokens; with 128 it ran over 10 minutes (session 25).
+# 40 s with 16 sequences of 512 tokens; with 128 it ran over 10 minutes.
 CALIBRATION_FREE = ("rtn", "fp8", "nf4", "hqq")
 
 

@@ -131,10 +131,8 @@ def _gemv_config(layer: nn.Module):
     """The batch-1 FP8 GEMV tile for this layer's shape: the GPU table's (benchmarks/
     bench_fp8_gemv.py; the lookup is cached), else on CUDA `untuned_gemv_fp8()`; None where
     Triton cannot run e4m3 here, and off CUDA without a table entry (the interpreter is no
-    fast path). The GEMV beat `torch._scaled_mm` on all 12 shapes measured on an H100 (1.2-5x,
-    2026-11-25-fp8gemv-prequant-*.jsonl), so a shape or a GPU without an entry takes it too:
-    before, an untuned H200 ran FP8 decode steps 1.7x slower than bf16
-    (2026-11-26-decode-overlap-h100.md)."""
+    fast path). The GEMV beat `torch._scaled_mm` on all 12 shapes measured on an H100 (1.2-5x), so a shape or a GPU without an entry takes it too:
+    before, an untuned H200 ran FP8 decode steps 1.7x slower than bf16."""
     if not Fp8LinearMethod._gemv_ok(layer):
         return None
     from llmaccel.kernels.gemm_tuning import gemv_fp8_config

@@ -93,8 +93,7 @@ def sink_weight(seq_len: int, weight: float | None = None) -> float:
     and every later token attends to it (Xiao et al. 2023, StreamingLLM; Sun et al. 2024,
     "Massive Activations"). The plain Hessian weighs it as 1 token in seq_len, so GPTQ trades
     its error for the average token's, and that costs perplexity: on SmolLM2-135M (int4 g64,
-    8 x 512 calibration tokens, 3 WikiText-2 windows; benchmarks/results/
-    2026-11-23-gptq-sink-weight-smollm2-cpu.md) dropping the sink rows more than tripled
+    8 x 512 calibration tokens, 3 WikiText-2 windows) dropping the sink rows more than tripled
     GPTQ's perplexity increase over bf16, and counting each as 8 tokens cut it from 9.5 to 6.5
     (RTN: 11.7); 32 gave the same as 8. None (the default) scales with the sequence, so the
     sinks keep the same share of the Hessian for any seq_len: seq_len / 64, at least 1."""

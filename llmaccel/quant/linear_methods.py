@@ -96,9 +96,9 @@ def _contiguous_groups(g_idx: torch.Tensor, size: int) -> bool:
 def _gemv_w4_config(layer: nn.Module, k: int, device: torch.device):
     """The batch-1 GEMV tile for this layer's shape: the GPU table's (benchmarks/
     bench_w4_gemv.py), else the default tile; None off CUDA. The GEMV beat the general kernel
-    on every shape measured (1.05-2.8x on an H100, 2026-11-23-w4gemv-*.jsonl), so a shape or a
+    on every shape measured (1.05-2.8x on an H100), so a shape or a
     GPU without an entry takes it too: before, they took the general kernel, and an untuned
-    H200 ran int4 decode steps 3.5x slower than bf16 (2026-11-26-decode-overlap-h100.md)."""
+    H200 ran int4 decode steps 3.5x slower than bf16."""
     if not layer.kernel_weight.is_cuda:
         return None
     from llmaccel.kernels.gemm_tuning import gemv_w4_config
@@ -399,8 +399,7 @@ class PackedLinearMethod(LinearMethodBase):
         does not run. The Triton GEMV's SiLU epilogue is not used: it matched the GEMV +
         silu_and_mul pair alone on an H100 (13.2 against 14.0 us)
         but whole llama-3.2-3b decode steps ran slower with it, 14% with the dependent released
-        after the wait and W1 1.6% slower with it released at the end
-        (2026-11-25-quant-decode-s19-h100.md, 2026-11-26-quant-decode-s21.md)."""
+        after the wait and W1 1.6% slower with it released at the end."""
         if (x_scale is not None or not hasattr(layer, "kernel_weight")
                 or layer.kernel_perm is not None or not _use_cuda_gemv(layer, x, bias)):
             return None

@@ -25,7 +25,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def speedup_bound(alpha: float, k: int, cost_ratio: float) -> float:
-    """E(k) / (1 + k c): the speedup over plain decoding these numbers allow (issue 6's bound)."""
+    """E(k) / (1 + k c): the speedup over plain decoding these numbers allow (the bound)."""
     return expected_tokens(alpha, k) / (1.0 + k * cost_ratio)
 
 

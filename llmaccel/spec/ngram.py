@@ -63,8 +63,7 @@ class NgramIndex:
             return
         # One dict.update per n over zipped windows (C loops, ~2x a loop per token and n:
         # catching up on 100 tokens each took ~10 ms at batch 64 on an H100 host with that
-        # loop, a gap before the verify step; a step trace,
-        # 2026-11-23-W5-ngram-s7-h100). Later windows overwrite earlier ones: the latest end
+        # loop, a gap before the verify step in a step trace). Later windows overwrite earlier ones: the latest end
         # wins, as a lookup needs.
         for n in range(self.min_n, self.max_n + 1):
             start = max(first - n + 1, 0)  # the first window of n tokens ending >= first

@@ -7,8 +7,7 @@ next round. Plain decoding hides that host time by launching the next step befor
 (async scheduling). A speculative round could not: its inputs depend on the acceptance. On an
 H100 (the 0.5B drafting for the 1.5B shape, batch 1) the GPU waited ~0.26 ms before each
 catch-up, and the catch-up took ~0.17 ms longer than a chained step of the same size, the host
-preparing its inputs while the GPU idled: ~8% of a round
-(2026-11-24-chain-gaps-draft-qwen2.5-shapes-h100-s12.log).
+preparing its inputs while the GPU idled: ~8% of a round.
 
 Here, right after the verify step is launched, the next round's drafts are launched too, with
 their inputs computed on the device from the verify step's argmax. For a sequence whose last

@@ -14,25 +14,24 @@ choice, and its own probe schedule:
   measure it again (the first is not measured: a draft model catching up on the tokens it
   skipped; a plain step launched without async scheduling). Without plain probes, a low plain
   rate measured once stood while speculation stayed on: at batch 16 and 64 on an H100 a 0.5B
-  draft stayed on at 0.64-0.84x plain (2026-11-23-W5-switch-h100). Schedules are per bucket:
+  draft stayed on at 0.64-0.84x plain. Schedules are per bucket:
   with one global schedule, rounds at another batch size reset the wait, and a batch of 64 on
   an H100 probed every 32 rounds at ~2.7x a plain step's time per round
-  (2026-11-23-W5-trace-ngram-h100: 0.85x plain).
+  (0.85x plain).
 - How long a bucket waits between probes follows what its probes cost: the first round after
   each switch is timed against the new mode's steady rate (a draft model's catch-up: ~28 ms at
-  batch 64 for a 0.5B draft on an H100, against a 2.3 ms plain step, 2026-11-23-W5-draft-s7-
-  h100). The wait is the number of plain rounds for which those switches cost
+  batch 64 for a 0.5B draft on an H100, against a 2.3 ms plain step). The wait is the number of plain rounds for which those switches cost
   PROBE_COST_SHARE of the time, within PROBE_EVERY .. PROBE_EVERY_MAX; a change of choice
   brings the next probe within PROBE_EVERY rounds. An earlier rule doubled the wait after
   every probe that confirmed the choice: once a stretch of low acceptance had turned n-gram
-  lookup off at batch 4, it stayed off for most later rounds (2026-11-23-W5-s7b-h100: 0.92x).
+  lookup off at batch 4, it stayed off for most later rounds (0.92x).
 
 A draft model or head has no such prediction, and turning off is dear for it: it stays off
 until a probe, whose two measured rounds must show it faster by the on margin. Its measured
 rate is noisy (a round emits 1 to k + 1 tokens; over the ~10 rounds the monitor weighs, the
 rate at batch 1 varies by ~10%), so "off as soon as slower" read noise as a loss: a head whose
-speculative rounds ran at 1.17x plain decoding on code was on for 116 rounds and off for 325
-(2026-11-28-W5-s31-head-h100), and a simulation of such rounds (OFF_CONFIDENCE) had it on for
+speculative rounds ran at 1.17x plain decoding on code was on for 116 rounds and off for 325,
+and a simulation of such rounds (OFF_CONFIDENCE) had it on for
 44% of them. Without a prediction, speculation goes off when the measured rate is below plain
 by more than OFF_CONFIDENCE standard errors (ThroughputMonitor.rate_se).
 
@@ -44,7 +43,7 @@ replay time of its rows (spec/costs.StepCosts) plus the host and launch time mea
 bucket's speculative rounds (`overhead`). Probes had measured acceptance on two rounds, and
 acceptance changes within a request (a code rewrite copies the code, then explains it): at
 batch 64 on an H100, where the two rates were within ~15%, probes every 32 rounds flipped the
-choice ~130 times in 3 runs, at 0.85-0.90x plain (2026-11-23-W5-ngram-s7c-h100).
+choice ~130 times in 3 runs, at 0.85-0.90x plain.
 """
 
 from __future__ import annotations
@@ -57,15 +56,15 @@ from llmaccel.spec.costs import StepCosts, ThroughputMonitor, batch_bucket
 
 PROBE_EVERY = 32
 # (4096: a draft model's probe at batch 64 on an H100 ran speculative rounds of ~23 ms against
-# 2.3 ms plain steps, its catch-up included (2026-11-23-W5-s8-h100); at a cap of 512 rounds
+# 2.3 ms plain steps, its catch-up included; at a cap of 512 rounds
 # those probes were several percent of the time, not PROBE_COST_SHARE.)
 PROBE_EVERY_MAX = 4096
 PROBE_LEN = 3
 PROBE_COST_SHARE = 0.02
 # Speculation comes on only where it is this much faster (plus its switching cost:
 # SpecSwitch._margin_on), and goes off as soon as it is slower: never slower than plain
-# decoding, the issue's rule. (A symmetric 5% band had speculation stay on at up to 5% below
-# plain: draft prose, batch 4, 0.84x in 2026-11-23-W5-s8-h100.)
+# decoding. (A symmetric 5% band had speculation stay on at up to 5% below
+# plain: draft prose, batch 4, 0.84x.)
 HYSTERESIS = 0.05
 # Speculative rounds measured after a switch to speculation before the measured rate (not
 # the prediction that switched it on) may switch it off again: the monitor's speculative
@@ -187,8 +186,8 @@ class SpecSwitch:
     def _chosen(self, batch: int) -> bool:
         """The mode of this batch size's bucket: before speculation is measured there, what
         measured buckets imply (`_unmeasured`); then the measured rates, where speculation
-        stays on only while it measures at least as fast as plain decoding (never slower: the
-        issue's rule; without a shadow prediction, within the noise of its measurement:
+        stays on only while it measures at least as fast as plain decoding (never slower;
+        without a shadow prediction, within the noise of its measurement:
         `_off_slack`), and comes on only when it is faster by the bucket's on margin
         (`_margin_on`). While off, n-gram lookup's prediction stands in for a measurement."""
         measured = self.monitor.rate(batch, True)  # tokens/s per sequence while speculating
@@ -323,8 +322,8 @@ class SpecSwitch:
         an H100, where a round takes 5 ms), or a plain step that is not `steady`: launched
         without async scheduling where it could have been (after a change of the running set,
         or the round after speculating). Plain decoding's rate is what it does steadily,
-        launched ahead: at batch 64 on an H100, those steps took 2.3 ms and the others 3.9
-        (2026-11-23-W5-trace-ngram-h100), and counting the latter made speculation look
+        launched ahead: at batch 64 on an H100, those steps took 2.3 ms and the others 3.9,
+        and counting the latter made speculation look
         faster there than it was. A measured speculative round also times the overhead
         beyond its rows' graph replay, for the shadow prediction."""
         if kind is None:

@@ -42,7 +42,7 @@ class DistillConfig:
     eval_every: int = 25
     heldout: float = 0.1            # the last fraction of the token blocks, never trained on
     # ... but at most this many blocks (None: no cap). A large text's tenth is more than an
-    # estimate needs: 3,106 blocks (1.6M tokens) in session 38, scored in ~70 s at the end
+    # estimate needs: 3,106 blocks (1.6M tokens) were scored in ~70 s at the end
     # of a ~600 s device call, and none of it trained on.
     max_heldout_blocks: int | None = None
     patience: int = 2               # evaluations without a new best before stopping

@@ -2,8 +2,8 @@
 
 A head's training step needs the target's last hidden states (after the final norm) of its
 batch. Computing them every step runs the whole target forward each step: for the 1.5B Qwen at
-8 x 512 tokens that is ~12.6 TFLOP, by estimate a third of a ~110 ms step on an H100 (session
-32: 3,501 steps in 400 s). The features do not change while the head trains, so they can be
+8 x 512 tokens that is ~12.6 TFLOP, by estimate a third of a ~110 ms step on an H100 (3,501
+steps in 400 s). The features do not change while the head trains, so they can be
 computed once per block and read back by index: 7,168 blocks of 512 tokens at hidden size 1536
 in bf16 are 11.3 GB. They are kept in the target's dtype, exactly what `target_features`
 returns for the block, so a step's loss is the same with or without the cache (up to how the

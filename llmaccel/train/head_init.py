@@ -22,7 +22,7 @@ def init_attention_scores(head: DraftHead) -> None:
     """q_proj and k_proj drawn afresh (normal, std ATTENTION_INIT_STD; the global RNG, which
     distill_draft seeds), the rest of the copied layer kept: EAGLE's layer starts fresh, and
     the copied q/k were fitted to the target's residual stream, not to fc's output. A knob
-    for the training dynamics: session 36's trained heads put 0.92 of each query's attention
+    for the training dynamics: trained heads were seen to put 0.92 of each query's attention
     (mean over heads) on one sink row and the rest on its own row, so the layer read no
     context, although the untrained copied head and the target's last layer both looked at
     the copy source. Small random q/k start the scores near

@@ -2,7 +2,7 @@
 
 Rewriting code, quoting and editing are full of copies: the next token is what followed the
 same tokens earlier in the context. A prompt lookup (vLLM's n-gram proposer) finds those; a
-head can only if its one attention layer reads the context. Session 36 found trained heads
+head can only if its one attention layer reads the context. Trained heads were found
 whose attention had collapsed onto one sink row (0.92 of each query's weight, mean over heads)
 and which therefore missed trivial copies. Two measures make
 that visible during training rather than after a W5 run:
@@ -19,8 +19,8 @@ that visible during training rather than after a W5 run:
 
 `copy_attention_loss` turns the last one into a training signal (DistillConfig.
 copy_attention_weight): some of the layer's heads are taught to attend to the lookup source
-at copy positions. Session 37 measured the collapse within the first 1,000 steps for every
-learning rate and q/k init tried (benchmarks/results/2026-11-29-s37-head-sweep-h200.txt):
+at copy positions. The collapse was measured within the first 1,000 steps for every
+learning rate and q/k init tried:
 reading the context never pays off early enough to be found by the main loss alone.
 """
 

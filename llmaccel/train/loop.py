@@ -98,7 +98,7 @@ def train_with_early_stop(
     linear warm-up steps. `max_seconds`: evaluate and stop once training has run that long;
     the cosine then runs over whichever budget is used up first, steps or seconds, so a run
     cut by the time limit still ends at a tenth of the rate (a 1.5B head's run stopped at
-    83% of its steps, its rate still at a quarter of the peak: session 31)."""
+    83% of its steps, its rate still at a quarter of the peak)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from llmaccel.progress import interactive

@@ -5,8 +5,7 @@ A draft learns to predict the target on the text it is trained on, and what it d
 serving time is the target's own output. EAGLE trains on a chat dataset answered by the
 target; Medusa-2 on the model's own answers. Offline, WikiText-2's validation split is the
 only other text, 241k tokens, and a SmolLM2 head trained on it stopped improving at 13% top-1
-agreement; on the target's answers it reached 33% in 150 s (H100,
-benchmarks/results/2026-11-24-W5-selfdata-head-smollm2-h100-summary.md).
+agreement; on the target's answers it reached 33% in 150 s (H100).
 
 The requests (none of them W5's prompts, though of the same kinds) come from two sources.
 Code requests pair functions of Python's standard library (parsed, never imported) with

@@ -70,7 +70,7 @@ __device__ __forceinline__ uint4 load_weights(const void* p) {
 // 16 bytes an earlier kernel wrote, read after the PDL wait (which makes its writes
 // visible) with a plain weak ld.global, cached in L1 as Triton's loads are: every block reads
 // the whole activation row, and from L2 alone its few hot lines serialized on their L2
-// slices (5x slower, 2026-11-26-w4-cuda-gemv-h100.md run 3).
+// slices (5x slower).
 __device__ __forceinline__ uint4 load_act16(const void* p) {
   uint4 v;
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"

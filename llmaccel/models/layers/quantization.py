@@ -91,8 +91,8 @@ def fused_gemv_config(layer: nn.Module, m: int, kind: str):
     tuned = layer.weight.is_cuda and layer.weight.element_size() == 2
     if tuned:
         # Only a tile measured for this row count: untuned fused tiles at 2-16 rows ran whole
-        # decode steps 2-3.6x slower than one row on an H100 (2026-11-23-W5-step-cost-h100:
-        # qwen2.5-1.5b, 1 row 1.9 ms, 2-8 rows 6.0 ms, 32 rows through cuBLAS 2.1 ms), and
+        # decode steps 2-3.6x slower than one row on an H100 (qwen2.5-1.5b:
+        # 1 row 1.9 ms, 2-8 rows 6.0 ms, 32 rows through cuBLAS 2.1 ms), and
         # every speculative verify step has k + 1 rows per sequence.
         return fused_config(kind, m, n, k, layer.weight.device)
     return pick_config(m, n, k, 16, -1)

@@ -3,7 +3,7 @@
 transformers reads GGUF weights through gguf-py, whose numpy dequantization walks a tensor
 in small groups of rows: for Qwen2.5-Coder-1.5B's Q4_K_M file that is ~23 s of a ~100 s load
 on a 2-core CPU (48,000 calls for its 169 Q4_K tensors), and loading a GGUF is what every
-`LLM("model.gguf")` and every device session's conversion does first. Here each format is a
+`LLM("model.gguf")` and a GGUF conversion do first. Here each format is a
 handful of vectorized torch ops over all of a tensor's blocks (torch's ops run on every
 core). `models/gguf_loading.py` puts this in gguf-py's place while transformers loads.
 
