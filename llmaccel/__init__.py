@@ -1,6 +1,6 @@
 """llmaccel: analyze, fine-tune, quantize, speculate, serve and measure causal LMs."""
 
-__version__ = "0.1.0"
+from llmaccel.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from llmaccel import cli_options as o
-from llmaccel import __version__
+from llmaccel.version import __version__
 from llmaccel.errors import LLMAccelError
 
 app = typer.Typer(help="Analyze, compress, speed up, serve and measure causal LMs.",

@@ -275,6 +275,21 @@ def file_sha256(path: Path) -> str:
     return _sha256_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
 
+# How WikiText rows become one evaluated text: "hf" as `datasets` joins its rows (a blank line
+# between them), "raw" the file as it is.
+JOININGS = ("hf", "raw")
+
+
+def join_rows(raw: str, joining: str) -> str:
+    """The evaluated text of a WikiText raw file: its rows joined as `joining` says (JOININGS)."""
+    if joining == "raw":
+        return raw
+    if joining != "hf":
+        raise LLMAccelError(f"joining must be one of {JOININGS}, got {joining!r}")
+    rows = ["" if line.strip() == "" else line for line in raw.splitlines(keepends=True)]
+    return "\n\n".join(rows)
+
+
 __all__ = ["DATA_HINT", "DataNotFoundError", "NAMED", "SPLITS", "TextData", "download_wikitext2",
-           "file_sha256", "find_text", "hub_reachable", "read_text_file",
+           "JOININGS", "file_sha256", "find_text", "hub_reachable", "join_rows", "read_text_file",
            "shared_data_dir", "user_cache_dir"]

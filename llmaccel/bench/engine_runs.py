@@ -71,14 +71,14 @@ def quant_facts(settings: EngineSettings) -> dict[str, Any]:
 
 
 def build_llm(model: str, kwargs: dict[str, Any]):
-    from llmaccel import LLM
+    from llmaccel.engine.llm import LLM
 
     hw.release_memory()  # the engine budgets KV memory from the peak allocated so far
     return LLM(model, **kwargs)
 
 
 def greedy(max_tokens: int):
-    from llmaccel import SamplingParams
+    from llmaccel.engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 

@@ -8,8 +8,6 @@ is the device-to-device copy bandwidth measured here (read + write), not the dat
 
 from __future__ import annotations
 
-import gc
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,13 +17,9 @@ import torch
 from transformers import PretrainedConfig
 
 from llmaccel.analyze import kv_bytes_per_token as _kv_bytes_per_token
+from llmaccel.device import device_name, release_memory  # noqa: F401 - part of this API
 
 
-def device_name(device: torch.device | str) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()})"
 
 
 # `llmaccel bench --device` (and a recipe's `device:`) sets this for the whole command: the
@@ -57,13 +51,6 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def release_memory() -> None:
-    """Drop cached GPU memory between backends: the next one sizes its KV pool from what is
-    free, and a peak left over from the previous one must not count against it."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 def free_memory_gib(device: torch.device | str) -> float | None:

@@ -91,7 +91,7 @@ def spec_cells(plain: Any, spec: Any, method: str, spec_config: dict[str, Any],
                progress: Any = None) -> list[Record]:
     """Every (kind, batch) cell for one speculative engine (an `LLM`) against the plain one.
     `progress`: a callable told each finished cell's one-line summary."""
-    from llmaccel import SamplingParams
+    from llmaccel.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
+from llmaccel.data import JOININGS, find_text, join_rows
 from llmaccel.errors import LLMAccelError
 from llmaccel.models.attention import AttentionMetadata
 
-JOININGS = ("hf", "raw")
 # Who computes the NLLs: our engine's model, or transformers' AutoModelForCausalLM with its own
 # loss (eval/hf_perplexity.py): an independent check over the same windows and token ids.
 BACKENDS = ("llmaccel", "hf")
@@ -61,20 +61,11 @@ class PerplexityResult:
         return asdict(self)
 
 
-def join_rows(raw: str, joining: str) -> str:
-    """The evaluated text of a WikiText raw file (see the module docstring)."""
-    if joining == "raw":
-        return raw
-    if joining != "hf":
-        raise LLMAccelError(f"joining must be one of {JOININGS}, got {joining!r}")
-    rows = ["" if line.strip() == "" else line for line in raw.splitlines(keepends=True)]
-    return "\n\n".join(rows)
 
 
 def load_eval_text(data: str, joining: str = "hf") -> tuple[str, str]:
     """(text, joining applied) of `data`'s test split (llmaccel.data.find_text): WikiText-2
     rows joined by `joining`; a text file or a dataset's text as it is ("file")."""
-    from llmaccel.data import find_text
 
     found = find_text(data, "test")
     text = found.read()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from llmaccel.quant.fp8 import FP8_MAX
+from llmaccel.kernels.fp8_ref import FP8_MAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)  # 448: the activation scale is absmax / 448
 

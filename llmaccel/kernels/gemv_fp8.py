@@ -1,7 +1,7 @@
 """Batch-1 FP8 W8A8 GEMV with the decode layer's neighbours fused in.
 
 y[n] = (sum_k a_q[k] * w[n, k]) * s_a * s_w[n] (+ b[n]), for E4M3 weights `w` [N, K] with one
-fp32 scale per row (`quant/fp8.py`'s FP8_DYNAMIC layout) and the one activation row `a`
+fp32 scale per row (FP8_DYNAMIC's layout, `kernels/fp8_ref.py`) and the one activation row `a`
 quantized per token on the fly, exactly as the unfused engine path does it
 (`quantize_fp8_per_token` then `fp8_linear`'s product), optionally with
 - an RMSNorm prologue (`norm_weight`: `a` = RMSNorm(x), x being the residual stream),
@@ -23,7 +23,7 @@ is a hidden-size vector in L2; one program per BLOCK_N rows keeps these passes c
 BLOCK_N * K weight bytes. In the main loop each thread re-derives the quantized activations of
 its columns once for all the rows it holds:
 
-- division: `a / s_a` must round like torch's true division (`_divide_fp32`); Triton's `/` is an
+- division: `a / s_a` must round like torch's true division (`kernels.fp8_ref.divide_fp32`); Triton's `/` is an
   approximate division on the GPU, and div.rn per element is a long sequence with a slow-path
   branch. With r = RN(1 / s_a) computed once, q = RN(a * r) is within an ulp of a / s_a, and
   one Markstein correction, q + (a - q * s_a) * r in two FMAs (the remainder is exact in an
@@ -54,7 +54,7 @@ import triton.language as tl
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemv_common import _act_scale, _out_rows, _quantize, _silu_mul, _silu_out
 from llmaccel.kernels.pdl import pdl_launch_dependents, pdl_wait
-from llmaccel.quant.fp8 import FP8_DTYPE, MIN_ACT_SCALE
+from llmaccel.kernels.fp8_ref import FP8_DTYPE, MIN_ACT_SCALE, fp8_linear_ref
 
 VEC = 16  # e4m3 weights per vector load: 16 bytes, the widest global load
 _VEC = tl.constexpr(VEC)
@@ -157,7 +157,7 @@ def _gemv_fp8_kernel(
                         PROLOGUE)
         # the 16 products of a vector sum in-thread (FFMAs); one accumulator per vector
         acc += tl.sum(w.to(tl.float32) * a_q[None, :, :], axis=2)
-    # (sum * s_a) * s_w, rounded to x's dtype: _reference_product's order
+    # (sum * s_a) * s_w, rounded to x's dtype: fp8_ref.fp8_product_ref's order
     y = tl.sum(acc, axis=1) * scale * tl.load(WScale + rows)
     dt = Y.dtype.element_ty
     y = y.to(dt)
@@ -327,16 +327,15 @@ def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                  eps: float = 0.0, silu: bool = False,
                  residual: torch.Tensor | None = None, silu_out: bool = False) -> torch.Tensor:
     """PyTorch reference of `fp8_gemv`: the unfused layers in order (RMSNorm / SiLU-and-mul,
-    `fp8_linear`'s fp32 reference product, residual add in place, or SiLU-and-mul after)."""
+    the fp32 W8A8 reference product, residual add in place, or SiLU-and-mul after)."""
     from llmaccel.kernels.activation import silu_and_mul_ref
     from llmaccel.kernels.rmsnorm import rms_norm_ref
-    from llmaccel.quant.fp8_linear import fp8_linear
 
     if norm_weight is not None:
         x = rms_norm_ref(x, norm_weight, eps)
     if silu:
         x = silu_and_mul_ref(x)
-    y = fp8_linear(x, weight, weight_scale.reshape(-1, 1), bias, use_scaled_mm=False)
+    y = fp8_linear_ref(x, weight, weight_scale.reshape(-1, 1), bias)
     if silu_out:
         return silu_and_mul_ref(y)
     if residual is None:

@@ -21,7 +21,7 @@ import triton.language as tl
 from llmaccel.kernels import pdl
 from llmaccel.kernels.gemv_common import _act_scale, _quantize
 from llmaccel.kernels.pdl import pdl_enter
-from llmaccel.quant.fp8 import MIN_ACT_SCALE
+from llmaccel.kernels.fp8_ref import MIN_ACT_SCALE
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from llmaccel import __version__
+from llmaccel.version import __version__
 
 KEY_CHARS = 12          # of the sha256 hex digest, in directory names
 STAGE_FILE = "stage.json"

@@ -21,12 +21,10 @@ import torch
 from torch import nn
 
 from llmaccel.errors import QuantizationError
+from llmaccel.kernels.fp8_ref import (FP8_DTYPE, FP8_MAX, MIN_ACT_SCALE,  # noqa: F401 - public
+                                      dequantize_fp8, over_fp8_max, quantize_fp8_per_token,
+                                      to_fp8)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
-# Floor of a dynamic activation scale, as vLLM's per-token quant kernels use: an all-zero token
-# then quantizes to zeros instead of 0 / 0, and tiny tokens keep their sub-scale precision.
-MIN_ACT_SCALE = 1.0 / (FP8_MAX * 512.0)
 WEIGHT_STRATEGIES = ("channel", "tensor")
 
 
@@ -48,33 +46,6 @@ def _check_strategy(strategy: str) -> None:
                                 f"got {strategy!r}")
 
 
-def over_fp8_max(t: torch.Tensor) -> torch.Tensor:
-    """t / 448, correctly rounded on every device. CUDA turns division by a Python scalar into
-    multiplication by its reciprocal, which can be 1 ulp off; that moves activations lying
-    exactly between two e4m3 values (frequent with bf16 inputs) to the other side, so a GPU and
-    a CPU run would quantize the same x differently. A tensor divisor keeps true division."""
-    return t / torch.full_like(t, FP8_MAX)
-
-
-def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3(x / scale) with saturation; `scale` broadcasts onto x. True division in fp32, not
-    multiplication by 1 / scale, so every path (reference, _scaled_mm, the tests) rounds alike."""
-    return _divide_fp32(x, scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-def _divide_fp32(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    scale = scale.to(torch.float32)
-    # x / scale promotes a bf16/fp16 x to fp32 inside the one division kernel (no fp32 copy of
-    # x first); a 0-d scale would not promote, so then x is converted explicitly.
-    return x / scale if scale.dim() > 0 else x.to(torch.float32) / scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q * scale in fp32 (one rounding: every e4m3 value is exact in fp32), then `dtype`."""
-    return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
-
-
 def quantize_fp8_weight(weight: torch.Tensor, strategy: str = "channel") -> Fp8Weight:
     """Round-to-nearest E4M3 of a Linear weight [out, in]: scale = absmax / 448 per output row
     ("channel", FP8_DYNAMIC) or over the whole tensor ("tensor", vLLM/AutoFP8 per-tensor)."""
@@ -89,19 +60,6 @@ def quantize_fp8_weight(weight: torch.Tensor, strategy: str = "channel") -> Fp8W
     # an all-zero row (pruned channel) would give scale 0 and 0 / 0: any scale stores it exactly
     scale = torch.where(absmax > 0, over_fp8_max(absmax), torch.ones_like(absmax))
     return Fp8Weight(to_fp8(w, scale), scale.contiguous(), strategy)
-
-
-def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token quantization of activations [..., K]: (e4m3 x_q [..., K], fp32
-    scales [..., 1]) with scale = max(absmax(row) / 448, MIN_ACT_SCALE). No host sync, so it
-    runs inside CUDA graphs."""
-    # abs + amax rather than one vector_norm(inf) kernel: the same bits (a max rounds nothing)
-    # at a fraction of vector_norm's host overhead, which dominated small-batch calls
-    absmax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
-    scale = over_fp8_max(absmax).clamp_min_(MIN_ACT_SCALE)
-    # no clamp to +-448 needed: |x| / scale <= 448 up to one rounding, and e4m3 rounds anything
-    # below 464 to 448, so this saves a full pass over x
-    return _divide_fp32(x, scale).to(FP8_DTYPE), scale
 
 
 def fake_quantize_fp8_per_token(x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from torch import nn
 from llmaccel.errors import CorruptCheckpointError
 from llmaccel.kernels.l2_prefetch import layer_ranges
 from llmaccel.models.layers.quantization import LinearMethodBase
-from llmaccel.quant.fp8 import FP8_DTYPE, quantize_fp8_per_token
+from llmaccel.kernels.fp8_ref import FP8_DTYPE, fp8_product_ref, quantize_fp8_per_token
 
 # torch._scaled_mm checks that K and N (the weight's dims) are multiples of 16; M may be
 # anything. A layer whose weight is not aligned runs the reference path.
@@ -81,12 +81,6 @@ def _scaled_mm_rowwise(x_q: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Te
                             out_dtype=out_dtype)
 
 
-def _reference_product(x_q: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
-                       w_scale: torch.Tensor) -> torch.Tensor:
-    acc = x_q.to(torch.float32) @ w_fp8.to(torch.float32).t()
-    return acc * x_scale * w_scale.reshape(1, -1).to(torch.float32)
-
-
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None, use_scaled_mm: bool | None = None
                ) -> torch.Tensor:
@@ -101,7 +95,7 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     if use_scaled_mm:
         y = _scaled_mm_rowwise(x_q, x_scale, w_fp8, w_scale, x.dtype)
     else:
-        y = _reference_product(x_q, x_scale, w_fp8, w_scale).to(x.dtype)
+        y = fp8_product_ref(x_q, x_scale, w_fp8, w_scale).to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, w_fp8.shape[0])

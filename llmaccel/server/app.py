@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmaccel import __version__
+from llmaccel.version import __version__
 from llmaccel.engine.async_llm import AsyncLLM
 from llmaccel.server.chat import create_chat_completion
 from llmaccel.server.completions import create_completion

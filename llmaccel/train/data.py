@@ -26,7 +26,7 @@ def load_training_text(data: str) -> str:
     the test data have), a UTF-8 file (plain, .gz or .xz), a WikiText-2 directory, or an HF
     dataset (its train split first)."""
     from llmaccel.data import find_text
-    from llmaccel.eval.perplexity import join_rows
+    from llmaccel.data import join_rows
 
     found = find_text(data, training_split(data))
     text = found.read()

@@ -168,8 +168,9 @@ def generate_self_data(target: str, n: int, max_tokens: int = MAX_TOKENS, seed: 
     llm)` sees each chunk's records as it finishes (benchmarks/head_data.py writes them and
     prints the engine's stats). The engine is released before returning (training loads the
     target again)."""
-    from llmaccel import LLM, SamplingParams
-    from llmaccel.bench import hardware as hw
+    from llmaccel.engine.llm import LLM
+    from llmaccel.engine.sampling_params import SamplingParams
+    from llmaccel.device import release_memory
     from llmaccel.models.tokenizer import format_prompt
 
     # 2048 tokens of context: a prompt of at most 40 lines of code and its answer fit, and
@@ -221,7 +222,7 @@ def generate_self_data(target: str, n: int, max_tokens: int = MAX_TOKENS, seed: 
         seconds = time.perf_counter() - start
     finally:
         del llm
-        hw.release_memory()
+        release_memory()
     if len(records) < 2:
         raise LLMAccelError(f"self-distillation data: {len(records)} of {n} requests answered "
                             f"({skipped} did not fit the context of {context} tokens)")

@@ -29,7 +29,7 @@ class EngineBackend(Backend):
                                            **self.engine_kwargs)
 
     async def generate(self, request: BenchRequest) -> RequestResult:
-        from llmaccel import SamplingParams
+        from llmaccel.engine.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens,
                                 ignore_eos=request.ignore_eos)

@@ -413,7 +413,7 @@ def _describe_model(llm: Any, fallback: str) -> tuple[str, str, str]:
     device = getattr(engine, "device", None)
     if device is None:
         return name, load_format, "unknown"
-    from llmaccel.bench.hardware import device_name
+    from llmaccel.device import device_name
 
     return name, load_format, device_name(device)
 
@@ -456,7 +456,7 @@ def run_code_eval(s: CodeEvalSettings, llm_factory: Callable[..., Any] | None = 
     from llmaccel.eval.code.sandbox import sandbox_identity
 
     if llm_factory is None:
-        from llmaccel import LLM as llm_factory
+        from llmaccel.engine.llm import LLM as llm_factory
     problems = list(s.problems)
     ident = sandbox_identity(s.limits.python, s.limits.drop_root, s.limits.network_namespace)
     results: list[VariantResult] = []

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from llmaccel import __version__
+from llmaccel.version import __version__
 from llmaccel.errors import CorruptCheckpointError, QuantizationError
 from llmaccel.quant.rtn import SUPPORTED_BITS, QuantizedWeight, check_group_size
 
