@@ -105,7 +105,7 @@ def bench_shape(n: int, k: int, users: list[str], dev: torch.device, budget_s: f
     """Times cuBLAS bf16, the `_scaled_mm` path and the new kernel's tiles on one shape.
     Returns (record, table entry)."""
     from llmaccel.kernels.gemv_fp8 import fp8_gemv, fp8_gemv_ref, quantize_row_fp8
-    from llmaccel.quant.fp8_linear import fp8_linear, supports_scaled_mm
+    from llmaccel.models.layers.fp8_linear import fp8_linear, supports_scaled_mm
 
     t0 = time.time()
     q_bytes = n * k + 4 * n  # codes and fp32 scales

@@ -12,7 +12,7 @@ import torch
 from llmaccel.kernels import gemm_tuning
 from llmaccel.kernels.gemv_fp8 import GemvFp8Config
 from llmaccel.kernels.gemv_w4 import GemvW4Config, default_gemv_w4_config
-from llmaccel.quant import fp8_linear, linear_methods
+from llmaccel.models.layers import fp8_linear, linear_methods
 
 
 def _w4_layer(cuda: bool):

@@ -1,4 +1,4 @@
-"""Our torch dequantization of GGUF blocks (quant/formats/gguf_blocks.py) equals gguf-py's bit
+"""Our torch dequantization of GGUF blocks (models/gguf_blocks.py) equals gguf-py's bit
 for bit, and the faster GGUF load (models/gguf_loading.py) gives the same weights with one
 metadata parse for the config and the weights."""
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-import llmaccel.quant.formats.gguf_blocks as gguf_blocks
-from llmaccel.quant.formats.gguf_blocks import BLOCKS, dequantize
+import llmaccel.models.gguf_blocks as gguf_blocks
+from llmaccel.models.gguf_blocks import BLOCKS, dequantize
 
 # where each format keeps its fp16 scales (byte offsets in a block)
 FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2],

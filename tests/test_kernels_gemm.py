@@ -24,7 +24,7 @@ from llmaccel.kernels.gemm import (  # noqa: E402
 )
 from llmaccel.kernels.gemv_fp8 import GemvFp8Config, valid_config
 from llmaccel.kernels.gemv_w4 import GemvW4Config  # noqa: E402
-from llmaccel.quant.linear_methods import dequantize_unpacked  # noqa: E402
+from llmaccel.models.layers.linear_methods import dequantize_unpacked  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FMA1 = GemmConfig(1, 16, 32, use_dot=False)
@@ -269,7 +269,7 @@ def test_one_row_takes_the_w4_gemv_where_tuned(case, tmp_path, monkeypatch):
     from llmaccel.models.attention import AttentionMetadata
     from llmaccel.models.layers.linear import Linear
     from llmaccel.models.loader import load_model
-    from llmaccel.quant import linear_methods
+    from llmaccel.models.layers import linear_methods
 
     monkeypatch.setattr(linear_methods, "_gemv_w4_config",
                         lambda layer, k, device: gemv_w4.GemvW4Config(8, 32, 2, 2))
@@ -378,7 +378,7 @@ def test_gpu_engine_loads_packed_with_kernel(case, tmp_path, caplog):
     from llmaccel.models.loader import load_model
 
     packed_dir, plain_dir = write_checkpoints(QCASES[case], tmp_path, family="llama")
-    with caplog.at_level(logging.INFO, logger="llmaccel.quant.quant_configs"):
+    with caplog.at_level(logging.INFO, logger="llmaccel.models.layers.quant_configs"):
         _, ours = load_model(str(packed_dir), dtype="float32", device="cuda")
     assert "Triton W" in caplog.text
     _, ref = load_model(str(plain_dir), dtype="float32", device="cuda")
@@ -401,7 +401,7 @@ def test_gpu_prefill_rows_take_dequantize_then_cublas(bits, monkeypatch):
     import torch.nn.functional as F
 
     from llmaccel.kernels import gemm
-    from llmaccel.quant import linear_methods as lm
+    from llmaccel.models.layers import linear_methods as lm
 
     n, k, group = 384, 512, 128 if bits == 4 else -1
     codes, s, z = _quantized(n, k, bits, group, True, seed=11)

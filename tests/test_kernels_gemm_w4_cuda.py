@@ -286,7 +286,7 @@ def test_engine_takes_it_for_2_to_128_rows(monkeypatch):
     more (dequantize + cuBLAS measured faster at 256 rows); layers of at most 8192 columns
     only up to 127 rows (dequantize + cuBLAS measured faster for them at 128)."""
     from llmaccel.kernels import gemm_w4_cuda
-    from llmaccel.quant import linear_methods
+    from llmaccel.models.layers import linear_methods
 
     monkeypatch.setattr(gemm_w4_cuda, "supports", lambda *a, **k: True)
 
@@ -318,7 +318,7 @@ def test_refuses_what_it_cannot_take_with_a_clear_error():
 def test_layer_log_names_the_gemm(monkeypatch):
     """The engine's per-layer kernel log says which rows take the GEMM (users of other
     engines cannot tell which kernel runs)."""
-    from llmaccel.quant import linear_methods
+    from llmaccel.models.layers import linear_methods
 
     monkeypatch.setattr(linear_methods, "_cuda_gemv_available", lambda layer: False)
     monkeypatch.setattr(linear_methods, "_gemv_w4_config", lambda *a: None)

@@ -326,7 +326,7 @@ def test_engine_takes_it_for_64_to_256_rows(monkeypatch):
     """`PackedLinearMethod` routes int4 products of 64-256 rows here where the kernel can run
     (checked once a layer), before the mma.sync GEMM; fewer rows keep that GEMM or the GEMV."""
     from llmaccel.kernels import gemm_w4_wgmma
-    from llmaccel.quant import linear_methods
+    from llmaccel.models.layers import linear_methods
 
     calls = []
 

@@ -20,7 +20,7 @@ from llmaccel.kernels import cuda_rtc
 from llmaccel.kernels.gemv_fp8_cuda import (CudaGemvFp8Config, _source, _source_cc,
                                             chosen_config, default_cc_config, default_config,
                                             fp8_gemv_cuda, supports)
-from llmaccel.quant import fp8_linear
+from llmaccel.models.layers import fp8_linear
 
 
 def test_tiles():

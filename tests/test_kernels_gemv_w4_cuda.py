@@ -21,7 +21,7 @@ from llmaccel.kernels import cuda_rtc
 from llmaccel.kernels.gemm import linear_ref, pack_int4_rows
 from llmaccel.kernels.gemv_w4_cuda import (CudaGemvW4Config, RopeCache, _source,
                                            default_config, supports, w4a16_gemv_cuda)
-from llmaccel.quant import linear_methods
+from llmaccel.models.layers import linear_methods
 
 
 def _weights(n, k, group, zeros, dev, scale_dtype=torch.bfloat16, seed=0):

@@ -32,8 +32,8 @@ from llmaccel.quant.fp8 import (
     quantize_fp8_weight,
     to_fp8,
 )
-from llmaccel.quant.fp8_linear import fp8_linear
-from llmaccel.quant.quant_configs import quant_config_from_hf
+from llmaccel.models.layers.fp8_linear import fp8_linear
+from llmaccel.models.layers.quant_configs import quant_config_from_hf
 
 # hidden 128, intermediate 256: multiples of 16, so the same checkpoint takes _scaled_mm on a GPU
 CONFIG = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
@@ -299,7 +299,7 @@ def test_engine_greedy_matches_fp32_w8a8_reference(tiny_llama: Path, fp8_dir: Pa
 
     hf = _reference_hf_model(tiny_llama, fp8_dir)
     hf.generation_config.eos_token_id = None
-    with caplog.at_level(logging.INFO, logger="llmaccel.quant.quant_configs"):
+    with caplog.at_level(logging.INFO, logger="llmaccel.models.layers.quant_configs"):
         llm = LLM(str(fp8_dir), dtype="float32", device="cpu", skip_tokenizer_init=True,
                   num_gpu_blocks=64)
     assert re.search(r"fp8 W8A8 per-channel/per-token \(reference\): .*qkv_proj x2", caplog.text)
@@ -350,7 +350,7 @@ def test_loaded_layers_match_independent_math(fp8_dir: Path):
     math of the checkpoint's own tensors, stacked shard by shard: exact up to fp32 rounding."""
     from llmaccel.models.layers.linear import Linear
     from llmaccel.models.loader import load_model
-    from llmaccel.quant.quant_configs import checkpoint_module_names
+    from llmaccel.models.layers.quant_configs import checkpoint_module_names
 
     t = load_file(str(fp8_dir / "model.safetensors"))
     _, model = load_model(str(fp8_dir), dtype="float32", device="cpu")
@@ -549,7 +549,7 @@ def test_scaled_mm_matches_reference_on_gpu(m, n, k, dtype):
     Both round the same fp32 quantity to `dtype` once; they differ only in the fp32 summation
     order, so allow two units in the last place of `dtype` (relative) plus a small absolute
     slack for outputs that cancel to near zero."""
-    from llmaccel.quant.fp8_linear import scaled_mm_dtypes
+    from llmaccel.models.layers.fp8_linear import scaled_mm_dtypes
 
     if not torch.cuda.is_available() or not scaled_mm_dtypes("cuda"):
         pytest.skip("needs a CUDA GPU with compute capability >= 8.9")
@@ -583,11 +583,11 @@ def test_engine_runs_scaled_mm_on_gpu(fp8_dir: Path, caplog):
     from llmaccel import LLM, SamplingParams
     from llmaccel.models.layers.linear import Linear
     from llmaccel.models.loader import load_model
-    from llmaccel.quant.fp8_linear import Fp8LinearMethod, scaled_mm_dtypes
+    from llmaccel.models.layers.fp8_linear import Fp8LinearMethod, scaled_mm_dtypes
 
     if not torch.cuda.is_available() or torch.bfloat16 not in scaled_mm_dtypes("cuda"):
         pytest.skip("needs a CUDA GPU with compute capability >= 8.9")
-    with caplog.at_level(logging.INFO, logger="llmaccel.quant.quant_configs"):
+    with caplog.at_level(logging.INFO, logger="llmaccel.models.layers.quant_configs"):
         _, model = load_model(str(fp8_dir), dtype="bfloat16", device="cuda")
     assert "fp8 W8A8 per-channel/per-token (torch._scaled_mm" in caplog.text
     gen = torch.Generator(device="cuda").manual_seed(0)

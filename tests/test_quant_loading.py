@@ -30,7 +30,7 @@ from llmaccel.quant.formats.compressed_tensors import (
     pack_compressed_tensors,
 )
 from llmaccel.quant.formats.gptq import gptq_quantization_config, pack_gptq
-from llmaccel.quant.quant_configs import quant_config_from_hf
+from llmaccel.models.layers.quant_configs import quant_config_from_hf
 from llmaccel.quant.rtn import QuantizedWeight, dequantize, quantize_rtn
 
 # hidden 64, intermediate 96: every in_features is a multiple of 32, every output of 8
@@ -148,7 +148,7 @@ def _logits(model, seqs):
 
 def test_packed_logits_match_dequantized_reference(checkpoints, caplog):
     case, packed_dir, plain_dir = checkpoints
-    with caplog.at_level(logging.INFO, logger="llmaccel.quant.quant_configs"):
+    with caplog.at_level(logging.INFO, logger="llmaccel.models.layers.quant_configs"):
         mc, ours = load_model(str(packed_dir), dtype="float32", device="cpu")
     _, ref = load_model(str(plain_dir), dtype="float32", device="cpu")
     assert mc.quant_config is not None and ref.quant_config is None

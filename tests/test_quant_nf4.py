@@ -26,7 +26,7 @@ from llmaccel.quant.nf4 import (
     normal_float_code,
     quantize_nf4,
 )
-from llmaccel.quant.quant_configs import quant_config_from_hf
+from llmaccel.models.layers.quant_configs import quant_config_from_hf
 from llmaccel.quant.rtn import dequantize, quantize_rtn
 from tests.quant_e2e import (
     cli_quantized_tiny_llama,

@@ -9,7 +9,7 @@ One kernel, `y = x @ dequant(W)^T (+ b)`, with the weight format a compile-time 
 
 and for BITS 8/4 per-group `scales` [N, G] and integer `zeros` [N, G] (uint8), so
 w[n, k] = (code - zero[n, k // group]) * scale[n, k // group], exactly the dequantization of
-`llmaccel.quant.linear_methods.dequantize_unpacked`. Symmetric weights skip the zero tensor
+`llmaccel.models.layers.linear_methods.dequantize_unpacked`. Symmetric weights skip the zero tensor
 (ZERO is the constant 2^(bits-1)). Act-order checkpoints permute the input channels once at
 load (`prepare_packed_weight`), so groups are contiguous and x is permuted per call.
 
@@ -327,7 +327,7 @@ def dequantize_packed(weight: torch.Tensor, bits: int, scales: torch.Tensor,
     """W [N, K] in `dtype` from the BITS 4/8 layout of the module docstring: (code - zero) *
     scale in fp32, rounded once to `dtype`, which is the weight `linear_ref` multiplies by. One
     memory-bound Triton kernel; for prefill-sized batches, where this plus a cuBLAS GEMM beats
-    the fused W4A16 GEMM (`quant/linear_methods.py`)."""
+    the fused W4A16 GEMM (`models/layers/linear_methods.py`)."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     n = weight.shape[0]

@@ -159,7 +159,7 @@ def _quant_config(hf_config: PretrainedConfig, load_format: str) -> Quantization
     if load_format == "gguf" or (load_format == "dummy" and
                                  not getattr(hf_config, "quantization_config", None)):
         return None
-    from llmaccel.quant.quant_configs import quant_config_from_hf
+    from llmaccel.models.layers.quant_configs import quant_config_from_hf
     return quant_config_from_hf(hf_config)
 
 

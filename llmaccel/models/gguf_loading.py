@@ -1,5 +1,5 @@
 """Faster GGUF loads through transformers: one parse of the file's metadata for the config and
-the weights, and our torch dequantization (quant/formats/gguf_blocks.py) in place of gguf-py's.
+the weights, and our torch dequantization (models/gguf_blocks.py) in place of gguf-py's.
 
 transformers opens a GGUF with gguf-py's `GGUFReader` once for the config and once more for
 the weights; each open parses every metadata field, 151,936 vocabulary strings included (~10
@@ -50,7 +50,7 @@ def fast_gguf() -> Iterator[None]:
     except ImportError:  # transformers will say that gguf is missing
         yield
         return
-    from llmaccel.quant.formats import gguf_blocks
+    from llmaccel.models import gguf_blocks
 
     orig_reader, orig_dequantize = getattr(gguf, "GGUFReader", None), getattr(
         gguf, "dequantize", None)

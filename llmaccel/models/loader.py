@@ -68,7 +68,7 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu",
     if device.type == "cuda":  # after the kernel layouts exist: it records their addresses
         link_l2_prefetch(model)
     if quant_config is not None:  # after set_fused_kernels: the log names the kernel in use
-        from llmaccel.quant.quant_configs import log_linear_methods
+        from llmaccel.models.layers.quant_configs import log_linear_methods
         log_linear_methods(model, model_config.name)
     return model.eval()
 

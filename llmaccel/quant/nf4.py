@@ -28,6 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmaccel.errors import QuantizationError
+from llmaccel.models.layers.packed_formats import (  # noqa: F401 - read side, shared
+    _blocks,
+    dequantize_nf4_flat,
+)
 
 # bitsandbytes' NF4 table (functional.get_4bit_type("nf4")), fp32; index = the 4-bit code.
 NF4_CODE = torch.tensor([
@@ -87,11 +91,6 @@ def check_blocksize(blocksize: int) -> int:
     return blocksize
 
 
-def _blocks(flat: torch.Tensor, blocksize: int, pad_value: float = 0.0) -> torch.Tensor:
-    """[n] -> [ceil(n / blocksize), blocksize], the short last block padded with `pad_value`."""
-    return F.pad(flat, (0, -flat.numel() % blocksize), value=pad_value).view(-1, blocksize)
-
-
 def quantize_nf4(weight: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE) -> NF4Weight:
     """NF4 codes and per-block absmax of `weight` (any shape), as bitsandbytes' quantize_4bit
     computes them: nearest code-book entry of w * (1 / absmax), ties to the lower entry."""
@@ -111,17 +110,6 @@ def quantize_nf4(weight: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE) -> NF
     codes = torch.bucketize(scaled.reshape(-1)[:flat.numel()], midpoints)
     return NF4Weight(codes=codes.to(torch.uint8).reshape(weight.shape), absmax=absmax,
                      blocksize=blocksize, quant_map=code.clone())
-
-
-def dequantize_nf4_flat(codes: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor,
-                        blocksize: int) -> torch.Tensor:
-    """fp32 [n] from codes [n]: quant_map[code] * absmax of its block (bitsandbytes' math)."""
-    values = quant_map.to(torch.float32)[codes.reshape(-1).long()]
-    n = values.numel()
-    if absmax.numel() != -(-n // blocksize):
-        raise QuantizationError(f"{absmax.numel()} absmax values do not cover {n} elements in "
-                                f"blocks of {blocksize}")
-    return (_blocks(values, blocksize) * absmax.to(torch.float32).unsqueeze(1)).reshape(-1)[:n]
 
 
 def dequantize_nf4(qw: NF4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from llmaccel.errors import QuantizationError
-
-SUPPORTED_BITS = (4, 8)
+from llmaccel.models.layers.packed_formats import (  # noqa: F401 - read side, shared
+    SUPPORTED_BITS,
+)
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,17 @@ import torch
 
 from llmaccel.errors import CorruptCheckpointError, QuantizationError
 from llmaccel.quant.formats.common import as_codes
+from llmaccel.models.layers.packed_formats import (  # noqa: F401 - read side, shared
+    AWQ_BITS,
+    AWQ_PACK_FACTOR,
+    AWQ_PACK_ORDER,
+    AWQ_UNPACK_ORDER,
+    _NIBBLE_MAX,
+    _unpack_rows,
+    unpack_awq,
+)
 
-AWQ_BITS = 4
-AWQ_PACK_FACTOR = 32 // AWQ_BITS
 AWQ_GROUP_SIZES = (32, 64, 128)
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i <- output feature AWQ_PACK_ORDER[i]
-AWQ_UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # output feature j <- nibble AWQ_UNPACK_ORDER[j]
-
-_NIBBLE_MAX = (1 << AWQ_BITS) - 1
 
 
 def awq_quantization_config(
@@ -91,45 +94,6 @@ def pack_awq(
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales16}
 
 
-def unpack_awq(
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    group_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Read one AWQ GEMM layer back as (codes uint8 [out, in], scales [out, n_groups],
-    zeros uint8 [out, n_groups]); scales keep their stored dtype.
-
-    `group_size` is implied by the shapes; pass it to have the checkpoint's config checked too.
-    """
-    for name, t in (("qweight", qweight), ("qzeros", qzeros)):
-        if t.dtype != torch.int32 or t.dim() != 2:
-            raise CorruptCheckpointError(
-                f"AWQ {name} must be a 2-D int32 tensor, got {t.dtype} {tuple(t.shape)}"
-            )
-    in_features, out_features = qweight.shape[0], qweight.shape[1] * AWQ_PACK_FACTOR
-    n_groups = qzeros.shape[0]
-    if (
-        scales.dim() != 2
-        or tuple(scales.shape) != (n_groups, out_features)
-        or qzeros.shape[1] != qweight.shape[1]
-        or n_groups == 0
-        or in_features % n_groups != 0
-    ):
-        raise CorruptCheckpointError(
-            f"AWQ shapes disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
-            f"scales {tuple(scales.shape)}"
-        )
-    if group_size is not None and in_features // n_groups != group_size:
-        raise CorruptCheckpointError(
-            f"AWQ tensors hold groups of {in_features // n_groups} input features, "
-            f"but the config says group_size={group_size}"
-        )
-    codes = _unpack_rows(qweight).t().contiguous()
-    zeros = _unpack_rows(qzeros).t().contiguous()
-    return codes, scales.t().contiguous(), zeros
-
-
 def _check_shapes(
     codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> None:
@@ -159,15 +123,6 @@ def _pack_rows(values: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(AWQ_PACK_FACTOR, device=values.device, dtype=torch.int64) * AWQ_BITS
     words = (blocks << shifts).sum(dim=-1)
     return _to_int32(words)
-
-
-def _unpack_rows(words: torch.Tensor) -> torch.Tensor:
-    """int32 [rows, n] -> uint8 [rows, n * 8] nibbles, undoing AWQ's interleave."""
-    shifts = torch.arange(0, 32, AWQ_BITS, device=words.device, dtype=torch.int32)
-    # Arithmetic shift of a negative word drags sign bits in from the top; the mask drops them.
-    nibbles = (words.unsqueeze(-1) >> shifts) & _NIBBLE_MAX
-    nibbles = nibbles[..., list(AWQ_UNPACK_ORDER)]
-    return nibbles.reshape(words.shape[0], -1).to(torch.uint8)
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

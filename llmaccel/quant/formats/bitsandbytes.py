@@ -30,14 +30,18 @@ import torch
 
 from llmaccel.errors import CorruptCheckpointError, QuantizationError
 from llmaccel.quant.nf4 import NF4_ZERO_CODE, NF4Weight, check_blocksize
-
-# Suffixes after "<prefix>.weight" of the tensors bitsandbytes writes for a 4-bit weight.
-ABSMAX, QUANT_MAP = ".absmax", ".quant_map"
-QUANT_STATE_PREFIX = ".quant_state.bitsandbytes__"
-QUANT_STATE = QUANT_STATE_PREFIX + "nf4"
-NESTED = (".nested_absmax", ".nested_quant_map")
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+from llmaccel.models.layers.packed_formats import (  # noqa: F401 - read side, shared
+    ABSMAX,
+    DTYPES,
+    NESTED,
+    QUANT_MAP,
+    QUANT_STATE,
+    QUANT_STATE_PREFIX,
+    _DTYPE_NAMES,
+    check_nf4_state,
+    parse_quant_state,
+    unpack_nibbles,
+)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -51,30 +55,9 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return ((flat[0::2] << 4) | flat[1::2]).unsqueeze(1).contiguous()
 
 
-def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """uint8 bytes (any shape) -> uint8 [n] codes, dropping the padding code."""
-    flat = packed.reshape(-1)
-    if flat.dtype != torch.uint8:
-        raise CorruptCheckpointError(f"bitsandbytes 4-bit weight must be uint8, got {flat.dtype}")
-    if flat.numel() != -(-n // 2):
-        raise CorruptCheckpointError(f"bitsandbytes 4-bit weight has {flat.numel()} bytes, "
-                                     f"expected {-(-n // 2)} for {n} elements")
-    return torch.stack([flat >> 4, flat & 0xF], dim=1).reshape(-1)[:n].contiguous()
-
-
 def quant_state_tensor(state: Mapping[str, Any]) -> torch.Tensor:
     """A JSON dict as the uint8 tensor bitsandbytes stores it under quant_state.*."""
     return torch.tensor(list(json.dumps(dict(state)).encode("utf-8")), dtype=torch.uint8)
-
-
-def parse_quant_state(t: torch.Tensor) -> dict[str, Any]:
-    try:
-        state = json.loads(bytes(t.reshape(-1).to(torch.uint8).tolist()).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"bitsandbytes quant_state is not UTF-8 JSON: {e}") from e
-    if not isinstance(state, dict):
-        raise CorruptCheckpointError("bitsandbytes quant_state must hold a JSON object")
-    return state
 
 
 def pack_bnb_nf4(qw: NF4Weight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -95,27 +78,6 @@ def pack_bnb_nf4(qw: NF4Weight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "weight" + QUANT_MAP: qw.quant_map.to(torch.float32).contiguous(),
         "weight" + QUANT_STATE: quant_state_tensor(state),
     }
-
-
-def check_nf4_state(state: Mapping[str, Any], where: str = "quant_state"
-                    ) -> tuple[int, list[int], torch.dtype]:
-    """(blocksize, shape, dtype) of a parsed NF4 quant state; refuses what we do not read."""
-    nested = sorted(k for k in state if k.startswith("nested"))
-    if nested:
-        raise QuantizationError(f"{where}.{nested[0]}: double-quantized bitsandbytes checkpoints "
-                                "(bnb_4bit_use_double_quant) are not supported")
-    if state.get("quant_type") != "nf4":
-        raise QuantizationError(f"{where}.quant_type={state.get('quant_type')!r} is not "
-                                "supported (supported: 'nf4')")
-    blocksize, shape = state.get("blocksize"), state.get("shape")
-    if not isinstance(blocksize, int) or blocksize <= 0:
-        raise CorruptCheckpointError(f"{where}.blocksize={blocksize!r} is not a positive integer")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise CorruptCheckpointError(f"{where}.shape={shape!r} is not a list of sizes")
-    dtype = DTYPES.get(str(state.get("dtype", "float32")).removeprefix("torch."))
-    if dtype is None:
-        raise CorruptCheckpointError(f"{where}.dtype={state.get('dtype')!r} is not a float dtype")
-    return blocksize, shape, dtype
 
 
 def unpack_bnb_nf4(tensors: Mapping[str, torch.Tensor]) -> tuple[NF4Weight, torch.dtype]:

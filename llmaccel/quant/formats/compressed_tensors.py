@@ -33,8 +33,13 @@ import torch.nn.functional as F
 
 from llmaccel.errors import CorruptCheckpointError, QuantizationError
 from llmaccel.quant.formats.common import as_codes
+from llmaccel.models.layers.packed_formats import (  # noqa: F401 - read side, shared
+    CT_BITS,
+    _check_int32,
+    _unpack_cols,
+    unpack_compressed_tensors,
+)
 
-CT_BITS = (4, 8)
 CT_GROUP_SIZES = (32, 64, 128)
 # group_size None or -1 (llmaccel.quant's spelling) means one group per output channel: the
 # "channel" strategy, one scale column.
@@ -135,50 +140,6 @@ def pack_compressed_tensors(
     return tensors
 
 
-def unpack_compressed_tensors(
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_shape: torch.Tensor | tuple[int, int],
-    weight_zero_point: torch.Tensor | None = None,
-    *,
-    num_bits: int = 4,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Read one pack-quantized layer back as (codes uint8 [out, in], scales [out, n_groups],
-    zeros uint8 [out, n_groups]). Without a zero point (symmetric) zeros are 2^(bits-1).
-
-    Accepts any group size the shapes imply, so third-party checkpoints read too.
-    """
-    if num_bits not in CT_BITS:
-        raise QuantizationError(f"pack-quantized supports num_bits {CT_BITS}, got {num_bits}")
-    dims = [int(v) for v in weight_shape]
-    if len(dims) != 2:
-        raise CorruptCheckpointError(f"weight_shape must hold (out, in), got {dims}")
-    out_features, in_features = dims
-    per_word = 32 // num_bits
-    words_per_row = -(-in_features // per_word)
-    _check_int32(weight_packed, "weight_packed", (out_features, words_per_row))
-    if weight_scale.dim() != 2 or weight_scale.shape[0] != out_features:
-        raise CorruptCheckpointError(
-            f"weight_scale must be [out={out_features}, n_groups], got {tuple(weight_scale.shape)}"
-        )
-    n_groups = weight_scale.shape[1]
-    if n_groups == 0 or in_features % n_groups != 0:
-        raise CorruptCheckpointError(
-            f"weight_scale has {n_groups} groups, which do not divide in_features={in_features}"
-        )
-    codes = _unpack_cols(weight_packed, num_bits, in_features)
-    if weight_zero_point is None:
-        zeros = torch.full(
-            (out_features, n_groups), 1 << (num_bits - 1), dtype=torch.uint8,
-            device=weight_packed.device,
-        )
-    else:
-        zp_rows = -(-out_features // per_word)
-        _check_int32(weight_zero_point, "weight_zero_point", (zp_rows, n_groups))
-        zeros = _unpack_cols(weight_zero_point.t(), num_bits, out_features).t().contiguous()
-    return codes, weight_scale, zeros
-
-
 def _pack_zeros(
     zeros: torch.Tensor | None, shape: tuple[int, int], num_bits: int, symmetric: bool
 ) -> torch.Tensor | None:
@@ -211,13 +172,6 @@ def _n_groups(in_features: int, group_size: int | None) -> int:
     return in_features // group_size
 
 
-def _check_int32(t: torch.Tensor, name: str, shape: tuple[int, int]) -> None:
-    if t.dtype != torch.int32 or tuple(t.shape) != shape:
-        raise CorruptCheckpointError(
-            f"{name} must be int32 {shape}, got {t.dtype} {tuple(t.shape)}"
-        )
-
-
 def _pack_cols(values: torch.Tensor, num_bits: int) -> torch.Tensor:
     """int64 [rows, cols] codes -> int32 [rows, ceil(cols / p)], little-endian within a word.
 
@@ -236,9 +190,3 @@ def _pack_cols(values: torch.Tensor, num_bits: int) -> torch.Tensor:
     return words.to(torch.int32).contiguous()
 
 
-def _unpack_cols(words: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:
-    """int32 [rows, n] -> uint8 [rows, cols], dropping the padding past `cols`."""
-    shifts = torch.arange(0, 32, num_bits, device=words.device, dtype=torch.int32)
-    # The mask drops the sign bits an arithmetic shift of a negative word brings in.
-    fields = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
-    return fields.reshape(words.shape[0], -1)[:, :cols].to(torch.uint8).contiguous()

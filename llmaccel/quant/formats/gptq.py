@@ -26,15 +26,12 @@ import torch
 from llmaccel.version import __version__
 from llmaccel.errors import CorruptCheckpointError, QuantizationError
 from llmaccel.quant.rtn import SUPPORTED_BITS, QuantizedWeight, check_group_size
-
-# checkpoint_format -> what is subtracted from each zero point before it is packed.
-ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}
-
-
-def pack_factor(bits: int) -> int:
-    if bits not in SUPPORTED_BITS:
-        raise QuantizationError(f"GPTQ packing supports bits in {SUPPORTED_BITS}, got {bits}")
-    return 32 // bits
+from llmaccel.models.layers.packed_formats import (  # noqa: F401 - read side, shared
+    ZERO_OFFSETS,
+    pack_factor,
+    pack_int32,
+    unpack_int32,
+)
 
 
 def _zero_offset(checkpoint_format: str) -> int:
@@ -42,33 +39,6 @@ def _zero_offset(checkpoint_format: str) -> int:
         raise QuantizationError(f"checkpoint_format must be one of {sorted(ZERO_OFFSETS)}, "
                                 f"got {checkpoint_format!r}")
     return ZERO_OFFSETS[checkpoint_format]
-
-
-def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Pack unsigned `bits`-wide values along `dim`, 32 // bits per int32, the first value of
-    each run in the lowest bits."""
-    pf = pack_factor(bits)
-    v = values.to(torch.int64).movedim(dim, -1)  # int64 first: uint8 cannot compare with 256
-    if v.numel() and (v.min() < 0 or v.max() >= 2**bits):
-        raise QuantizationError(f"values must lie in 0..{2**bits - 1} to pack as {bits}-bit fields")
-    n = v.shape[-1]
-    if n % pf:
-        raise QuantizationError(f"cannot pack {n} values into int32 words of {pf}")
-    v = v.reshape(*v.shape[:-1], n // pf, pf)
-    shifts = torch.arange(pf, dtype=torch.int64, device=v.device) * bits
-    words = (v << shifts).sum(dim=-1)  # the fields are disjoint, so the sum is a bitwise OR
-    words = torch.where(words >= 2**31, words - 2**32, words)  # same 32 bits, read as signed
-    return words.to(torch.int32).movedim(-1, dim).contiguous()
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Inverse of `pack_int32`: int32 words -> int32 values in 0 .. 2**bits - 1."""
-    pf = pack_factor(bits)
-    words = packed.to(torch.int64).movedim(dim, -1) & 0xFFFFFFFF
-    shifts = torch.arange(pf, dtype=torch.int64, device=words.device) * bits
-    fields = (words.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    values = fields.reshape(*words.shape[:-1], words.shape[-1] * pf)
-    return values.to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def pack_gptq(qw: QuantizedWeight, checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:

@@ -27,8 +27,9 @@ from llmaccel.models.layers.quantization import (
     QuantizationConfig,
     UnquantizedLinearMethod,
 )
-from llmaccel.quant.formats.bitsandbytes import (
+from llmaccel.models.layers.packed_formats import (
     ABSMAX,
+    dequantize_nf4_flat,
     NESTED,
     QUANT_MAP,
     QUANT_STATE_PREFIX,
@@ -36,8 +37,7 @@ from llmaccel.quant.formats.bitsandbytes import (
     parse_quant_state,
     unpack_nibbles,
 )
-from llmaccel.quant.nf4 import dequantize_nf4_flat
-from llmaccel.quant.quant_configs import checkpoint_module_names
+from llmaccel.models.layers.quant_configs import checkpoint_module_names
 
 # checkpoint suffix -> our parameter name's suffix (after the module prefix)
 _RENAMES = {".weight" + ABSMAX: ".weight_absmax", ".weight" + QUANT_MAP: ".weight_quant_map",

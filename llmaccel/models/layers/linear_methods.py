@@ -30,9 +30,9 @@ from llmaccel.errors import CorruptCheckpointError
 from llmaccel.kernels import triton_available
 from llmaccel.kernels.l2_prefetch import layer_ranges
 from llmaccel.models.layers.quantization import LinearMethodBase
-from llmaccel.quant.formats.awq import AWQ_PACK_FACTOR, unpack_awq
-from llmaccel.quant.formats.compressed_tensors import unpack_compressed_tensors
-from llmaccel.quant.formats.gptq import ZERO_OFFSETS, pack_factor, unpack_int32
+from llmaccel.models.layers.packed_formats import (AWQ_PACK_FACTOR, ZERO_OFFSETS, pack_factor,
+                                                   unpack_awq, unpack_compressed_tensors,
+                                                   unpack_int32)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, output_dim: int | None = None,

@@ -1,7 +1,7 @@
 """QuantizationConfigs read from a checkpoint's config.json `quantization_config` block.
 
 `quant_config_from_hf` maps GPTQ (v1/v2), AWQ GEMM and compressed-tensors pack-quantized to the
-linear methods in `llmaccel.quant.linear_methods`; anything else is refused with a
+linear methods in `llmaccel.models.layers.linear_methods`; anything else is refused with a
 QuantizationError naming the offending key, rather than loading packed words as garbage.
 Layers the format lists as not converted stay unquantized, and so does lm_head, except in GPTQ
 checkpoints with `lm_head: true` (GPTQModel's option, which vLLM's GPTQ methods read too).
@@ -23,15 +23,12 @@ from llmaccel.models.layers.quantization import (
     QuantizationConfig,
     UnquantizedLinearMethod,
 )
-from llmaccel.quant.formats.awq import AWQ_BITS
-from llmaccel.quant.formats.compressed_tensors import CT_BITS
-from llmaccel.quant.formats.gptq import ZERO_OFFSETS
-from llmaccel.quant.linear_methods import (
+from llmaccel.models.layers.packed_formats import AWQ_BITS, CT_BITS, SUPPORTED_BITS, ZERO_OFFSETS
+from llmaccel.models.layers.linear_methods import (
     AWQLinearMethod,
     CompressedTensorsLinearMethod,
     GPTQLinearMethod,
 )
-from llmaccel.quant.rtn import SUPPORTED_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -231,11 +228,11 @@ def quant_config_from_hf(hf_config: Any) -> QuantizationConfig | None:
     method = str(raw.get("quant_method", "")).lower().replace("_", "-")
     if method == "fp8" or (method == "compressed-tensors"
                            and raw.get("format") == "float-quantized"):
-        from llmaccel.quant.fp8_config import fp8_config_from_hf  # W8A8: its own module
+        from llmaccel.models.layers.fp8_config import fp8_config_from_hf  # W8A8: its own module
 
         return fp8_config_from_hf(raw)
     if method == "bitsandbytes":
-        from llmaccel.quant.bnb_linear import BitsAndBytesConfig  # NF4: its own module
+        from llmaccel.models.layers.bnb_linear import BitsAndBytesConfig  # NF4: its own module
 
         return BitsAndBytesConfig.from_hf(raw)
     if method not in _CONFIGS:

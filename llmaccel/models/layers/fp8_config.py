@@ -16,8 +16,8 @@ from typing import Any
 
 from llmaccel.errors import QuantizationError
 from llmaccel.models.layers.quantization import LinearMethodBase, QuantizationConfig
-from llmaccel.quant.fp8_linear import Fp8LinearMethod
-from llmaccel.quant.quant_configs import (
+from llmaccel.models.layers.fp8_linear import Fp8LinearMethod
+from llmaccel.models.layers.quant_configs import (
     _bad,
     _matches,
     _PerLayerConfig,
