@@ -28,7 +28,7 @@ def make_distill_target(directory: Path) -> Path:
 
 def tiny_head_pair(tmp_path: Path):
     """The tiny target (HF, fp32) and a fresh prev-token head for it, its q/k drawn afresh."""
-    from llmaccel.train.draft_head import build_draft_head
+    from llmaccel.train.head_trainer import build_draft_head
 
     target = hf_target(make_distill_target(tmp_path / "t"))
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""A draft head with EAGLE-3's multi-layer features (`aux_layers`, train/draft_head.py and
-models/draft_head.py): the target's features are its final hidden state followed by the hidden
+"""A draft head with EAGLE-3's multi-layer features (`aux_layers`, train/head_trainer.py and
+models/eagle_head.py): the target's features are its final hidden state followed by the hidden
 state entering each aux layer through that layer's input norm, fused to the head's width.
 
 Checked here: the features are what the target computes (against HF's hidden states by hand);
@@ -25,7 +25,7 @@ from tiny_models import make_tiny_model, periodic_blocks, tiny_configs
 from llmaccel.errors import CorruptCheckpointError, LLMAccelError
 from llmaccel.train.distill import distill_draft
 from llmaccel.train.distill_common import DistillConfig
-from llmaccel.train.draft_head import (build_draft_head, load_draft_head, target_features)
+from llmaccel.train.head_trainer import (build_draft_head, load_draft_head, target_features)
 
 H = 64  # tiny_models' hidden size (2 layers)
 

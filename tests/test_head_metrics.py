@@ -74,7 +74,7 @@ def test_evaluate_head_reports_copy_and_attention_measures(tmp_path):
     from tiny_models import periodic_blocks
     from transformers import AutoModelForCausalLM
 
-    from llmaccel.train.draft_head import build_draft_head
+    from llmaccel.train.head_trainer import build_draft_head
     from llmaccel.train.head_training import evaluate_head
 
     target = AutoModelForCausalLM.from_pretrained(make_distill_target(tmp_path / "t"),
@@ -124,7 +124,7 @@ def test_taught_heads_first_or_one_per_key_value_group():
 
 
 def test_scores_of_some_heads_are_those_of_all(tmp_path):
-    from llmaccel.train.draft_head import target_features
+    from llmaccel.train.head_trainer import target_features
     from llmaccel.train.head_metrics import _scores
 
     target, head = tiny_head_pair(tmp_path)
@@ -141,7 +141,7 @@ def test_copy_attention_loss_teaches_heads_to_look_at_the_lookup_source(tmp_path
     """Trained on that loss alone, the layer's attention moves onto the lookup source at copy
     positions of held-out text (heldout_attn_copy), and only q/k learn (the loss reads no
     values)."""
-    from llmaccel.train.draft_head import target_features
+    from llmaccel.train.head_trainer import target_features
     from llmaccel.train.head_metrics import (attention_shares, attention_weights,
                                              copy_attention_loss)
 

@@ -1,5 +1,5 @@
 """A draft head that also reads the token at each feature's position (`prev_token`,
-train/draft_head.py and models/draft_head.py): fc(cat[embed(x_{i+1}), f_i, embed(x_i)]).
+train/head_trainer.py and models/eagle_head.py): fc(cat[embed(x_{i+1}), f_i, embed(x_i)]).
 
 Checked here: a fresh one is EAGLE-1's head plus a third fc part of the documented size (a
 scaled rotation); training lowers its held-out KL and moves that part; the unrolled training
@@ -24,7 +24,7 @@ from tiny_models import make_tiny_model, periodic_blocks, tiny_configs
 from llmaccel.errors import CorruptCheckpointError, LLMAccelError
 from llmaccel.train.distill import distill_draft
 from llmaccel.train.distill_common import DistillConfig
-from llmaccel.train.draft_head import build_draft_head, load_draft_head, target_features
+from llmaccel.train.head_trainer import build_draft_head, load_draft_head, target_features
 from llmaccel.train.head_init import PREV_TOKEN_INIT
 
 H = 64  # tiny_models' hidden size (2 layers)

@@ -16,7 +16,7 @@ from tiny_models import periodic_blocks
 
 from llmaccel.errors import LLMAccelError
 from llmaccel.train.distill import distill_draft
-from llmaccel.train.draft_head import build_draft_head, load_draft_head, target_features
+from llmaccel.train.head_trainer import build_draft_head, load_draft_head, target_features
 from llmaccel.train.head_training import evaluate_head, head_losses
 
 
@@ -99,7 +99,7 @@ def test_cached_features_train_the_same_head(target_dir, tmp_path):
     """cache_features: the target's features computed once per block (train/feature_cache.py)
     are what target_features returns, and training on them gives the same history and head
     as computing them every step (same seed; unrolled steps and feature noise included)."""
-    from llmaccel.train.draft_head import target_features
+    from llmaccel.train.head_trainer import target_features
     from llmaccel.train.feature_cache import FeatureCache, cache_bytes, require_fit
 
     blocks = periodic_blocks()

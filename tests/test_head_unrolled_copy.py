@@ -45,7 +45,7 @@ def test_unrolled_copy_rows_match_the_reference_lookup():
 
 
 def test_unrolled_sources_are_rows_the_layer_may_see_and_step_one_is_the_copy_loss(tmp_path):
-    from llmaccel.train.draft_head import target_features
+    from llmaccel.train.head_trainer import target_features
     from llmaccel.train.head_metrics import (copy_attention_loss, unrolled_copy_attention_loss,
                                              unrolled_copy_rows)
 
@@ -90,7 +90,7 @@ def test_the_loss_at_every_step_teaches_later_steps_to_find_the_source(tmp_path)
     (On these toy blocks the step-1 loss alone carries over to later steps nearly as well,
     0.70 against 0.73 after 40 steps: whether it does on real text is what the GPU sweep
     measures.)"""
-    from llmaccel.train.draft_head import target_features
+    from llmaccel.train.head_trainer import target_features
     from llmaccel.train.head_metrics import unrolled_copy_attention_loss
 
     target, head = tiny_head_pair(tmp_path)

@@ -152,7 +152,7 @@ def test_fused_catch_up_drafts_the_rounds_of_the_torch_path(pair, monkeypatch):
     """Batch 1 and 3, long outputs: with the fused catch-up the engine drafts the rounds the
     torch path drafts, outputs stay the target's, and every block comes back; the fused
     path is what overlapped rounds take."""
-    from llmaccel.spec.draft_head import HeadProposer
+    from llmaccel.spec.head_proposer import HeadProposer
 
     d, hf, tensors = pair
     prompts = [[11, 12, 13, 14, 15] * 6 + [3, 4], [5, 6, 7, 8] * 3, list(range(30, 52))]

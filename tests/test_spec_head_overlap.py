@@ -120,7 +120,7 @@ def test_head_catch_up_inputs_follow_each_rows_acceptance(prev_token):
     target's features read at the verify step's slots, KV written for j <= a, row a's output
     as the chain's first feature, and the chain from p + a + 1. A prev_token head also gets
     the token at p + j (t0, then the rows' own ids shifted), and row a's id for the chain."""
-    from llmaccel.spec.draft_head import HeadProposer
+    from llmaccel.spec.head_proposer import HeadProposer
     from llmaccel.spec.overlap import AcceptedOnDevice
 
     hidden = 4

@@ -20,7 +20,7 @@ from tiny_models import make_tiny_model, periodic_blocks, save_word_tokenizer, t
 
 from llmaccel.errors import LLMAccelError
 from llmaccel.train.distill import build_student, distill_draft, evaluate_student
-from llmaccel.train.draft_head import (LAYER_TENSORS, build_draft_head, load_draft_head,
+from llmaccel.train.head_trainer import (LAYER_TENSORS, build_draft_head, load_draft_head,
                                        save_draft_head, target_features)
 from llmaccel.train.head_training import evaluate_head
 
@@ -70,7 +70,7 @@ def test_head_saves_its_training_texts_draft_vocabulary(trained_head):
 
 
 def test_a_small_draft_vocabulary_keeps_the_most_frequent_tokens():
-    from llmaccel.train.draft_head import draft_vocabulary
+    from llmaccel.train.head_trainer import draft_vocabulary
 
     blocks = torch.tensor([[5, 5, 5, 9, 9, 2], [5, 9, 2, 7, 7, 7]])
     ids, info = draft_vocabulary(blocks, 12, 3)

@@ -43,7 +43,7 @@ def make_tiny_model(config: PretrainedConfig, directory: Path, seed: int = 0):
 def make_tiny_head(target: PretrainedConfig, directory: Path, seed: int = 0,
                    fc_bias: bool = False) -> dict[str, torch.Tensor]:
     """A random EAGLE-style draft head for `target` in the layout `llmaccel distill-draft
-    --kind head` writes (models/draft_head.py): a one-layer Llama config with our marker,
+    --kind head` writes (models/eagle_head.py): a one-layer Llama config with our marker,
     fc and layer 0 without input_layernorm. Returns the tensors."""
     import json
 

@@ -28,7 +28,7 @@ from llmaccel.models.config import make_model_config
 from llmaccel.models.loader import get_model
 from llmaccel.models.tokenizer import eos_token_ids, get_tokenizer
 from llmaccel.spec.costs import measure_step_costs
-from llmaccel.spec.draft_head import HeadProposer, feature_bytes_per_block, load_head_for
+from llmaccel.spec.head_proposer import HeadProposer, feature_bytes_per_block, load_head_for
 from llmaccel.spec.draft_model import DraftModelProposer, load_draft_model
 
 logger = logging.getLogger(__name__)

@@ -60,7 +60,7 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, stop_checker,
                  draft=None) -> None:
         """`draft`: the DraftModelProposer (spec/draft_model.py) for method 'draft', the
-        HeadProposer (spec/draft_head.py) for 'head'."""
+        HeadProposer (spec/head_proposer.py) for 'head'."""
         if config.method != "ngram" and draft is None:
             raise SpeculativeConfigError(f"speculative method {config.method!r} needs its "
                                          "proposer (the engine loads it)")

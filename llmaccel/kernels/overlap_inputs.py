@@ -1,5 +1,5 @@
 """A draft head's overlapped catch-up inputs in one kernel, and the chain's first inputs in a
-second (spec/overlap.py, spec/draft_head.py), each with a PyTorch reference.
+second (spec/overlap.py, spec/head_proposer.py), each with a PyTorch reference.
 
 Right behind a verify step the next round's drafts are launched from the verify's argmax on
 the device. Written as torch ops this took ~35 small kernels per round between the verify

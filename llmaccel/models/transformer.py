@@ -222,7 +222,7 @@ class TransformerModel(nn.Module):
             DecoderLayer(config, backend, rotary_emb, quant_config, f"model.layers.{i}")
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # A draft head with EAGLE-3's multi-layer features (models/draft_head.py) also reads
+        # A draft head with EAGLE-3's multi-layer features (models/eagle_head.py) also reads
         # the hidden state entering these layers, through each layer's input norm;
         # `forward` collects them in `aux_hidden_states` (set by the engine).
         self.aux_hidden_state_layers: tuple[int, ...] = ()
@@ -269,7 +269,7 @@ class TransformerForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size,
                                   quant_config=quant_config if quantized_head else None,
                                   prefix="lm_head")
-        # [KV slots + 1, hidden]: with a draft head (models/draft_head.py), every step's
+        # [KV slots + 1, hidden]: with a draft head (models/eagle_head.py), every step's
         # final hidden states are kept by KV slot, where the head reads its input features;
         # the last row takes the writes of rows without a slot (-1: padding, profiling).
         # With aux layers ([KV slots + 1, (1 + n) hidden]) each row is followed by the

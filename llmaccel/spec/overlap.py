@@ -20,7 +20,7 @@ real token t0 sits at position p and whose drafts d1..dk follow it:
   bonus token, whose argmax is the next round's first draft;
 - the chain (engine/cuda_graph.py) continues from p + a + 2 for the next round's k' - 1 steps.
 
-A draft head (spec/draft_head.py) catches up differently: its KV past the last real token was
+A draft head (spec/head_proposer.py) catches up differently: its KV past the last real token was
 computed from its own outputs, not the target's features, so it recomputes head positions
 p..p + a from the features the verify step just wrote. The number of rows cannot depend on a
 (the host does not know it), so it runs k + 1 rows per sequence, head position p + j taking

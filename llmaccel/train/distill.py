@@ -8,7 +8,7 @@ Two kinds, both trained towards the target's next-token distribution on token bl
   least one), starting from the target's embedding, those layers, its final norm and lm_head,
   trained on KL(p_target || q_student). Saved as a plain HF model with the target's tokenizer:
   the engine loads it as a draft model (method "draft"), transformers as any model.
-- head: an EAGLE-1 style head over the target's features (train/draft_head.py, trained by
+- head: an EAGLE-1 style head over the target's features (train/head_trainer.py, trained by
   train/head_training.py), loaded by the engine with method "head".
 
 Out: the draft in `out` and distill.json (settings, every evaluation, the outcome).

@@ -68,7 +68,7 @@ class DistillConfig:
     # width by a linear `fuse` (() = EAGLE-1: the final hidden state only)
     aux_layers: tuple[int, ...] = ()
     # head: fc also reads the embedding of the token at each feature's own position, so its
-    # one layer can do the induction lookup copying needs (train/draft_head.py)
+    # one layer can do the induction lookup copying needs (train/head_trainer.py)
     prev_token: bool = False
     # head: the scale that part of fc starts at (train/head_init.init_prev_token_part)
     prev_token_init: float = 0.1

@@ -43,7 +43,7 @@ class FeatureCache:
 
     def __init__(self, target_model, blocks: torch.Tensor, batch_size: int,
                  compute, width: int | None = None) -> None:
-        """`compute(target_model, ids [B, T]) -> [B, T, width]`: train/draft_head's
+        """`compute(target_model, ids [B, T]) -> [B, T, width]`: train/head_trainer's
         target_features (width: the hidden size, or (1 + aux layers) times it)."""
         param = next(target_model.parameters())
         device, dtype = param.device, param.dtype

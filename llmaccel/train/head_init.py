@@ -1,4 +1,4 @@
-"""How a draft head (train/draft_head.py) starts: its layer copied from the target's last layer,
+"""How a draft head (train/head_trainer.py) starts: its layer copied from the target's last layer,
 fc mixing the next token's embedding and the feature at the features' scale, the previous
 token's part of fc (prev_token) as a scaled random rotation, and optionally fresh q/k."""
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from llmaccel.train.draft_head import DraftHead
+    from llmaccel.train.head_trainer import DraftHead
 
 
 # The initializer range of HF Llama configs (their q/k init, what EAGLE's fresh layer has).

@@ -1,4 +1,4 @@
-"""Training a draft head (train/draft_head.py's module and checkpoint): its losses, its
+"""Training a draft head (train/head_trainer.py's module and checkpoint): its losses, its
 held-out evaluation per draft step and the training run `distill-draft --kind head` makes.
 
 Losses (EAGLE-1): smooth-L1 regression of the head's output o_i onto the target's feature
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.errors import LLMAccelError
-from llmaccel.models.draft_head import DRAFT_VOCAB_FILE
+from llmaccel.models.eagle_head import DRAFT_VOCAB_FILE
 from llmaccel.train.distill_common import (DistillConfig, Meter, Target, autocast_for,
                                            dtype_name, kl_terms, mean_kl_loss)
-from llmaccel.train.draft_head import (DraftHead, build_draft_head, draft_vocabulary,
+from llmaccel.train.head_trainer import (DraftHead, build_draft_head, draft_vocabulary,
                                        load_draft_head, save_draft_head, target_features)
 from llmaccel.train.feature_cache import FeatureCache
 from llmaccel.train.head_init import init_attention_scores, init_prev_token_part

@@ -31,7 +31,7 @@ format only (EAGLE-1 loaders know no fuse; EAGLE-3's layout differs).
 With the marker's `prev_token_embedding` (`distill-draft --prev-token`) fc is [H, 3H] and reads
 a third part, the embedding of the token at the feature's own position: fc(cat(embed(x_{i+1}),
 f_i, embed(x_i))), so the one layer can find where a token occurred before (copying;
-train/draft_head.py says why). The proposer writes those ids into `static_prev_ids` (or
+train/head_trainer.py says why). The proposer writes those ids into `static_prev_ids` (or
 `prev_input` for a large eager step); a chained step's are the previous step's input ids,
 which every forward keeps in `static_ids`. Our format only, like aux layers.
 

@@ -1,4 +1,4 @@
-"""Speculative method "head": an EAGLE-style draft head (models/draft_head.py) proposes tokens
+"""Speculative method "head": an EAGLE-style draft head (models/eagle_head.py) proposes tokens
 from the target's own hidden states.
 
 The head keeps its own one-layer paged KV and runs like a draft model (spec/draft_model.py:
@@ -28,7 +28,7 @@ import torch
 from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.engine.sequence import Sequence
 from llmaccel.kernels.overlap_inputs import catch_up_inputs, chain_inputs, warm_up
-from llmaccel.models.draft_head import (
+from llmaccel.models.eagle_head import (
     DEFAULT_STATIC_ROWS,
     DraftHeadForCausalLM,
     load_draft_head,
