@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from llmaccel.bench.results import read_jsonl
 from llmaccel.errors import LLMAccelError
-from llmaccel.eval.code.command import eval_code, render
+from llmaccel.cli.eval_code import eval_code, render
 from llmaccel.eval.code.problems import Problem, load_problems, parse_problems
 from llmaccel.eval.code.runner import (BASE, CodeEvalSettings, Generated, GenerationSettings,
                                        Variant, default_name, evaluate, extract_code_block,

@@ -21,7 +21,7 @@ from llmaccel.bench.report import (
     read_results,
     write_report,
 )
-from llmaccel.bench.report_command import report
+from llmaccel.cli.report import report
 from llmaccel.bench.results import Record
 from llmaccel.errors import LLMAccelError
 

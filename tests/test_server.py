@@ -612,7 +612,7 @@ def test_quantization_option(model_dir):
     import contextlib
 
     from llmaccel.errors import LLMAccelError
-    from llmaccel.server.command import _prepare_model
+    from llmaccel.cli.serve import _prepare_model
 
     with contextlib.ExitStack() as stack:
         assert _prepare_model(str(model_dir), None, None, "auto", "cpu", stack) == \
@@ -748,7 +748,7 @@ def test_serve_command(model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import typer; from llmaccel.server.command import serve; "
+    code = ("import typer; from llmaccel.cli.serve import serve; "
             "app = typer.Typer(); app.command()(serve); app()")
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(model_dir), "--port", str(port), "--device", "cpu",
@@ -824,7 +824,7 @@ async def stream_once(url: str, body: dict) -> tuple[int, list]:
 
 
 def test_cors_is_off_by_default_and_follows_allowed_origins(server, model_dir):
-    from llmaccel.server.command import parse_origins
+    from llmaccel.cli.serve import parse_origins
 
     origin = {"Origin": "https://app.example"}
     assert "access-control-allow-origin" not in httpx.get(server.url + "/v1/models",

@@ -1,5 +1,5 @@
 """The OpenAI-compatible server: `build_app(AsyncLLM, ServerSettings) -> FastAPI`, run by
-`llmaccel serve` (server/command.py). Needs the `server` extra (fastapi, uvicorn,
+`llmaccel serve` (cli/serve.py). Needs the `server` extra (fastapi, uvicorn,
 prometheus-client); importing this package alone does not, so the CLI starts without it."""
 
 __all__ = ["ServerSettings", "build_app"]

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llmaccel import cli_options as o
+from llmaccel.cli import options as o
 from llmaccel.pipeline.runner import Plan, execute, make_plan
 
 console = Console()

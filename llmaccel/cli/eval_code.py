@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from llmaccel import cli_options as o
+from llmaccel.cli import options as o
 from rich.console import Console
 from rich.table import Table
 

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from llmaccel import cli_options as o
+from llmaccel.cli import options as o
 from llmaccel.errors import LLMAccelError
 from llmaccel.server.settings import DEFAULT_MAX_BODY_BYTES
 

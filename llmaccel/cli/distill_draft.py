@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from llmaccel import cli_options as o
+from llmaccel.cli import options as o
 
 console = Console()
 

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from llmaccel import cli_options as o
+from llmaccel.cli import options as o
 from llmaccel.version import __version__
 from llmaccel.errors import LLMAccelError
 
@@ -250,13 +250,13 @@ def finetune(
                   f"{out}/adapter and {out}/finetune.json", highlight=False)
 
 
-from llmaccel.train.distill_command import distill_draft  # noqa: E402 - next to its registration
+from llmaccel.cli.distill_draft import distill_draft  # noqa: E402 - next to its registration
 
 app.command("distill-draft")(distill_draft)
 
 
 from llmaccel.bench.command import bench_app  # noqa: E402 - next to its registration
-from llmaccel.bench.report_command import report  # noqa: E402
+from llmaccel.cli.report import report  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 app.command("report")(report)
@@ -312,18 +312,18 @@ def eval_ppl(
                   + f"; {res.seconds:.1f}s", highlight=False)
 
 
-from llmaccel.eval.code.command import eval_code  # noqa: E402 - next to its registration
+from llmaccel.cli.eval_code import eval_code  # noqa: E402 - next to its registration
 from llmaccel.eval.lm_eval_command import eval_lm_eval  # noqa: E402
 
 eval_app.command("code")(eval_code)
 eval_app.command("lm-eval")(eval_lm_eval)
 
-from llmaccel.server.command import serve  # noqa: E402 - next to its registration
+from llmaccel.cli.serve import serve  # noqa: E402 - next to its registration
 
 app.command("serve")(serve)
 
 from llmaccel import envs
-from llmaccel.pipeline.command import run  # noqa: E402 - next to its registration
+from llmaccel.cli.run import run  # noqa: E402 - next to its registration
 
 app.command("run")(run)
 

@@ -1,7 +1,6 @@
 """Options that several commands share (generate, serve, eval code, eval ppl): one definition
 each, so names, defaults and help read the same everywhere. typer only reads these OptionInfo
-objects, so one object can be the default of a parameter in several commands. A module of its
-own (not cli.py) because the commands in other packages import it, and cli.py imports them."""
+objects, so one object can be the default of a parameter in several commands."""
 
 from __future__ import annotations
 
