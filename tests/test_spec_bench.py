@@ -73,7 +73,7 @@ def test_disable_by_batch_size_flag_per_method():
 def test_auto_disable_off_speculates_at_every_batch_size():
     """auto_disable=False (spec_bench --switch on): measured costs, no switch deciding;
     disable_by_batch_size still applies."""
-    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.decoder import SpecDecoder
     from llmaccel.spec.config import SpeculativeConfig
     from llmaccel.spec.costs import StepCosts
 

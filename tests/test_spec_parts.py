@@ -94,7 +94,7 @@ def test_ngram_indexes_kept_current_while_the_gpu_runs():
     them) equal a fresh lookup's."""
     from llmaccel.engine.sampling_params import SamplingParams
     from llmaccel.engine.sequence import Sequence
-    from llmaccel.engine.speculative import INDEX_SPREAD, SpecDecoder
+    from llmaccel.spec.decoder import INDEX_SPREAD, SpecDecoder
     from llmaccel.spec.config import SpeculativeConfig
 
     rng = random.Random(2)

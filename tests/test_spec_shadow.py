@@ -8,7 +8,7 @@ import random
 
 from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.sequence import Sequence
-from llmaccel.engine.speculative import INDEX_SPREAD, SpecDecoder
+from llmaccel.spec.decoder import INDEX_SPREAD, SpecDecoder
 from llmaccel.spec.config import SpeculativeConfig
 from llmaccel.spec.costs import StepCosts
 from llmaccel.spec.ngram import NgramIndex, ngram_propose

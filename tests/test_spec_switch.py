@@ -37,7 +37,7 @@ def test_throughput_monitor_buckets_and_decays():
 
 
 def test_measured_throughput_decides_and_off_is_probed():
-    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.decoder import SpecDecoder
     from llmaccel.spec.switch import PROBE_EVERY, PROBE_LEN
     from llmaccel.spec.costs import StepCosts
 
@@ -83,7 +83,7 @@ def _off_at_batch_1(switch_extra_s: float = 0.0, batches=(1,)):
     engine would (cycling through the batches), each probe's first speculative round costing
     `switch_extra_s` more than its rate says (a draft model's catch-up); the driver returns
     the rounds where each batch's probes started."""
-    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.decoder import SpecDecoder
     from llmaccel.spec.costs import StepCosts
 
     spec = SpecDecoder(SpeculativeConfig(), 2048, None)
@@ -178,7 +178,7 @@ def test_unsteady_plain_steps_and_cut_short_rounds_are_not_measured():
     from llmaccel.engine.sampling_params import SamplingParams
     from llmaccel.engine.scheduler import SchedulerOutput
     from llmaccel.engine.sequence import Sequence
-    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.decoder import SpecDecoder
     from llmaccel.spec.costs import StepCosts
 
     spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4), 2048, None)
@@ -199,7 +199,7 @@ def test_unsteady_plain_steps_and_cut_short_rounds_are_not_measured():
 def test_measured_choice_has_hysteresis():
     """Speculation goes off as soon as plain decoding measures faster, and comes on only
     where it is more than HYSTERESIS faster (no switch cost measured here)."""
-    from llmaccel.engine.speculative import SpecDecoder
+    from llmaccel.spec.decoder import SpecDecoder
     from llmaccel.spec.switch import HYSTERESIS
     from llmaccel.spec.costs import StepCosts
 

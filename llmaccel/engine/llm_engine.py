@@ -19,7 +19,7 @@ from llmaccel.engine.sampling_params import SamplingParams
 from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
 from llmaccel.engine.sequence import Sequence, SequenceStatus
 from llmaccel.engine.sizing import capture_sizes, profile_num_blocks
-from llmaccel.engine.speculative import SpecDecoder
+from llmaccel.spec.decoder import SpecDecoder
 from llmaccel.engine.stats import EngineStats
 from llmaccel.engine.stop_checker import StopChecker
 from llmaccel.errors import LLMAccelError
