@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness bridge (llmaccel/eval/lm_eval_bridge.py, lm_eval_command.py) on a
+"""The lm-evaluation-harness bridge (llmaccel/eval/lm_eval_bridge.py, lm_eval_run.py) on a
 tiny random Llama with an ASCII byte-level tokenizer: the core functions (no lm_eval needed)
 against independent transformers forwards and greedy decoding; with lm_eval installed, the LM
 class's three methods on hand-made Instances and an offline `simple_evaluate` of a local
@@ -222,7 +222,7 @@ def test_generate_texts_equal_hf_greedy_cut_at_stops(tiny, llm):
 
 # -- without lm_eval ----------------------------------------------------------------------------
 def test_missing_lm_eval_names_the_extra(monkeypatch):
-    from llmaccel.eval.lm_eval_command import run_lm_eval
+    from llmaccel.eval.lm_eval_run import run_lm_eval
 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval -> ImportError
     with pytest.raises(LLMAccelError, match="llmaccel\\[lm-eval\\]") as info:
@@ -320,7 +320,7 @@ def test_lm_eval_command_end_to_end_offline(tiny, tmp_path, monkeypatch):
     import typer
     from typer.testing import CliRunner
 
-    from llmaccel.eval.lm_eval_command import eval_lm_eval
+    from llmaccel.cli.eval_lm_eval import eval_lm_eval
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -351,7 +351,7 @@ def test_lm_eval_command_names_an_unknown_task(tiny, tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")
     import lm_eval.tasks
 
-    from llmaccel.eval.lm_eval_command import run_lm_eval
+    from llmaccel.eval.lm_eval_run import run_lm_eval
 
     class NoTasks:  # lm-eval's full task index takes ~10 s to build; only our check is tested
         def __init__(self, **kwargs):

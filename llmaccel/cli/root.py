@@ -313,7 +313,7 @@ def eval_ppl(
 
 
 from llmaccel.cli.eval_code import eval_code  # noqa: E402 - next to its registration
-from llmaccel.eval.lm_eval_command import eval_lm_eval  # noqa: E402
+from llmaccel.cli.eval_lm_eval import eval_lm_eval  # noqa: E402
 
 eval_app.command("code")(eval_code)
 eval_app.command("lm-eval")(eval_lm_eval)
