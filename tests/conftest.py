@@ -1,6 +1,7 @@
 import functools
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+# The shared helpers (tiny_models, server_harness, ...) live here and the tests in folders that
+# mirror the package; a test imports helpers and other tests' cases by module name.
+for _folder in [Path(__file__).resolve().parent,
+                *sorted(p for p in Path(__file__).resolve().parent.iterdir()
+                        if p.is_dir() and p.name not in ("data", "__pycache__"))]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 FETCH = REPO.parent / "shared" / "models" / "fetch"
 
 

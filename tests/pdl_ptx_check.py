@@ -4,7 +4,7 @@ before any global store (and, except in the GEMV and the RMSNorm, which prefetch
 weights, before any global load), and `griddepcontrol.launch_dependents` comes after the wait.
 
 Run as a script without TRITON_INTERPRET (the interpreter replaces @triton.jit functions);
-prints one JSON object per kernel. tests/test_kernels_fused_decode.py runs it."""
+prints one JSON object per kernel. tests/kernels/test_kernels_fused_decode.py runs it."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ The block layouts are ggml's (public, `ggml-common.h`): QK_K = 256 weights per k
 block, 32 per legacy block; scales are little-endian fp16. Every function takes the raw bytes
 [rows, row_bytes] (uint8) and returns float32 [rows, weights_per_row], evaluated in float32
 in the same operation order as gguf-py's reference, so the values are the same
-(tests/test_gguf_blocks.py compares them bit for bit).
+(tests/models/test_gguf_blocks.py compares them bit for bit).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ HOLD_ROUNDS = 32
 # always on; 3,000 rounds, 5 seeds) were on for 68-76% of the rounds instead of 40-48%, at
 # 1.13-1.16x instead of 1.08-1.11x; at acceptance 0.45/0.4/0.35/0.3 (0.92x if always on)
 # 0.967-0.984x instead of 0.973-0.987x; at 0.1 (0.60x) 0.933-0.940x against 0.934-0.938x
-# (tests/test_spec_switch_noise.py runs such rounds).
+# (tests/spec/test_spec_switch_noise.py runs such rounds).
 OFF_CONFIDENCE = 1.0
 # Shadow samples the prediction needs (at batch 64, 8 arrive per step: INDEX_SPREAD).
 MIN_SHADOW_SAMPLES = 8

@@ -148,7 +148,7 @@ def _scores_of(head, h: torch.Tensor, positions: torch.Tensor, allowed: torch.Te
 def attention_weights(head, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
     """[B, R, R]: the head's attention weights at draft step 1 (mean over its heads), row q
     over rows 0..q, for blocks `ids` [B, R + 1] and their features [B, R, H] (checked against
-    transformers' eager attention in tests/test_head_prev_token.py)."""
+    transformers' eager attention in tests/train/test_head_prev_token.py)."""
     return _scores(head, ids, features).softmax(-1).mean(1)
 
 

@@ -28,7 +28,7 @@ from llmaccel.bench.results import (
 )
 from llmaccel.models.transformer import TransformerForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 META = RunMeta("NVIDIA H200", "2.11.0", "abc123", "python benchmarks/gpu_speed.py --x")
 BF16 = FORMATS[0]
 

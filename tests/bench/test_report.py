@@ -25,7 +25,7 @@ from llmaccel.cli.report import report
 from llmaccel.bench.results import Record
 from llmaccel.errors import LLMAccelError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DEVICE = "NVIDIA H100 80GB HBM3"

@@ -16,7 +16,7 @@ from llmaccel.errors import LLMAccelError
 from llmaccel.train.self_data import (CODE_TASKS, DEFAULT_REQUESTS, PROSE_TASKS,
                                       generate_self_data, parse_self_data, self_data_requests)
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 @pytest.fixture(scope="module", autouse=True)

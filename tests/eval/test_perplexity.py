@@ -279,7 +279,7 @@ def _ppl_vs_hf_module():
     import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ppl_vs_hf.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "ppl_vs_hf.py"
     spec = importlib.util.spec_from_file_location("ppl_vs_hf", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

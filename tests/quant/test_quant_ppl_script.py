@@ -9,7 +9,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quant_ppl.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quant_ppl.py"
 
 
 def _module():

@@ -25,7 +25,7 @@ from llmaccel.kernels.gemv_w4 import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_w4_gemv.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_w4_gemv.py"
 
 
 def _gen(seed: int) -> torch.Generator:

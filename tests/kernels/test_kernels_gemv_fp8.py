@@ -34,7 +34,7 @@ from llmaccel.kernels.gemv_fp8 import (
 from llmaccel.quant.fp8 import MIN_ACT_SCALE, over_fp8_max, quantize_fp8_per_token
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_fp8_gemv.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fp8_gemv.py"
 E4M3 = torch.float8_e4m3fn
 
 

@@ -343,7 +343,7 @@ stages:
 def test_the_recipes_in_the_repository_parse():
     from llmaccel.pipeline.recipe import load_recipe
 
-    files = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+    files = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
     assert files
     for f in files:
         assert load_recipe(f).name == f.stem

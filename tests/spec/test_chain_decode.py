@@ -157,7 +157,7 @@ def test_chained_drafting_drafts_what_single_steps_draft(pairs, method, device, 
             "auto_disable": False, "draft_cost_ratio": 0.0}
     results = {}
     # rounds launched during the previous one (spec/overlap.py) pick k before the previous
-    # round's acceptance: tests/test_spec_overlap.py compares those
+    # round's acceptance: tests/spec/test_spec_overlap.py compares those
     for chained in (False, True):
         cfg = {**spec, "draft_overlap": False, "draft_chain": chained}
         llm = LLM(target, dtype="float32", device=device, skip_tokenizer_init=True,

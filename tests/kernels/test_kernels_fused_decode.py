@@ -225,7 +225,7 @@ def test_pdl_kernels_compile_for_hopper_and_wait_before_touching_data():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("pdl_ptx_check.py")
+    script = Path(__file__).resolve().parents[1] / "pdl_ptx_check.py"
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          env=env, timeout=600)
@@ -278,7 +278,7 @@ def test_fused_tuner_candidates_fit_in_registers():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tune_fused_decode.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "tune_fused_decode.py"
     spec = importlib.util.spec_from_file_location("tune_fused_decode", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 TOOLS = sorted(p.name for p in BENCH.glob("*.py") if p.name != "step_trace.py")
 
 

@@ -61,7 +61,7 @@ def test_problem_set_layout():
         for line in p.imports.splitlines():  # standard library only
             assert line.split()[1].split(".")[0] in sys.stdlib_module_names, line
     assert load_problems(limit=3) == PROBLEMS[:3]
-    first = json.loads((Path(__file__).parents[1] / "llmaccel/eval/code/problems.jsonl")
+    first = json.loads((Path(__file__).parents[2] / "llmaccel/eval/code/problems.jsonl")
                        .read_text().splitlines()[0])
     assert list(first) == ["task_id", "prompt", "canonical_solution", "test", "entry_point"]
 
