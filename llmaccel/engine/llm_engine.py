@@ -133,6 +133,7 @@ class LLMEngine:
         self._deferred: list[Sequence] = []  # sampled last step, outputs not yet built
         self._outputs: list[RequestOutput] = []  # this step's, kept however the step ends
         self.isolation = FailureIsolation()
+        self.scheduler.held = self.isolation.held  # one set: the scheduler admits none of these
         self._causes_logged: set[tuple[str, str]] = set()
         self._ahead: _Launched | None = None  # async scheduling: the next step, launched early
         # pinned staging for early token copies (_copy_to_host): 0 for plain copies, 1 and 2
@@ -233,7 +234,6 @@ class LLMEngine:
         finish_reason "error", and the others go on. Outputs are never lost to a failure."""
         if self.isolation.active or self.isolation.held:
             self.isolation.next_probation(self.requests.__contains__)
-            self.scheduler.held = self.isolation.held
         try:
             self._step()
         except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's
@@ -333,7 +333,6 @@ class LLMEngine:
             logger.error("request %s failed in the engine and was stopped; the others go on: "
                          "%s", culprit, cause, exc_info=exc if first else None)
             self._fail_request(culprit, cause)
-        self.scheduler.held = self.isolation.held
 
     def _fail_request(self, request_id: str, cause: str) -> None:
         req = self.requests.get(request_id)

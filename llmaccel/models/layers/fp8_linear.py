@@ -28,7 +28,7 @@ from torch import nn
 from llmaccel.errors import CorruptCheckpointError
 from llmaccel.kernels.l2_prefetch import layer_ranges
 from llmaccel.models.layers.quantization import LinearMethodBase
-from llmaccel.kernels.fp8_ref import FP8_DTYPE, fp8_product_ref, quantize_fp8_per_token
+from llmaccel.kernels.fp8_ref import FP8_DTYPE, fp8_linear_ref, quantize_fp8_per_token
 
 # torch._scaled_mm checks that K and N (the weight's dims) are multiples of 16; M may be
 # anything. A layer whose weight is not aligned runs the reference path.
@@ -90,12 +90,11 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     The output has x's dtype; bias is added after the cast, in that dtype, on both paths."""
     if use_scaled_mm is None:
         use_scaled_mm = supports_scaled_mm(x.device, x.dtype) and _aligned(w_fp8)
+    if not use_scaled_mm:
+        return fp8_linear_ref(x, w_fp8, w_scale, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     x_q, x_scale = quantize_fp8_per_token(x.reshape(-1, k))
-    if use_scaled_mm:
-        y = _scaled_mm_rowwise(x_q, x_scale, w_fp8, w_scale, x.dtype)
-    else:
-        y = fp8_product_ref(x_q, x_scale, w_fp8, w_scale).to(x.dtype)
+    y = _scaled_mm_rowwise(x_q, x_scale, w_fp8, w_scale, x.dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, w_fp8.shape[0])
